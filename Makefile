@@ -1,0 +1,30 @@
+# Two commands for a fresh clone: `make demo` and `make test`. Both create .venv when it is
+# missing and install the project with the exact versions in constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: demo test lint bench sample-data clean
+
+$(INSTALLED): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
+		--constraint constraints.txt --editable '.[test]'
+	touch $@
+
+demo: $(INSTALLED)
+	$(BIN)/python -m maskln_cli
+
+test: $(INSTALLED)
+	$(BIN)/python -m pytest
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+sample-data: $(INSTALLED)
+	$(BIN)/python scripts/make_sample_data.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache build *.egg-info

@@ -1,0 +1,29 @@
+"""maskln: masked layer normalization, forward and backward, over tensors and safetensors files.
+
+    >>> from maskln_cli import masked_layer_normalization
+
+torch is imported only when the op is first looked up, so ``maskln --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = metadata.version("maskln")
+except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+if TYPE_CHECKING:
+    from maskln_cli.core import masked_layer_normalization
+
+__all__ = ["__version__", "masked_layer_normalization"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "masked_layer_normalization":
+        from maskln_cli.core import masked_layer_normalization
+
+        return masked_layer_normalization
+    raise AttributeError(f"module 'maskln_cli' has no attribute {name!r}")
