@@ -14,7 +14,10 @@ $(INSTALLED): pyproject.toml constraints.txt
 	touch $@
 
 demo: $(INSTALLED)
-	$(BIN)/python -m maskln_cli
+	@mkdir -p demo-output
+	$(BIN)/maskln inspect sample_data/pair_features.safetensors
+	$(BIN)/maskln normalize sample_data/pair_features.safetensors demo-output/pair_features.safetensors
+	$(BIN)/maskln inspect demo-output/pair_features.safetensors
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest
@@ -27,4 +30,4 @@ sample-data: $(INSTALLED)
 	$(BIN)/python scripts/make_sample_data.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache build *.egg-info
+	rm -rf $(VENV) demo-output .pytest_cache .hypothesis .ruff_cache build *.egg-info

@@ -1,16 +1,20 @@
-"""Regenerate sample_data/ deterministically: `python scripts/make_sample_data.py`.
+"""Regenerate sample_data/ deterministically: `make sample-data`.
 
 Writes each case as an input file (x, valid, scale, bias[, grad_out]; eps in the metadata) and an
 expected file (out[, grad_x, grad_scale, grad_bias]) computed by the float64 reference in
-maskln_cli.reference, not by the op under test.
+maskln_cli.reference, not by the op under test. The worked example and the pair features are
+built here; sequence_batch is written by `maskln generate`, as a user would.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from maskln_cli.reference import reference_masked_layer_norm
 
@@ -70,21 +74,47 @@ def expected_outputs(inputs: dict[str, torch.Tensor], eps: float) -> dict[str, t
     return expected
 
 
-def main() -> None:
-    SAMPLE_DIR.mkdir(exist_ok=True)
+GENERATED = {
+    "sequence_batch": [
+        "--shape",
+        "4,64,128",
+        "--invalid",
+        "0.3",
+        "--poison",
+        "--grad",
+        "--seed",
+        "7",
+    ],
+}
+
+
+def main(sample_dir: Path = SAMPLE_DIR) -> None:
+    sample_dir.mkdir(exist_ok=True)
+    for name, arguments in GENERATED.items():
+        path = sample_dir / f"{name}.safetensors"
+        command = [sys.executable, "-m", "maskln_cli", "generate", str(path), *arguments, "--quiet"]
+        subprocess.run(command, check=True)
+        with safe_open(path, framework="pt") as handle:
+            eps = float(handle.metadata()["eps"])
+        save_file(
+            expected_outputs(load_file(path), eps),
+            sample_dir / f"{name}_expected.safetensors",
+            metadata={"eps": repr(eps)},
+        )
+        print(f"wrote {sample_dir / name}.safetensors (maskln generate) and its expected output")
     for name, (inputs, eps) in {
         "worked_example": worked_example(),
         "pair_features": pair_features(),
     }.items():
         metadata = {"eps": repr(eps)}
-        save_file(inputs, SAMPLE_DIR / f"{name}.safetensors", metadata=metadata)
+        save_file(inputs, sample_dir / f"{name}.safetensors", metadata=metadata)
         save_file(
             expected_outputs(inputs, eps),
-            SAMPLE_DIR / f"{name}_expected.safetensors",
+            sample_dir / f"{name}_expected.safetensors",
             metadata=metadata,
         )
-        print(f"wrote sample_data/{name}.safetensors and sample_data/{name}_expected.safetensors")
+        print(f"wrote {sample_dir / name}.safetensors and its expected output")
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else SAMPLE_DIR)

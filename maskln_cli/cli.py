@@ -1,0 +1,438 @@
+"""The ``maskln`` command line: a thin Typer layer over the library.
+
+Each command parses its options, calls one library function and renders the result. torch is
+imported only inside commands that compute, so ``maskln --help`` and ``--version`` are fast.
+Exit codes: 0 success, 1 a comparison found a mismatch, 2 a usage, input or output error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from typer.core import TyperGroup
+
+from maskln_cli import __version__
+from maskln_cli.errors import MasklnError
+
+EXIT_MISMATCH = 1
+EXIT_ERROR = 2
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (a bad option value, a missing argument) as one line, like every error."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except typer.TyperException as failure:
+            format_message = getattr(failure, "format_message", None)
+            if format_message is None:
+                raise
+            # NoArgsIsHelpError has printed the help already; it needs no message.
+            if type(failure).__name__ != "NoArgsIsHelpError":
+                from maskln_cli import report
+
+                context = getattr(failure, "ctx", None)
+                hint = f" (see '{context.command_path} --help')" if context else ""
+                report.error(f"{format_message().rstrip('.')}{hint}")
+            sys.exit(getattr(failure, "exit_code", EXIT_ERROR))
+        except typer.Abort:
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(
+    cls=OneLineErrors,
+    name="maskln",
+    help="Masked layer normalization over safetensors files: a reference result in one command.",
+    epilog="Exit codes: 0 success, 1 mismatch (verify, diff), 2 usage, input or output error.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class ComputeDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    float64 = "float64"
+
+
+class GenerateDtype(str, Enum):
+    float32 = "float32"
+    float64 = "float64"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so outputs are cleaned up as for Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def reports_errors(command: Command) -> Command:
+    """Turn library errors into one line on stderr and exit code 2; Ctrl-C/SIGTERM into 130/143."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from maskln_cli import report
+
+        try:
+            return command(*args, **kwargs)
+        except MasklnError as failure:
+            report.error(str(failure))
+            _detach_broken_stdout()
+            raise typer.Exit(EXIT_ERROR) from None
+        except KeyboardInterrupt:
+            report.error("interrupted; no output was written")
+            raise typer.Exit(130) from None
+        except Terminated:
+            report.error("terminated; no output was written")
+            raise typer.Exit(143) from None
+        except MemoryError:
+            report.error("out of memory; try a smaller --chunk-rows")
+            raise typer.Exit(EXIT_ERROR) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _detach_broken_stdout() -> None:
+    """After a failed write to stdout, stop Python retrying the flush (and warning) at exit."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"maskln {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Masked layer normalization over safetensors files: a reference result in one command.
+
+    Valid rows of x [..., C] become (x - mean) / sqrt(var + eps) * scale + bias over the last
+    axis; invalid rows become exactly 0, whatever they hold.
+    """
+    if hasattr(signal, "SIGTERM"):
+        # ValueError: not the main thread (an embedding program); leave its handlers be.
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+# Options shared by normalize and verify.
+XKey = Annotated[str, typer.Option("--x-key", help="Key of x, [..., C].", rich_help_panel="Keys")]
+ValidKey = Annotated[
+    str | None,
+    typer.Option(
+        "--valid-key",
+        help="Key of the mask [...]: bool, or 0/1 numbers."
+        " (default: valid; when absent, all positions are valid)",
+        show_default=False,
+        rich_help_panel="Keys",
+    ),
+]
+ScaleKey = Annotated[
+    str | None,
+    typer.Option(
+        "--scale-key",
+        help="Key of scale [C]. (default: scale; when absent, ones)",
+        show_default=False,
+        rich_help_panel="Keys",
+    ),
+]
+BiasKey = Annotated[
+    str | None,
+    typer.Option(
+        "--bias-key",
+        help="Key of bias [C]. (default: bias; when absent, zeros)",
+        show_default=False,
+        rich_help_panel="Keys",
+    ),
+]
+GradOutKey = Annotated[
+    str | None,
+    typer.Option(
+        "--grad-out-key",
+        help="Key of the upstream gradient [..., C]."
+        " (default: grad_out; when absent, no gradients)",
+        show_default=False,
+        rich_help_panel="Keys",
+    ),
+]
+OutKey = Annotated[
+    str, typer.Option("--out-key", help="Key of the result.", rich_help_panel="Keys")
+]
+Params = Annotated[
+    str | None,
+    typer.Option(
+        "--params",
+        metavar="FILE",
+        help="Read scale and bias from this safetensors file (e.g. a checkpoint; name them with"
+        " --scale-key and --bias-key).",
+    ),
+]
+GradOutFile = Annotated[
+    str | None,
+    typer.Option(
+        "--grad-out", metavar="FILE", help="Read the upstream gradient from this file instead."
+    ),
+]
+Eps = Annotated[
+    float | None,
+    typer.Option(
+        "--eps",
+        help="Added to the variance. (default: the input's metadata 'eps', else 1e-05)",
+        show_default=False,
+    ),
+]
+Dtype = Annotated[
+    ComputeDtype,
+    typer.Option("--dtype", help="Compute and output dtype; auto keeps x's dtype."),
+]
+ChunkRows = Annotated[
+    int | None,
+    typer.Option(
+        "--chunk-rows",
+        min=1,
+        help="Positions per chunk (bounds memory). (default: about 8 MiB of x)",
+        show_default=False,
+    ),
+]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors on stderr.")]
+
+
+@app.command(no_args_is_help=True)
+@reports_errors
+def normalize(
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="INPUT OUTPUT | INPUT... --out-dir DIR",
+            help="Input and output safetensors files; '-' is stdin or stdout.",
+            show_default=False,
+        ),
+    ],
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--out-dir",
+            "-o",
+            help="Normalize every INPUT into DIR/NAME, NAME being the input's file name,"
+            " in one process.",
+            file_okay=False,
+        ),
+    ] = None,
+    x_key: XKey = "x",
+    valid_key: ValidKey = None,
+    scale_key: ScaleKey = None,
+    bias_key: BiasKey = None,
+    grad_out_key: GradOutKey = None,
+    out_key: OutKey = "out",
+    params: Params = None,
+    grad_out: GradOutFile = None,
+    eps: Eps = None,
+    dtype: Dtype = ComputeDtype.auto,
+    chunk_rows: ChunkRows = None,
+    quiet: Quiet = False,
+) -> None:
+    """Normalize x from INPUT and write the result to OUTPUT under 'out'.
+
+    When the input holds an upstream gradient 'grad_out', OUTPUT also holds grad_x, grad_scale
+    and grad_bias: the gradients of sum(out * grad_out), to check a kernel's backward pass.
+
+    **Examples**
+
+    ```
+    maskln normalize sample_data/pair_features.safetensors out.safetensors
+    maskln normalize - - < in.safetensors | maskln diff - expected.safetensors
+    maskln normalize acts.safetensors out.safetensors \\
+        --params model.safetensors --scale-key encoder.layers.0.norm.weight \\
+        --bias-key encoder.layers.0.norm.bias
+    maskln normalize dumps/*.safetensors --out-dir normalized/
+    ```
+    """
+    from maskln_cli import report
+    from maskln_cli.normalize import NormalizeOptions, normalize_file
+
+    options = NormalizeOptions(
+        x_key=x_key,
+        valid_key=valid_key,
+        scale_key=scale_key,
+        bias_key=bias_key,
+        grad_out_key=grad_out_key,
+        out_key=out_key,
+        params=params,
+        grad_out=grad_out,
+        eps=eps,
+        dtype=dtype.value,
+        chunk_rows=chunk_rows,
+    )
+    jobs = _normalize_jobs(paths, out_dir)
+    failures = 0
+    for input_path, output_path in jobs:
+        try:
+            with report.progress_bar(f"normalize {input_path}") as progress:
+                result = normalize_file(input_path, output_path, options, progress)
+        except MasklnError as failure:
+            if len(jobs) == 1:
+                raise
+            report.error(str(failure))
+            failures += 1
+            continue
+        if not quiet:
+            for message in result.notes:
+                report.note(message)
+            report.render_normalize_result(result)
+    if failures:
+        raise MasklnError(
+            f"{failures} of {len(jobs)} inputs failed; their outputs were not written"
+        )
+
+
+def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, str]]:
+    """(input, output) pairs from the command line, checked before any work."""
+    if out_dir is None:
+        if len(paths) != 2:
+            raise MasklnError(
+                f"normalize takes INPUT OUTPUT (got {len(paths)} paths); for many inputs use"
+                " --out-dir DIR"
+            )
+        return [(paths[0], paths[1])]
+    if not out_dir.is_dir():
+        raise MasklnError(f"--out-dir: {out_dir} is not an existing folder")
+    if "-" in paths:
+        raise MasklnError("--out-dir: inputs must be files, not '-' (stdin has no name)")
+    names: dict[str, str] = {}
+    for path in paths:
+        name = Path(path).name
+        if name in names:
+            raise MasklnError(f"--out-dir: {names[name]} and {path} would both write {name}")
+        names[name] = path
+    return [(path, str(out_dir / Path(path).name)) for path in paths]
+
+
+@app.command(no_args_is_help=True)
+@reports_errors
+def inspect(
+    path: Annotated[
+        str, typer.Argument(metavar="FILE", help="A safetensors file; '-' reads stdin.")
+    ],
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")
+    ] = False,
+) -> None:
+    """Show each tensor of FILE (dtype, shape, size, statistics) and its metadata.
+
+    Statistics are over finite values; NaN and inf are counted apart; masks show their count of
+    true. The file is read a chunk at a time, so large files do not need memory to match.
+
+    **Examples**
+
+    ```
+    maskln inspect sample_data/pair_features.safetensors
+    maskln inspect --json dump.safetensors | jq '.tensors[] | {name, nan}'
+    ```
+    """
+    from maskln_cli import report
+    from maskln_cli.stats import summarize_file
+
+    summary = summarize_file(path)
+    if json_output:
+        report.print_json(summary.to_dict())
+    else:
+        report.render_file_summary(summary)
+
+
+@app.command(no_args_is_help=True)
+@reports_errors
+def generate(
+    output: Annotated[
+        str, typer.Argument(metavar="OUTPUT", help="File to write; '-' writes stdout.")
+    ],
+    shape: Annotated[
+        str, typer.Option("--shape", help="Shape of x, comma-separated; the last axis is C.")
+    ],
+    dtype: Annotated[GenerateDtype, typer.Option("--dtype", help="dtype of x, scale, bias.")] = (
+        GenerateDtype.float32
+    ),
+    seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
+    invalid: Annotated[
+        float,
+        typer.Option(
+            "--invalid",
+            min=0.0,
+            max=1.0,
+            help="Fraction of positions that are padding (trailing, along the last leading axis).",
+        ),
+    ] = 0.25,
+    poison: Annotated[
+        bool, typer.Option("--poison", help="Fill padded x with NaN, +inf and -inf.")
+    ] = False,
+    grad: Annotated[
+        bool, typer.Option("--grad", help="Add an upstream gradient 'grad_out'.")
+    ] = False,
+    eps: Annotated[float, typer.Option("--eps", help="eps stored in the metadata.")] = 1e-5,
+    quiet: Quiet = False,
+) -> None:
+    """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
+
+    The same arguments always give the same file, byte for byte.
+
+    **Examples**
+
+    ```
+    maskln generate batch.safetensors --shape 8,512,256 --invalid 0.3 --poison --grad
+    maskln generate - --shape 2,64,32 | maskln normalize - out.safetensors
+    ```
+    """
+    from maskln_cli import report
+    from maskln_cli.generate import generate_inputs, parse_shape
+    from maskln_cli.normalize import check_eps
+    from maskln_cli.tensorfile import write_tensors
+
+    tensors = generate_inputs(
+        parse_shape(shape), dtype.value, seed, invalid=invalid, poison=poison, grad=grad
+    )
+    metadata = {"eps": repr(check_eps(eps, "--eps")), "maskln_version": __version__}
+    write_tensors(output, tensors, metadata)
+    if not quiet and output != "-":
+        valid = tensors["valid"]
+        report.note(
+            f"wrote {output}: {', '.join(tensors)}; x {list(tensors['x'].shape)} {dtype.value},"
+            f" {int(valid.sum()):,} of {valid.numel():,} positions valid"
+        )
+
+
+def main() -> None:
+    """The console script: ``maskln``."""
+    app(prog_name="maskln")

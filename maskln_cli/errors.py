@@ -1,0 +1,12 @@
+"""The one exception the command line turns into a one-line message and exit code 2."""
+
+from __future__ import annotations
+
+
+class MasklnError(Exception):
+    """A usage, input or output error, with a message naming the file, key or argument.
+
+    Example:
+        >>> str(MasklnError("in.safetensors: no tensor 'x'"))
+        "in.safetensors: no tensor 'x'"
+    """

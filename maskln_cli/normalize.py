@@ -1,0 +1,398 @@
+"""Normalizing safetensors files: resolve keys, parameters and options, then compute in chunks.
+
+This is the library behind ``maskln normalize`` and ``maskln verify``: :func:`load_problem`
+opens and checks the inputs, :func:`iter_outputs` computes the results chunk by chunk, and
+:func:`normalize_file` streams them into an output file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from maskln_cli import __version__
+from maskln_cli.errors import MasklnError
+from maskln_cli.tensorfile import (
+    STDIO,
+    SafetensorsWriter,
+    TensorFile,
+    open_output,
+    open_tensor_file,
+    output_name,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_EPS = 1e-5
+DTYPE_CHOICES = ("auto", "float32", "float64")
+FLOATING = ("float16", "bfloat16", "float32", "float64")
+CHUNK_BYTES = 8 * 2**20
+"""Rows are processed in chunks of about this many bytes of x (at least two rows each)."""
+
+GRADIENT_KEYS = ("grad_x", "grad_scale", "grad_bias")
+
+Progress = Callable[[int, int], None]
+"""Called with (work done, total work), in rows."""
+
+
+@dataclass(frozen=True)
+class NormalizeOptions:
+    """Where to find each tensor and how to compute. ``None`` keys are optional defaults.
+
+    A key given explicitly must exist; a default key that is absent falls back to a default
+    (valid: every position; scale: ones; bias: zeros; grad_out: no gradients), with a note.
+    """
+
+    x_key: str = "x"
+    valid_key: str | None = None
+    scale_key: str | None = None
+    bias_key: str | None = None
+    grad_out_key: str | None = None
+    out_key: str = "out"
+    params: str | None = None
+    grad_out: str | None = None
+    eps: float | None = None
+    dtype: str = "auto"
+    chunk_rows: int | None = None
+
+
+@dataclass
+class Problem:
+    """Checked inputs, ready to compute: x and grad_out stay memory-mapped, as [rows, C]."""
+
+    source: str
+    shape: tuple[int, ...]
+    x: torch.Tensor
+    valid: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
+    grad_out: torch.Tensor | None
+    eps: float
+    dtype: torch.dtype
+    chunk_rows: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def channels(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class NormalizeResult:
+    """What :func:`normalize_file` did, for the report."""
+
+    input: str
+    output: str
+    shape: tuple[int, ...]
+    dtype: str
+    eps: float
+    valid_rows: int
+    rows: int
+    keys: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+@contextlib.contextmanager
+def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
+    """Open INPUT (and the ``--params`` and ``--grad-out`` files) and check everything.
+
+    Example:
+        >>> with load_problem("sample_data/worked_example.safetensors", NormalizeOptions()) as p:
+        ...     p.shape, p.eps, p.dtype, p.valid.tolist()
+        ((1, 2, 2), 3.0, torch.float64, [True, False])
+    """
+    sources = [s for s in (path, options.params, options.grad_out) if s is not None]
+    if sources.count(STDIO) > 1:
+        raise MasklnError("only one of INPUT, --params and --grad-out can be '-' (stdin)")
+    with contextlib.ExitStack() as stack:
+        data = stack.enter_context(open_tensor_file(path))
+        params = stack.enter_context(open_tensor_file(options.params)) if options.params else data
+        grads = (
+            stack.enter_context(open_tensor_file(options.grad_out)) if options.grad_out else data
+        )
+        yield _prepare(data, params, grads, options)
+
+
+def _prepare(
+    data: TensorFile, params: TensorFile, grads: TensorFile, options: NormalizeOptions
+) -> Problem:
+    import torch
+
+    if options.dtype not in DTYPE_CHOICES:
+        raise MasklnError(
+            f"--dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {options.dtype!r}"
+        )
+    notes: list[str] = []
+    x_info = data.info(options.x_key)
+    where = f"{data.name}: tensor {options.x_key!r}"
+    if x_info.dtype not in FLOATING:
+        raise MasklnError(f"{where} has dtype {x_info.dtype}; x must be {', '.join(FLOATING)}")
+    if not x_info.shape:
+        raise MasklnError(f"{where} is 0-d; x needs a channel axis (shape [..., C])")
+    channels = x_info.shape[-1]
+    if channels == 0:
+        raise MasklnError(f"{where} has shape {list(x_info.shape)}: zero channels")
+    leading = x_info.shape[:-1]
+    dtype = getattr(torch, x_info.dtype if options.dtype == "auto" else options.dtype)
+    x = data.tensor(options.x_key).reshape(-1, channels)
+
+    valid = _optional(data, options.valid_key, "valid", notes, "every position is valid")
+    if valid is None:
+        valid = torch.ones(leading, dtype=torch.bool)
+    valid = _as_mask(valid, data.name, options.valid_key or "valid", leading)
+
+    if options.params and not any(
+        k in params for k in (options.scale_key or "scale", options.bias_key or "bias")
+    ):
+        raise MasklnError(
+            f"{params.name}: holds neither {options.scale_key or 'scale'!r} nor"
+            f" {options.bias_key or 'bias'!r}; name them with --scale-key and --bias-key"
+        )
+    scale = _optional(params, options.scale_key, "scale", notes, "using ones")
+    bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
+    scale = torch.ones(channels) if scale is None else scale
+    bias = torch.zeros(channels) if bias is None else bias
+    scale = _as_parameter(scale, params.name, options.scale_key or "scale", channels).to(dtype)
+    bias = _as_parameter(bias, params.name, options.bias_key or "bias", channels).to(dtype)
+
+    grad_out = _optional(grads, options.grad_out_key, "grad_out", None, "")
+    if grad_out is None and options.grad_out:
+        raise MasklnError(f"{grads.name}: no tensor {options.grad_out_key or 'grad_out'!r}")
+    if grad_out is not None:
+        grad_name = f"{grads.name}: tensor {options.grad_out_key or 'grad_out'!r}"
+        if tuple(grad_out.shape) != x_info.shape:
+            raise MasklnError(
+                f"{grad_name} has shape {list(grad_out.shape)}; expected x's shape"
+                f" {list(x_info.shape)}"
+            )
+        if _dtype_name(grad_out.dtype) not in FLOATING:
+            raise MasklnError(
+                f"{grad_name} has dtype {_dtype_name(grad_out.dtype)}; expected float"
+            )
+        grad_out = grad_out.reshape(-1, channels)
+
+    rows_per_chunk = options.chunk_rows or max(2, CHUNK_BYTES // (channels * x.element_size()))
+    return Problem(
+        source=data.name,
+        shape=x_info.shape,
+        x=x,
+        valid=valid.reshape(-1),
+        scale=scale,
+        bias=bias,
+        grad_out=grad_out,
+        eps=_resolve_eps(options.eps, data),
+        dtype=dtype,
+        chunk_rows=rows_per_chunk,
+        notes=notes,
+    )
+
+
+def _optional(
+    file: TensorFile, key: str | None, default_key: str, notes: list[str] | None, fallback: str
+) -> torch.Tensor | None:
+    """The tensor under an explicit key (which must exist), or under the default key if present."""
+    if key is not None:
+        return file.tensor(key)
+    if default_key in file:
+        return file.tensor(default_key)
+    if notes is not None:
+        notes.append(f"{file.name}: no tensor {default_key!r}: {fallback}")
+    return None
+
+
+def _as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...]) -> torch.Tensor:
+    """valid as bool: bool as is; integer or floating only if it holds nothing but 0 and 1."""
+    import torch
+
+    where = f"{source}: tensor {key!r}"
+    if tuple(valid.shape) != leading:
+        raise MasklnError(
+            f"{where} has shape {list(valid.shape)}; expected x's leading shape {list(leading)}"
+        )
+    if valid.dtype == torch.bool:
+        return valid
+    if valid.is_complex() or _dtype_name(valid.dtype).startswith("float8"):
+        raise MasklnError(f"{where} has dtype {_dtype_name(valid.dtype)}; expected bool or 0/1")
+    is_zero, is_one = valid == 0, valid == 1
+    bad = ~(is_zero | is_one)
+    if bad.any():
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise MasklnError(
+            f"{where} must hold only 0 and 1 (or be bool); found {valid[tuple(index)].item()!r}"
+            f" at index {index}"
+        )
+    return is_one
+
+
+def _as_parameter(param: torch.Tensor, source: str, key: str, channels: int) -> torch.Tensor:
+    where = f"{source}: tensor {key!r}"
+    if tuple(param.shape) != (channels,):
+        raise MasklnError(
+            f"{where} has shape {list(param.shape)}; expected [{channels}] (x's channels)"
+        )
+    if param.is_complex() or _dtype_name(param.dtype) in ("bool",):
+        raise MasklnError(f"{where} has dtype {_dtype_name(param.dtype)}; expected float")
+    return param
+
+
+def _resolve_eps(eps: float | None, data: TensorFile) -> float:
+    """--eps when given, else the input's metadata 'eps', else 1e-5."""
+    if eps is not None:
+        return check_eps(eps, "--eps")
+    if "eps" not in data.metadata:
+        return DEFAULT_EPS
+    text = data.metadata["eps"]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    return check_eps(value, f"{data.name}: metadata 'eps' ({text!r})")
+
+
+def check_eps(eps: float, where: str) -> float:
+    """eps must be finite and positive; ``where`` names its source in the message."""
+    if not (math.isfinite(eps) and eps > 0):
+        raise MasklnError(f"{where}: eps must be a finite positive number")
+    return eps
+
+
+def row_chunks(rows: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` covering ``range(rows)``; no chunk has a single row unless rows == 1.
+
+    A one-row reduction is split across threads by torch, which rounds differently; keeping
+    every chunk at two rows or more makes chunked results identical to one whole call.
+
+    Example:
+        >>> list(row_chunks(7, 3))
+        [(0, 3), (3, 7)]
+    """
+    chunk_rows = max(2, chunk_rows)
+    start = 0
+    while start < rows:
+        stop = min(rows, start + chunk_rows)
+        if rows - stop == 1:
+            stop = rows
+        yield start, stop
+        start = stop
+
+
+def iter_outputs(problem: Problem) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, stop, out[start:stop])`` for each chunk of rows, computed without autograd."""
+    import torch
+
+    from maskln_cli.core import masked_layer_normalization
+
+    with torch.no_grad():
+        for start, stop in row_chunks(problem.rows, problem.chunk_rows):
+            x = problem.x[start:stop].to(problem.dtype)
+            valid = problem.valid[start:stop]
+            out = masked_layer_normalization(x, valid, problem.scale, problem.bias, problem.eps)
+            yield start, stop, out
+
+
+class GradientSums:
+    """grad_scale and grad_bias, accumulated in float64 over chunks of rows."""
+
+    def __init__(self, problem: Problem) -> None:
+        import torch
+
+        self.scale = torch.zeros(problem.channels, dtype=torch.float64)
+        self.bias = torch.zeros(problem.channels, dtype=torch.float64)
+
+
+def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, stop, grad_x[start:stop])`` per chunk; grad_scale and grad_bias go to ``sums``.
+
+    The gradients are those of ``sum(out * grad_out)``.
+    """
+    import torch
+
+    from maskln_cli.core import masked_layer_normalization
+
+    if problem.grad_out is None:
+        raise ValueError("the problem has no grad_out")
+    with torch.enable_grad():
+        for start, stop in row_chunks(problem.rows, problem.chunk_rows):
+            x = problem.x[start:stop].to(problem.dtype).requires_grad_()
+            scale = problem.scale.detach().requires_grad_()
+            bias = problem.bias.detach().requires_grad_()
+            out = masked_layer_normalization(x, problem.valid[start:stop], scale, bias, problem.eps)
+            grad_out = problem.grad_out[start:stop].to(problem.dtype)
+            grad_x, grad_scale, grad_bias = torch.autograd.grad(out, (x, scale, bias), grad_out)
+            sums.scale += grad_scale.double()
+            sums.bias += grad_bias.double()
+            yield start, stop, grad_x
+
+
+def normalize_file(
+    input_path: str,
+    output_path: str,
+    options: NormalizeOptions | None = None,
+    progress: Progress | None = None,
+) -> NormalizeResult:
+    """Normalize INPUT into OUTPUT (``-`` for stdin or stdout), written atomically.
+
+    OUTPUT holds ``out`` (``options.out_key``), and when the inputs hold an upstream gradient
+    ``grad_out``, also ``grad_x``, ``grad_scale`` and ``grad_bias``: the gradients of
+    ``sum(out * grad_out)``. Its metadata records ``eps``, ``dtype`` and ``maskln_version``.
+    """
+    options = options or NormalizeOptions()
+    with load_problem(input_path, options) as problem:
+        keys = [options.out_key]
+        if problem.grad_out is not None:
+            keys += GRADIENT_KEYS
+        if len(set(keys)) != len(keys):
+            raise MasklnError(f"--out-key: {options.out_key!r} clashes with a gradient's key")
+        specs = {options.out_key: (problem.dtype_name, problem.shape)}
+        if problem.grad_out is not None:
+            specs["grad_x"] = (problem.dtype_name, problem.shape)
+            specs["grad_scale"] = specs["grad_bias"] = (problem.dtype_name, (problem.channels,))
+        metadata = {
+            "eps": repr(problem.eps),
+            "dtype": problem.dtype_name,
+            "maskln_version": __version__,
+        }
+        passes = 2 if problem.grad_out is not None else 1
+        total = problem.rows * passes
+        with open_output(output_path) as stream:
+            writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
+            for _, stop, out in iter_outputs(problem):
+                writer.write(options.out_key, out)
+                if progress:
+                    progress(stop, total)
+            if problem.grad_out is not None:
+                sums = GradientSums(problem)
+                for _, stop, grad_x in iter_gradients(problem, sums):
+                    writer.write("grad_x", grad_x)
+                    if progress:
+                        progress(problem.rows + stop, total)
+                writer.write("grad_scale", sums.scale.to(problem.dtype))
+                writer.write("grad_bias", sums.bias.to(problem.dtype))
+            writer.close()
+        return NormalizeResult(
+            input=problem.source,
+            output=output_name(output_path),
+            shape=problem.shape,
+            dtype=problem.dtype_name,
+            eps=problem.eps,
+            valid_rows=int(problem.valid.sum()),
+            rows=problem.rows,
+            keys=tuple(keys),
+            notes=tuple(problem.notes),
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

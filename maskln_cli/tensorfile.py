@@ -1,0 +1,377 @@
+"""Reading and writing safetensors files: lazy inputs, stdin and stdout, atomic streaming outputs.
+
+Inputs are memory-mapped by safetensors, so opening a 10 GB file reads only its header; a tensor's
+bytes are read when a chunk of it is used. Outputs are written front to back by
+:class:`SafetensorsWriter` (safetensors itself only writes whole in-memory dicts), into a
+temporary file beside OUTPUT that replaces it only once complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from maskln_cli.errors import MasklnError
+
+if TYPE_CHECKING:
+    import torch
+
+STDIO = "-"
+"""The path that means stdin (for an input) or stdout (for an output)."""
+
+STDIN_LIMIT_VARIABLE = "MASKLN_STDIN_MAX_BYTES"
+DEFAULT_STDIN_LIMIT = 16 * 2**30
+"""stdin is spooled to a temporary file (in TMPDIR) of at most this many bytes."""
+
+# safetensors dtype codes and torch's names for them.
+DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+
+
+def input_name(path: str) -> str:
+    """How messages name an input: the path as given, or ``<stdin>`` for ``-``."""
+    return "<stdin>" if path == STDIO else path
+
+
+def output_name(path: str) -> str:
+    """How messages name an output: the path as given, or ``<stdout>`` for ``-``."""
+    return "<stdout>" if path == STDIO else path
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's header entry: what a file says it holds, read without loading it."""
+
+    name: str
+    dtype: str  # torch's name: "float32", "bool", ...
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+class TensorFile:
+    """An open safetensors file; tensors come memory-mapped, read as they are used."""
+
+    def __init__(self, handle: object, name: str) -> None:
+        self._handle = handle
+        self.name = name
+        self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
+        # offset_keys: file order, which is what a person reading the header expects.
+        self._keys: list[str] = list(handle.offset_keys())  # type: ignore[attr-defined]
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def info(self, key: str) -> TensorInfo:
+        """The dtype and shape of ``key``, without reading its data."""
+        self._require(key)
+        view = self._handle.get_slice(key)  # type: ignore[attr-defined]
+        code = view.get_dtype()
+        return TensorInfo(key, DTYPE_NAMES.get(code, code), tuple(view.get_shape()))
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor ``key``, backed by the memory-mapped file (nothing is read yet)."""
+        self._require(key)
+        try:
+            return self._handle.get_tensor(key)  # type: ignore[attr-defined]
+        except Exception as error:  # safetensors raises several types for bad data
+            raise MasklnError(f"{self.name}: cannot read tensor {key!r}: {error}") from None
+
+    def _require(self, key: str) -> None:
+        if key not in self._keys:
+            held = ", ".join(repr(k) for k in self._keys[:8]) or "none"
+            more = f" and {len(self._keys) - 8} more" if len(self._keys) > 8 else ""
+            raise MasklnError(f"{self.name}: no tensor {key!r} (it holds {held}{more})")
+
+
+@contextlib.contextmanager
+def open_tensor_file(path: str) -> Iterator[TensorFile]:
+    """Open a safetensors file, or stdin for ``-``, checking it on the way.
+
+    Example:
+        >>> with open_tensor_file("sample_data/worked_example.safetensors") as f:
+        ...     f.info("x"), f.metadata
+        (TensorInfo(name='x', dtype='float64', shape=(1, 2, 2)), {'eps': '3.0'})
+    """
+    from safetensors import safe_open
+
+    name = input_name(path)
+    with contextlib.ExitStack() as stack:
+        if path == STDIO:
+            spool = stack.enter_context(_spooled_stdin())
+            source = spool
+        else:
+            _check_readable_file(path)
+            source = path
+        try:
+            handle = stack.enter_context(safe_open(source, framework="pt"))
+        except Exception as error:
+            raise MasklnError(f"{name}: not a valid safetensors file: {_reason(error)}") from None
+        if path == STDIO:
+            os.unlink(spool)  # the mapping keeps the data; nothing is left behind on a crash
+        yield TensorFile(handle, name)
+
+
+def _check_readable_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise MasklnError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise MasklnError(f"{path}: is a folder, not a safetensors file")
+    if not os.access(path, os.R_OK):
+        raise MasklnError(f"{path}: permission denied")
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.removeprefix("Error while deserializing header: ")
+
+
+def stdin_limit() -> int:
+    """The most bytes read from stdin: ``MASKLN_STDIN_MAX_BYTES``, default 16 GiB."""
+    value = os.environ.get(STDIN_LIMIT_VARIABLE)
+    if value is None:
+        return DEFAULT_STDIN_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise MasklnError(f"{STDIN_LIMIT_VARIABLE}: must be a whole number of bytes, got {value!r}")
+    return limit
+
+
+@contextlib.contextmanager
+def _spooled_stdin() -> Iterator[str]:
+    """Copy stdin into a temporary file (safetensors needs a file to map); yield its path."""
+    stdin = sys.stdin.buffer
+    if sys.stdin.isatty():
+        raise MasklnError("<stdin>: is a terminal; pipe a safetensors file in, or give a path")
+    limit = stdin_limit()
+    fd, spool = tempfile.mkstemp(prefix="maskln-stdin-", suffix=".safetensors")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            copied = 0
+            while block := stdin.read(1 << 20):
+                copied += len(block)
+                if copied > limit:
+                    raise MasklnError(
+                        f"<stdin>: more than {limit} bytes; set {STDIN_LIMIT_VARIABLE} to raise"
+                        " the limit, or pass a file path"
+                    )
+                file.write(block)
+        yield spool
+    except OSError as error:
+        where = tempfile.gettempdir()
+        raise MasklnError(f"<stdin>: cannot spool to {where}: {_os_reason(error)}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool)
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file front to back: the header, then each tensor's bytes in order.
+
+    The tensors and their order are declared up front, so the header is final before any data;
+    each tensor may then arrive in several chunks (consecutive slices of its flattened data).
+
+    Example:
+        >>> import io, torch
+        >>> from safetensors.torch import load
+        >>> stream = io.BytesIO()
+        >>> writer = SafetensorsWriter(stream, "mem", {"out": ("float32", (2, 3))}, {"eps": "1"})
+        >>> writer.write("out", torch.zeros(3)); writer.write("out", torch.ones(3)); writer.close()
+        >>> load(stream.getvalue())["out"]
+        tensor([[0., 0., 0.],
+                [1., 1., 1.]])
+    """
+
+    def __init__(
+        self,
+        stream: BinaryIO,
+        name: str,
+        tensors: Mapping[str, tuple[str, Sequence[int]]],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        from torch import empty
+
+        self._stream = stream
+        self._name = name
+        self._order = list(tensors)
+        self._dtypes = {key: dtype for key, (dtype, _) in tensors.items()}
+        self._remaining: dict[str, int] = {}
+        header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for key, (dtype, shape) in tensors.items():
+            nbytes = empty((), dtype=_torch_dtype(dtype)).element_size()
+            for size in shape:
+                nbytes *= size
+            header[key] = {
+                "dtype": DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self._remaining[key] = nbytes
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors does
+        self._write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, key: str, chunk: torch.Tensor) -> None:
+        """Append ``chunk``'s elements (row-major) to tensor ``key``."""
+        pending = [k for k in self._order if self._remaining[k]]
+        if not pending or key != pending[0]:
+            raise RuntimeError(f"writing {key!r} out of order; next is {pending[:1]}")
+        if str(chunk.dtype).removeprefix("torch.") != self._dtypes[key]:
+            raise RuntimeError(f"{key!r} is declared {self._dtypes[key]}, got {chunk.dtype}")
+        data = chunk.detach().contiguous().reshape(-1).view(_torch_dtype("uint8"))
+        if data.numel() > self._remaining[key]:
+            raise RuntimeError(f"more data for {key!r} than its declared shape holds")
+        if data.numel():
+            self._write(memoryview(data.numpy()))
+        self._remaining[key] -= data.numel()
+
+    def close(self) -> None:
+        """Check that every declared tensor was written in full, then flush."""
+        missing = [k for k in self._order if self._remaining[k]]
+        if missing:
+            raise RuntimeError(f"tensors not written in full: {missing}")
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise MasklnError(f"{self._name}: cannot write: {_os_reason(error)}") from None
+
+    def _write(self, data: bytes | memoryview) -> None:
+        if sys.byteorder != "little":  # safetensors is little-endian; tensors here are native
+            raise MasklnError("writing safetensors needs a little-endian machine")
+        try:
+            self._stream.write(data)
+        except OSError as error:
+            raise MasklnError(f"{self._name}: cannot write: {_os_reason(error)}") from None
+
+
+def write_tensors(
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write whole in-memory tensors to ``path`` (``-`` for stdout), atomically.
+
+    Tensors are laid out by descending element size, then name, as safetensors does, so every
+    tensor's data is aligned to its element size.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    specs = {k: (str(tensors[k].dtype).removeprefix("torch."), tensors[k].shape) for k in order}
+    with open_output(path) as stream:
+        writer = SafetensorsWriter(stream, output_name(path), specs, metadata)
+        for key in order:
+            writer.write(key, tensors[key])
+        writer.close()
+
+
+def check_output_path(path: str) -> None:
+    """Fail early, before any work, when OUTPUT cannot be written."""
+    if path == STDIO:
+        if sys.stdout.isatty():
+            raise MasklnError(
+                "<stdout>: refusing to write binary data to a terminal; redirect it, or give"
+                " an OUTPUT path"
+            )
+        return
+    parent = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise MasklnError(f"{path}: is a folder; give a file path for the output")
+    if not os.path.isdir(parent):
+        raise MasklnError(f"{path}: folder {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MasklnError(f"{path}: folder {parent!r} is not writable")
+
+
+@contextlib.contextmanager
+def open_output(path: str) -> Iterator[BinaryIO]:
+    """A binary stream for OUTPUT: stdout for ``-``, else a temporary file beside ``path``.
+
+    The temporary file replaces ``path`` only when the block completes; on any error, Ctrl-C or
+    SIGTERM it is removed, and an existing ``path`` is left untouched.
+    """
+    check_output_path(path)
+    if path == STDIO:
+        yield sys.stdout.buffer
+        return
+    target = Path(path)
+    try:
+        fd, temporary = tempfile.mkstemp(
+            dir=target.parent, prefix=f".{target.name}.", suffix=".partial"
+        )
+    except OSError as error:
+        raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, target)
+    except OSError as error:
+        _remove(temporary)
+        raise MasklnError(f"{path}: cannot write: {_os_reason(error)}") from None
+    except BaseException:
+        _remove(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _os_reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)

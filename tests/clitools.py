@@ -1,0 +1,71 @@
+"""Helpers for driving the command line: in-process (Typer's CliRunner) and as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from maskln_cli.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_data"
+WORKED = SAMPLES / "worked_example.safetensors"
+PAIRS = SAMPLES / "pair_features.safetensors"
+
+
+def invoke(*args: object, input: bytes | None = None):
+    """Run ``maskln ARGS`` in this process; returns Typer's Result (stdout, stderr, exit_code)."""
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def run(
+    *args: object, stdin=None, input: bytes | None = None, **kwargs
+) -> subprocess.CompletedProcess:
+    """Run the real entry point (``python -m maskln_cli ARGS``) in a subprocess."""
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.run(
+        [sys.executable, "-m", "maskln_cli", *map(str, args)],
+        stdin=stdin,
+        input=input,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=300,
+        **streams,
+    )
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor], **metadata: str) -> Path:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata or None)
+    return path
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as handle:
+        return dict(handle.metadata() or {})
+
+
+def assert_one_line_error(stderr: str | bytes, *fragments: str) -> None:
+    """stderr is exactly one line, 'maskln: error: ...', holding every fragment; no traceback."""
+    text = stderr.decode() if isinstance(stderr, bytes) else stderr
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    assert lines[0].startswith("maskln: error: "), text
+    assert "Traceback" not in text
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary files an interrupted write could leave behind."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
