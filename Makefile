@@ -18,6 +18,7 @@ demo: $(INSTALLED)
 	$(BIN)/maskln inspect sample_data/pair_features.safetensors
 	$(BIN)/maskln normalize sample_data/pair_features.safetensors demo-output/pair_features.safetensors
 	$(BIN)/maskln inspect demo-output/pair_features.safetensors
+	$(BIN)/maskln verify sample_data/pair_features.safetensors sample_data/pair_features_expected.safetensors
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest

@@ -15,13 +15,17 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from typer.core import TyperGroup
 
 from maskln_cli import __version__
 from maskln_cli.errors import MasklnError
+from maskln_cli.normalize import NormalizeOptions
+
+if TYPE_CHECKING:
+    from maskln_cli.compare import ComparisonReport
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
@@ -282,7 +286,7 @@ def normalize(
     ```
     """
     from maskln_cli import report
-    from maskln_cli.normalize import NormalizeOptions, normalize_file
+    from maskln_cli.normalize import normalize_file
 
     options = NormalizeOptions(
         x_key=x_key,
@@ -431,6 +435,146 @@ def generate(
             f"wrote {output}: {', '.join(tensors)}; x {list(tensors['x'].shape)} {dtype.value},"
             f" {int(valid.sum()):,} of {valid.numel():,} positions valid"
         )
+
+
+Rtol = Annotated[
+    float | None,
+    typer.Option(
+        "--rtol",
+        help="Relative tolerance. (default: by dtype, as torch.testing.assert_close)",
+        show_default=False,
+        rich_help_panel="Tolerance",
+    ),
+]
+Atol = Annotated[
+    float | None,
+    typer.Option(
+        "--atol",
+        help="Absolute tolerance. (default: by dtype, as torch.testing.assert_close)",
+        show_default=False,
+        rich_help_panel="Tolerance",
+    ),
+]
+JsonOutput = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout instead of the report.")
+]
+QuietReport = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print only the PASS/FAIL verdict line.")
+]
+
+
+@app.command(no_args_is_help=True)
+@reports_errors
+def verify(
+    input_path: Annotated[
+        str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
+    ],
+    expected_path: Annotated[
+        str,
+        typer.Argument(
+            metavar="EXPECTED",
+            help="The result to check (e.g. a kernel's output); '-' reads stdin.",
+        ),
+    ],
+    x_key: XKey = "x",
+    valid_key: ValidKey = None,
+    scale_key: ScaleKey = None,
+    bias_key: BiasKey = None,
+    grad_out_key: GradOutKey = None,
+    out_key: OutKey = "out",
+    params: Params = None,
+    grad_out: GradOutFile = None,
+    eps: Eps = None,
+    dtype: Dtype = ComputeDtype.auto,
+    chunk_rows: ChunkRows = None,
+    rtol: Rtol = None,
+    atol: Atol = None,
+    json_output: JsonOutput = False,
+    quiet: QuietReport = False,
+) -> None:
+    """Recompute from INPUT exactly as normalize would, and compare with EXPECTED.
+
+    Compares 'out', and grad_x, grad_scale and grad_bias when EXPECTED holds them and INPUT holds
+    'grad_out'. An element passes when |actual - expected| <= atol + rtol * |expected|; NaN
+    matches only NaN, inf only the same inf. EXPECTED's out and grad_x must be exactly 0 at every
+    invalid position. Exit code 0 when everything matches, 1 on any mismatch, 2 on an error.
+
+    **Examples**
+
+    ```
+    cd sample_data && maskln verify pair_features.safetensors pair_features_expected.safetensors
+    maskln verify inputs.safetensors kernel_out.safetensors --rtol 1e-4 --atol 1e-5
+    maskln verify inputs.safetensors kernel_out.safetensors --json | jq .passed
+    ```
+    """
+    from maskln_cli import report
+    from maskln_cli.verify import verify_file
+
+    options = NormalizeOptions(
+        x_key=x_key,
+        valid_key=valid_key,
+        scale_key=scale_key,
+        bias_key=bias_key,
+        grad_out_key=grad_out_key,
+        out_key=out_key,
+        params=params,
+        grad_out=grad_out,
+        eps=eps,
+        dtype=dtype.value,
+        chunk_rows=chunk_rows,
+    )
+    with report.progress_bar(f"verify {input_path}") as progress:
+        result = verify_file(input_path, expected_path, options, rtol, atol, progress)
+    _finish_comparison(result, json_output, quiet)
+
+
+@app.command(no_args_is_help=True)
+@reports_errors
+def diff(
+    actual_path: Annotated[
+        str, typer.Argument(metavar="ACTUAL", help="A safetensors file; '-' reads stdin.")
+    ],
+    expected_path: Annotated[
+        str, typer.Argument(metavar="EXPECTED", help="A safetensors file; '-' reads stdin.")
+    ],
+    keys: Annotated[
+        list[str] | None,
+        typer.Option("--key", "-k", help="Compare only this key (repeatable).", show_default=False),
+    ] = None,
+    rtol: Rtol = None,
+    atol: Atol = None,
+    json_output: JsonOutput = False,
+    quiet: QuietReport = False,
+) -> None:
+    """Compare the tensors of two safetensors files, key by key.
+
+    A key in only one file, or a shape or dtype difference, is a mismatch. An element passes when
+    |actual - expected| <= atol + rtol * |expected|; NaN matches only NaN, inf only the same inf.
+    Exit code 0 when everything matches, 1 on any mismatch, 2 on an error.
+
+    **Examples**
+
+    ```
+    maskln diff kernel_out.safetensors reference.safetensors
+    maskln normalize - - < in.safetensors | maskln diff - expected.safetensors --key out
+    maskln diff a.safetensors b.safetensors --json --rtol 1e-3
+    ```
+    """
+    from maskln_cli.compare import diff_files
+
+    result = diff_files(actual_path, expected_path, keys or (), rtol, atol)
+    _finish_comparison(result, json_output, quiet)
+
+
+def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
+    from maskln_cli import report
+
+    if json_output:
+        report.print_json(result.to_dict())
+    else:
+        report.render_comparison(result, quiet=quiet)
+    if not result.passed:
+        raise typer.Exit(EXIT_MISMATCH)
 
 
 def main() -> None:

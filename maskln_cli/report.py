@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 import time
 import unicodedata
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from maskln_cli.compare import ComparisonReport, TensorComparison
     from maskln_cli.normalize import NormalizeResult, Progress
     from maskln_cli.stats import FileSummary, TensorSummary
 
@@ -72,8 +74,25 @@ def note(message: str) -> None:
 
 def print_json(data: object) -> None:
     """A JSON document on stdout (plain, never styled, NaN and inf as null)."""
-    sys.stdout.write(json.dumps(_json_safe(data), indent=2) + "\n")
+    sys.stdout.write(to_json(data) + "\n")
     sys.stdout.flush()
+
+
+def to_json(data: object) -> str:
+    """Indented JSON, with lists of numbers (shapes, indices) kept on one line.
+
+    Example:
+        >>> print(to_json({"shape": [2, 3], "max": float("inf")}))
+        {
+          "shape": [2, 3],
+          "max": null
+        }
+    """
+    text = json.dumps(_json_safe(data), indent=2)
+    return _NUMBER_LIST.sub(lambda match: "[" + re.sub(r"\s+", " ", match[1]) + "]", text)
+
+
+_NUMBER_LIST = re.compile(r"\[\s*((?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*)\s*\]")
 
 
 def _json_safe(value: object) -> object:
@@ -221,3 +240,117 @@ def progress_bar(description: str) -> Iterator[Progress]:
     finally:
         if bar is not None:
             bar.stop()
+
+
+def verdict_line(report: ComparisonReport) -> str:
+    """``PASS: ...`` or ``FAIL: ...``, naming the tensors, as rich markup.
+
+    Example:
+        >>> from maskln_cli.compare import ComparisonReport, TensorComparison
+        >>> ok = TensorComparison("out", True, [], [2], [2], "float32", "float32", 1e-5, 1e-5)
+        >>> verdict_line(ComparisonReport("diff", "a", "b", [ok]))
+        '[bold green]PASS[/]: out within tolerance'
+    """
+    failed = [t for t in report.tensors if not t.passed]
+    if not report.tensors:
+        return "[bold yellow]PASS[/]: nothing to compare"
+    if not failed:
+        names = ", ".join(safe(t.name) for t in report.tensors)
+        return f"[bold green]PASS[/]: {names} within tolerance"
+    described = "; ".join(f"{safe(t.name)} ({safe(t.problems[0])})" for t in failed)
+    return f"[bold red]FAIL[/]: {len(failed)} of {len(report.tensors)} tensors: {described}"
+
+
+def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
+    """The human report of ``maskln diff`` and ``maskln verify``: a block per tensor, the worst
+    rows of each mismatched tensor, notes, and the verdict line last."""
+    console = stdout_console()
+    if not quiet:
+        actual = "maskln's result for " if report.command == "verify" else ""
+        console.print(f"[bold]actual[/]    {actual}{safe(report.actual)}", soft_wrap=True)
+        console.print(f"[bold]expected[/]  {safe(report.expected)}", soft_wrap=True)
+        for tensor in report.tensors:
+            console.print()
+            console.print(_tensor_block(tensor))
+            if tensor.worst:
+                console.print(_worst_rows_table(tensor))
+        for message in report.notes:
+            console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
+        console.print()
+    console.print(verdict_line(report), soft_wrap=True)
+
+
+def _tensor_block(tensor: TensorComparison) -> object:
+    from rich.table import Table
+
+    verdict = "[bold green]PASS[/]" if tensor.passed else "[bold red]FAIL[/]"
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row(f"{verdict} {safe(tensor.name)}", _shapes(tensor))
+    for problem in tensor.problems:
+        grid.add_row("  problem", f"[red]{safe(problem)}[/]")
+    if tensor.mismatched is not None:
+        share = 100 * (tensor.mismatched_fraction or 0.0)
+        mismatched = f"{tensor.mismatched:,} of {tensor.numel:,} ({share:.3g}%)"
+        if tensor.rows is not None and tensor.rows != tensor.numel:
+            mismatched += f", in {tensor.mismatched_rows:,} of {tensor.rows:,} rows"
+        grid.add_row("  mismatched", mismatched)
+        grid.add_row("  max abs diff", _at(tensor.max_abs_diff, tensor.max_abs_index))
+        grid.add_row("  max rel diff", _at(tensor.max_rel_diff, tensor.max_rel_index))
+        grid.add_row("  rel L2 error", number(tensor.rel_l2) if tensor.rel_l2 is not None else "")
+        disagreements = f"NaN {tensor.nan_mismatched:,}, inf {tensor.inf_mismatched:,}"
+        if tensor.nan_mismatched or tensor.inf_mismatched:
+            disagreements = f"[red]{disagreements}[/]"
+        grid.add_row("  NaN/inf disagree", disagreements)
+    if tensor.invalid_rows_zero is not None:
+        grid.add_row(
+            "  invalid rows",
+            "exactly 0 in expected"
+            if tensor.invalid_rows_zero
+            else "[red]not all exactly 0 in expected[/]",
+        )
+    if tensor.rtol == tensor.rtol:  # not NaN: a tolerance applied
+        grid.add_row("  tolerance", f"rtol {tensor.rtol:g}, atol {tensor.atol:g}")
+    return grid
+
+
+def _shapes(tensor: TensorComparison) -> str:
+    def side(dtype: str | None, shape: list[int] | None) -> str:
+        return "missing" if dtype is None else f"{dtype} {shape}"
+
+    actual = side(tensor.dtype, tensor.shape)
+    expected = side(tensor.expected_dtype, tensor.expected_shape)
+    return actual if actual == expected else f"actual {actual}, expected {expected}"
+
+
+def _at(value: float | None, index: list[int] | None) -> str:
+    if value is None:
+        return "no finite pair"
+    return f"{number(value)} at {index}"
+
+
+def _worst_rows_table(tensor: TensorComparison) -> object:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title=f"worst rows of {safe(tensor.name)}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+    )
+    table.add_column("row")
+    table.add_column("channel", justify="right")
+    table.add_column("actual", justify="right")
+    table.add_column("expected", justify="right")
+    table.add_column("abs diff", justify="right")
+    for worst in tensor.worst:
+        table.add_row(
+            str(worst.row),
+            "" if worst.row == worst.index else str(worst.index[-1]),
+            f"{worst.actual:.7g}",
+            f"{worst.expected:.7g}",
+            f"{worst.abs_diff:.3g}",
+        )
+    return table

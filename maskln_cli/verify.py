@@ -1,0 +1,145 @@
+"""``maskln verify``: recompute from INPUT as ``maskln normalize`` would, compare with EXPECTED.
+
+Results are compared chunk by chunk as they are computed, so nothing full-size is held in
+memory. ``actual`` is maskln's recomputation, ``expected`` is the EXPECTED file (for example a
+kernel's output): the tolerance is relative to EXPECTED's values, and EXPECTED's ``out`` and
+``grad_x`` must be exactly 0 at every invalid position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from maskln_cli.compare import (
+    Comparison,
+    ComparisonReport,
+    TensorComparison,
+    check_tolerance,
+    missing,
+)
+from maskln_cli.errors import MasklnError
+from maskln_cli.normalize import (
+    GRADIENT_KEYS,
+    GradientSums,
+    NormalizeOptions,
+    Problem,
+    Progress,
+    iter_gradients,
+    iter_outputs,
+    load_problem,
+)
+from maskln_cli.tensorfile import STDIO, TensorFile, open_tensor_file
+
+
+def verify_file(
+    input_path: str,
+    expected_path: str,
+    options: NormalizeOptions | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    progress: Progress | None = None,
+) -> ComparisonReport:
+    """Compare maskln's result for INPUT with EXPECTED: ``out``, and the gradients that
+    EXPECTED holds when INPUT holds ``grad_out``.
+
+    Example:
+        >>> report = verify_file("sample_data/pair_features.safetensors",
+        ...                      "sample_data/pair_features_expected.safetensors")
+        >>> report.passed, [t.name for t in report.tensors]
+        (True, ['out', 'grad_x', 'grad_scale', 'grad_bias'])
+    """
+    options = options or NormalizeOptions()
+    check_tolerance(rtol, "--rtol")
+    check_tolerance(atol, "--atol")
+    if input_path == STDIO and expected_path == STDIO:
+        raise MasklnError("INPUT and EXPECTED cannot both be '-' (stdin)")
+    with contextlib.ExitStack() as stack:
+        problem = stack.enter_context(load_problem(input_path, options))
+        expected = stack.enter_context(open_tensor_file(expected_path))
+        notes = list(problem.notes)
+        gradient_keys = [k for k in GRADIENT_KEYS if k in expected]
+        check_gradients = problem.grad_out is not None and bool(gradient_keys)
+        if problem.grad_out is None and gradient_keys:
+            notes.append(
+                f"{expected.name} holds {', '.join(gradient_keys)} but the input has no"
+                " 'grad_out': gradients were not checked"
+            )
+        elif problem.grad_out is not None and not gradient_keys:
+            notes.append(
+                f"{expected.name} holds no grad_x, grad_scale or grad_bias: only"
+                f" {options.out_key!r} was checked"
+            )
+        total = problem.rows * (2 if check_gradients else 1)
+        tensors = [_compare_out(problem, expected, options.out_key, rtol, atol, progress, total)]
+        if check_gradients:
+            tensors += _compare_gradients(
+                problem, expected, gradient_keys, rtol, atol, progress, total
+            )
+        return ComparisonReport("verify", problem.source, expected.name, tensors, notes)
+
+
+def _comparison(
+    problem: Problem,
+    expected: TensorFile,
+    key: str,
+    shape: tuple[int, ...],
+    rtol: float | None,
+    atol: float | None,
+) -> Comparison:
+    """A running comparison of maskln's ``key`` (of ``shape``) against EXPECTED's."""
+    info = expected.info(key)
+    return Comparison(key, shape, problem.dtype_name, info.shape, info.dtype, rtol, atol)
+
+
+def _compare_out(
+    problem: Problem,
+    expected: TensorFile,
+    key: str,
+    rtol: float | None,
+    atol: float | None,
+    progress: Progress | None,
+    total: int,
+) -> TensorComparison:
+    if key not in expected:
+        return missing(key, "expected", problem.shape, problem.dtype_name)
+    comparison = _comparison(problem, expected, key, problem.shape, rtol, atol)
+    if not comparison.comparable:
+        return comparison.result()
+    rows = expected.tensor(key).reshape(-1, problem.channels)
+    for start, stop, out in iter_outputs(problem):
+        comparison.update(out, rows[start:stop], invalid_rows=~problem.valid[start:stop])
+        if progress:
+            progress(stop, total)
+    return comparison.result()
+
+
+def _compare_gradients(
+    problem: Problem,
+    expected: TensorFile,
+    keys: list[str],
+    rtol: float | None,
+    atol: float | None,
+    progress: Progress | None,
+    total: int,
+) -> list[TensorComparison]:
+    """Compare the gradients EXPECTED holds (``keys``); one pass computes all three."""
+    grad_x = None
+    if "grad_x" in keys:
+        grad_x = _comparison(problem, expected, "grad_x", problem.shape, rtol, atol)
+    rows = None
+    if grad_x is not None and grad_x.comparable:
+        rows = expected.tensor("grad_x").reshape(-1, problem.channels)
+    sums = GradientSums(problem)
+    for start, stop, chunk in iter_gradients(problem, sums):
+        if grad_x is not None and rows is not None:
+            grad_x.update(chunk, rows[start:stop], invalid_rows=~problem.valid[start:stop])
+        if progress:
+            progress(problem.rows + stop, total)
+    outcomes = [grad_x.result()] if grad_x is not None else []
+    for key, total_sum in (("grad_scale", sums.scale), ("grad_bias", sums.bias)):
+        if key in keys:
+            comparison = _comparison(problem, expected, key, (problem.channels,), rtol, atol)
+            if comparison.comparable:
+                comparison.update(total_sum.to(problem.dtype), expected.tensor(key))
+            outcomes.append(comparison.result())
+    return outcomes

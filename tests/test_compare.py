@@ -1,0 +1,167 @@
+"""Comparisons on hand-built pairs whose figures are known exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from maskln_cli import compare
+from maskln_cli.compare import Comparison, compare_tensors, default_tolerance
+from maskln_cli.report import to_json
+
+
+def test_counts_and_worst_element():
+    actual = torch.zeros(3, 4, dtype=torch.float64)
+    expected = torch.zeros(3, 4, dtype=torch.float64)
+    actual[1, 2] = 0.5
+    actual[2, 0] = -0.125
+    result = compare_tensors("t", actual, expected)
+    assert not result.passed
+    assert (result.numel, result.rows, result.mismatched, result.mismatched_rows) == (12, 3, 2, 2)
+    assert result.mismatched_fraction == 2 / 12
+    assert (result.max_abs_diff, result.max_abs_index) == (0.5, [1, 2])
+    assert [(w.row, w.index, w.actual, w.expected) for w in result.worst] == [
+        ([1], [1, 2], 0.5, 0.0),
+        ([2], [2, 0], -0.125, 0.0),
+    ]
+    assert result.problems == ["2 of 12 elements differ beyond tolerance"]
+
+
+def test_relative_figures():
+    expected = torch.tensor([[1.0, 2.0], [4.0, -8.0]], dtype=torch.float64)
+    actual = expected * 1.1
+    actual[0, 0] = 1.0  # exact here
+    result = compare_tensors("t", actual, expected)
+    assert result.max_rel_diff == pytest.approx(0.1)
+    assert result.max_abs_diff == pytest.approx(0.8) and result.max_abs_index == [1, 1]
+    diff = (actual - expected).norm() / expected.norm()
+    assert result.rel_l2 == pytest.approx(diff.item())
+
+
+def test_relative_difference_at_an_expected_zero_is_infinite():
+    result = compare_tensors("t", torch.tensor([0.0, 1e-3]), torch.tensor([0.0, 0.0]))
+    assert result.max_rel_diff == math.inf and result.max_rel_index == [1]
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "passed", "nan_mismatched", "inf_mismatched"),
+    [
+        (math.nan, math.nan, True, 0, 0),  # NaN matches NaN at the same position
+        (math.nan, 1.0, False, 1, 0),
+        (1.0, math.nan, False, 1, 0),
+        (math.inf, math.inf, True, 0, 0),
+        (-math.inf, -math.inf, True, 0, 0),
+        (math.inf, -math.inf, False, 0, 1),
+        (math.inf, 1e30, False, 0, 1),
+        (5.0, -math.inf, False, 0, 1),
+        (math.nan, math.inf, False, 1, 0),
+    ],
+)
+def test_nan_and_inf_rules(actual, expected, passed, nan_mismatched, inf_mismatched):
+    result = compare_tensors(
+        "t", torch.tensor([2.0, actual]), torch.tensor([2.0, expected]), rtol=1.0, atol=1.0
+    )
+    assert result.passed is passed
+    assert (result.nan_mismatched, result.inf_mismatched) == (nan_mismatched, inf_mismatched)
+    assert result.mismatched == (0 if passed else 1)
+    if not passed:
+        assert result.worst[0].index == [1] and math.isinf(result.worst[0].abs_diff)
+
+
+def test_element_exactly_at_the_bound_passes():
+    expected = torch.tensor([1.0, 1.0, -2.0], dtype=torch.float64)
+    at_bound = torch.tensor([1.5, 0.5, -2.75], dtype=torch.float64)  # atol 0.25 + rtol 0.25 * |e|
+    assert compare_tensors("t", at_bound, expected, rtol=0.25, atol=0.25).passed
+    beyond = at_bound + torch.tensor([1e-12, 0.0, 0.0], dtype=torch.float64)
+    result = compare_tensors("t", beyond, expected, rtol=0.25, atol=0.25)
+    assert not result.passed and result.mismatched == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol", "atol"),
+    [
+        ("float64", 1e-7, 1e-7),
+        ("float32", 1.3e-6, 1e-5),
+        ("float16", 1e-3, 1e-5),
+        ("bfloat16", 1.6e-2, 1e-5),
+        ("int64", 0.0, 0.0),
+        ("bool", 0.0, 0.0),
+    ],
+)
+def test_default_tolerances_are_torch_testings(dtype, rtol, atol):
+    assert default_tolerance(dtype) == (rtol, atol)
+    if dtype.startswith(("float", "bfloat")):
+        torch_dtype = getattr(torch, dtype)
+        result = compare_tensors(
+            "t", torch.zeros(2, dtype=torch_dtype), torch.zeros(2, dtype=torch_dtype)
+        )
+        assert (result.rtol, result.atol) == (rtol, atol)
+
+
+def test_float32_default_tolerance_in_use():
+    expected = torch.zeros(4)
+    assert compare_tensors("t", torch.full((4,), 9e-6), expected).passed
+    assert not compare_tensors("t", torch.full((4,), 2e-5), expected).passed
+
+
+def test_shape_and_dtype_differences_are_mismatches():
+    shape = compare_tensors("t", torch.zeros(2, 3), torch.zeros(3, 2))
+    assert not shape.passed and shape.mismatched is None
+    assert shape.problems == ["shape [2, 3] vs expected [3, 2]"]
+    dtype = compare_tensors("t", torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64))
+    assert not dtype.passed and dtype.mismatched == 0  # values still compared, and equal
+    assert dtype.problems == ["dtype float32 vs expected float64"]
+
+
+def test_integer_and_bool_tensors_must_be_equal():
+    assert compare_tensors("m", torch.tensor([True, False]), torch.tensor([True, False])).passed
+    result = compare_tensors("m", torch.tensor([True, True]), torch.tensor([True, False]))
+    assert result.mismatched == 1
+    assert not compare_tensors("i", torch.tensor([1, 2]), torch.tensor([1, 3])).passed
+
+
+def test_empty_tensors_compare_equal():
+    result = compare_tensors("e", torch.zeros(0, 4), torch.zeros(0, 4))
+    assert result.passed and result.numel == 0 and result.mismatched == 0
+
+
+def test_chunked_comparison_equals_one_chunk(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.randn(50, 7, generator=generator)
+    actual = expected + 1e-4 * (torch.rand(50, 7, generator=generator) > 0.9)
+    actual[13, 3] = math.nan
+    whole = json.loads(to_json(compare_tensors("t", actual, expected).to_dict()))
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 7 * 3)
+    chunked = json.loads(to_json(compare_tensors("t", actual, expected).to_dict()))
+    assert whole["mismatched"] > 3 and whole["nan_mismatched"] == 1
+    for key, value in whole.items():
+        if isinstance(value, float):
+            assert chunked[key] == pytest.approx(value, rel=1e-12), key
+        else:
+            assert chunked[key] == value, key
+
+
+def test_invalid_rows_of_expected_must_be_exactly_zero():
+    comparison = Comparison("out", [3, 2], "float32", [3, 2], "float32")
+    expected = torch.tensor([[1.0, 2.0], [1e-9, 0.0], [0.0, 0.0]])
+    comparison.update(expected, expected, invalid_rows=torch.tensor([False, True, True]))
+    result = comparison.result()
+    assert result.invalid_rows_zero is False and not result.passed
+    assert result.mismatched == 0  # values agree: it is the masking contract that fails
+    assert "expected is not exactly 0 at every invalid position" in result.problems
+
+
+def test_worst_rows_are_the_worst_across_chunks():
+    comparison = Comparison("t", [12, 2], "float64", [12, 2], "float64")
+    expected = torch.zeros(12, 2, dtype=torch.float64)
+    actual = expected.clone()
+    for row in range(12):
+        actual[row, row % 2] = row + 1.0  # the later the row, the worse
+    for start in range(0, 12, 4):
+        comparison.update(actual[start : start + 4], expected[start : start + 4])
+    result = comparison.result()
+    assert [w.row for w in result.worst] == [[11], [10], [9], [8], [7]]
+    assert [w.index[-1] for w in result.worst] == [1, 0, 1, 0, 1]
