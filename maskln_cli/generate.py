@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.resources import check_memory
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +101,9 @@ def generate_inputs(
         raise MasklnError(f"--dtype: must be one of {', '.join(GENERATE_DTYPES)}, got {dtype!r}")
     target = getattr(torch, dtype)
     sample_dtype = torch.float64 if target == torch.float64 else torch.float32
+    # x is sampled, possibly poisoned (a copy) and cast (a copy); grad_out sampled and cast.
+    per_element = (2 + grad) * (sample_dtype.itemsize + target.itemsize)
+    check_memory(math.prod(shape) * per_element, f"--shape {','.join(map(str, shape))}")
     generator = torch.Generator().manual_seed(seed)
     channels = shape[-1]
     valid = padding_mask(shape[:-1], invalid, generator)

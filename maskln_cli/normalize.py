@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 
 from maskln_cli import __version__
 from maskln_cli.errors import MasklnError
+from maskln_cli.resources import check_memory
 from maskln_cli.tensorfile import (
     STDIO,
     SafetensorsWriter,
     TensorFile,
+    data_bytes,
     open_output,
     open_tensor_file,
     output_name,
@@ -184,6 +186,11 @@ def _prepare(
         grad_out = grad_out.reshape(-1, channels)
 
     rows_per_chunk = options.chunk_rows or max(2, CHUNK_BYTES // (channels * x.element_size()))
+    # A chunk holds x converted, the output and a few temporaries: about 8 copies with
+    # gradients, 4 without, of the compute dtype.
+    copies = 8 if grad_out is not None else 4
+    chunk_bytes = min(rows_per_chunk, x.shape[0]) * channels * dtype.itemsize * copies
+    check_memory(chunk_bytes, f"--chunk-rows {rows_per_chunk} ({channels} channels)")
     return Problem(
         source=data.name,
         shape=x_info.shape,
@@ -366,7 +373,7 @@ def normalize_file(
         }
         passes = 2 if problem.grad_out is not None else 1
         total = problem.rows * passes
-        with open_output(output_path) as stream:
+        with open_output(output_path, data_bytes(specs)) as stream:
             writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
             for _, stop, out in iter_outputs(problem):
                 writer.write(options.out_key, out)

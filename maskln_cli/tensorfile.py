@@ -231,8 +231,6 @@ class SafetensorsWriter:
         tensors: Mapping[str, tuple[str, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
     ) -> None:
-        from torch import empty
-
         self._stream = stream
         self._name = name
         self._order = list(tensors)
@@ -240,10 +238,9 @@ class SafetensorsWriter:
         self._remaining: dict[str, int] = {}
         header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
         offset = 0
-        for key, (dtype, shape) in tensors.items():
-            nbytes = empty((), dtype=_torch_dtype(dtype)).element_size()
-            for size in shape:
-                nbytes *= size
+        for key, entry in tensors.items():
+            dtype, shape = entry
+            nbytes = data_bytes({key: entry})
             header[key] = {
                 "dtype": DTYPE_CODES[dtype],
                 "shape": list(shape),
@@ -298,7 +295,7 @@ def write_tensors(
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     specs = {k: (str(tensors[k].dtype).removeprefix("torch."), tensors[k].shape) for k in order}
-    with open_output(path) as stream:
+    with open_output(path, data_bytes(specs)) as stream:
         writer = SafetensorsWriter(stream, output_name(path), specs, metadata)
         for key in order:
             writer.write(key, tensors[key])
@@ -323,14 +320,37 @@ def check_output_path(path: str) -> None:
         raise MasklnError(f"{path}: folder {parent!r} is not writable")
 
 
+def data_bytes(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> int:
+    """Bytes of tensor data a safetensors file with these (dtype, shape) entries holds.
+
+    Example:
+        >>> data_bytes({"out": ("float32", (2, 3)), "valid": ("bool", (2,))})
+        26
+    """
+    from torch import empty
+
+    total = 0
+    for dtype, shape in tensors.values():
+        count = empty((), dtype=_torch_dtype(dtype)).element_size()
+        for size in shape:
+            count *= size
+        total += count
+    return total
+
+
 @contextlib.contextmanager
-def open_output(path: str) -> Iterator[BinaryIO]:
+def open_output(path: str, size: int = 0) -> Iterator[BinaryIO]:
     """A binary stream for OUTPUT: stdout for ``-``, else a temporary file beside ``path``.
 
     The temporary file replaces ``path`` only when the block completes; on any error, Ctrl-C or
-    SIGTERM it is removed, and an existing ``path`` is left untouched.
+    SIGTERM it is removed, and an existing ``path`` is left untouched. ``size``, the bytes to be
+    written, is checked against the free disk space first.
     """
+    from maskln_cli.resources import check_disk
+
     check_output_path(path)
+    if path != STDIO:
+        check_disk(path, size)
     if path == STDIO:
         yield sys.stdout.buffer
         return

@@ -1,0 +1,341 @@
+"""Hostile inputs and interrupted writes: nothing crashes, nothing is lost.
+
+The format fuzzing lives in test_fuzz.py; here are the hand-made cases: semantic bad input,
+resource limits, signals and concurrent writers, and the security promises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import maskln_cli
+from maskln_cli import resources, tensorfile
+from tests.clitools import (
+    PAIRS,
+    ROOT,
+    WORKED,
+    assert_one_line_error,
+    invoke,
+    leftovers,
+    read,
+    run,
+    write,
+)
+
+
+def small_inputs(**overrides):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "x": torch.randn(3, 4, 8, generator=generator),
+        "valid": torch.rand(3, 4, generator=generator) > 0.3,
+        "scale": torch.randn(8, generator=generator),
+        "bias": torch.randn(8, generator=generator),
+    }
+    tensors.update(overrides)
+    return tensors
+
+
+def raw_safetensors(header: dict, data: bytes = b"") -> bytes:
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+# --- semantic bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        ({"x": torch.ones(3, 4, 8, dtype=torch.bool)}, ("'x'", "bool")),
+        ({"x": torch.ones(3, 4, 8, dtype=torch.int32)}, ("'x'", "int32")),
+        ({"x": torch.ones(3, 4, 8, dtype=torch.complex64)}, ("'x'", "complex64")),
+        ({"x": torch.tensor(2.0)}, ("'x'", "0-d")),
+        (
+            {"x": torch.ones(3, 4, 0), "scale": torch.ones(0), "bias": torch.ones(0)},
+            ("zero channels",),
+        ),
+        ({"valid": torch.ones(4, 3, dtype=torch.bool)}, ("'valid'", "[4, 3]", "[3, 4]")),
+        ({"valid": torch.full((3, 4), 2, dtype=torch.int8)}, ("'valid'", "0 and 1")),
+        ({"valid": torch.ones(3, 4, dtype=torch.complex64)}, ("'valid'", "complex64")),
+        ({"scale": torch.ones(2, 8)}, ("'scale'", "[2, 8]")),
+        ({"bias": torch.ones(())}, ("'bias'", "[]")),
+        ({"bias": torch.ones(8, dtype=torch.bool)}, ("'bias'", "bool")),
+    ],
+)
+def test_semantic_bad_input(tmp_path, overrides, fragments):
+    source = write(tmp_path / "in.safetensors", small_inputs(**overrides))
+    result = invoke("normalize", source, tmp_path / "out.safetensors")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "in.safetensors", *fragments)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_params_that_do_not_match_x_channels(tmp_path):
+    source = write(tmp_path / "in.safetensors", {"x": torch.randn(3, 8)})
+    checkpoint = write(
+        tmp_path / "ckpt.safetensors", {"ln.weight": torch.ones(16), "ln.bias": torch.zeros(16)}
+    )
+    args = ["--params", checkpoint, "--scale-key", "ln.weight", "--bias-key", "ln.bias"]
+    result = invoke("normalize", source, tmp_path / "o.safetensors", *args)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "ckpt.safetensors", "'ln.weight'", "[16]", "[8]")
+
+
+def test_missing_eps_metadata_means_the_default(tmp_path):
+    source = write(tmp_path / "in.safetensors", small_inputs())
+    assert invoke("normalize", source, tmp_path / "o.safetensors").exit_code == 0
+    with torch.no_grad():
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "o.safetensors"), "pt") as handle:
+            assert handle.metadata()["eps"] == "1e-05"
+
+
+@pytest.mark.parametrize("eps", ["-1", "0", "nan", "inf", "-inf", "1e400", "", "abc", "1e-5 "])
+def test_bad_eps_in_metadata(tmp_path, eps):
+    source = write(tmp_path / "in.safetensors", small_inputs(), eps=eps)
+    result = invoke("normalize", source, tmp_path / "o.safetensors")
+    if eps == "1e-5 ":  # float() accepts surrounding spaces: a usable eps
+        assert result.exit_code == 0
+        return
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "in.safetensors", "metadata 'eps'")
+
+
+# --- resource limits ----------------------------------------------------------------------------
+
+
+def test_header_declaring_more_data_than_the_file_holds_is_rejected_at_once(tmp_path):
+    huge = tmp_path / "huge.safetensors"
+    header = {"x": {"dtype": "F32", "shape": [2**40, 8], "data_offsets": [0, 2**45]}}
+    huge.write_bytes(raw_safetensors(header, b"\x00" * 64))
+    started = time.monotonic()
+    for command in (["normalize", huge, tmp_path / "o.safetensors"], ["inspect", huge]):
+        result = invoke(*command)
+        assert result.exit_code == 2
+        assert_one_line_error(result.stderr, "huge.safetensors", "not a valid safetensors file")
+    assert time.monotonic() - started < 10  # nothing was allocated or read
+
+
+def test_stdin_is_bounded(tmp_path):
+    env = {**os.environ, "MASKLN_STDIN_MAX_BYTES": "1000"}
+    result = subprocess.run(
+        [sys.executable, "-m", "maskln_cli", "inspect", "-"],
+        input=PAIRS.read_bytes(),
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert_one_line_error(
+        result.stderr, "<stdin>", "more than 1000 bytes", "MASKLN_STDIN_MAX_BYTES"
+    )
+    fits = subprocess.run(
+        [sys.executable, "-m", "maskln_cli", "inspect", "-"],
+        input=WORKED.read_bytes(),
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert fits.returncode == 0
+
+
+def test_bad_stdin_limit_setting(monkeypatch):
+    monkeypatch.setenv("MASKLN_STDIN_MAX_BYTES", "lots")
+    result = invoke("inspect", "-", input=WORKED.read_bytes())
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "MASKLN_STDIN_MAX_BYTES", "'lots'")
+
+
+def test_generate_refuses_what_memory_cannot_hold(tmp_path):
+    result = invoke("generate", tmp_path / "g.safetensors", "--shape", "1000000,1000000,64")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--shape 1000000,1000000,64", "of memory", "available")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_chunks_that_memory_cannot_hold_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(resources, "available_memory", lambda: 10_000)
+    source = write(
+        tmp_path / "in.safetensors",
+        small_inputs(x=torch.randn(400, 8), valid=torch.ones(400, dtype=torch.bool)),
+    )
+    result = invoke("normalize", source, tmp_path / "o.safetensors", "--chunk-rows", "400")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--chunk-rows 400", "of memory")
+    assert (
+        invoke("normalize", source, tmp_path / "o.safetensors", "--chunk-rows", "20").exit_code == 0
+    )
+
+
+def test_output_that_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    class Usage:
+        free = 100
+
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda path: Usage)
+    output = tmp_path / "out.safetensors"
+    output.write_bytes(b"keep me")
+    result = invoke("normalize", PAIRS, output)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "out.safetensors", "on disk", "100 B")
+    assert output.read_bytes() == b"keep me" and leftovers(tmp_path) == []
+
+
+# --- interrupted and concurrent writes ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_input(tmp_path_factory) -> Path:
+    """A 64 MiB input: large enough that writing its output takes a while in small chunks."""
+    path = tmp_path_factory.mktemp("large") / "large.safetensors"
+    assert run("generate", path, "--shape", "131072,128", "--quiet").returncode == 0
+    return path
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_a_large_write_leaves_output_untouched(tmp_path, large_input, signum, code):
+    output = tmp_path / "out.safetensors"
+    output.write_bytes(b"the previous result")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "maskln_cli",
+            "normalize",
+            large_input,
+            output,
+            "--chunk-rows",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 60
+    while not leftovers(tmp_path):  # wait for the temporary file: the write has begun
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr
+    assert_one_line_error(stderr, "no output was written")
+    assert output.read_bytes() == b"the previous result"
+    assert leftovers(tmp_path) == []
+
+
+def test_two_writers_of_one_output_leave_one_whole_file(tmp_path):
+    output = tmp_path / "out.safetensors"
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "maskln_cli",
+            "normalize",
+            PAIRS,
+            output,
+            "--eps",
+            eps,
+            "--chunk-rows",
+            "64",
+        ]
+        for eps in ("1e-05", "0.5")
+    ]
+    processes = [subprocess.Popen(c, stderr=subprocess.PIPE, cwd=ROOT) for c in commands]
+    for process in processes:
+        process.communicate(timeout=120)
+        assert process.returncode == 0
+    produced = read(output)  # a whole, valid file from one writer or the other
+    expected = {}
+    for eps in ("1e-05", "0.5"):
+        single = tmp_path / f"single-{eps}.safetensors"
+        assert invoke("normalize", PAIRS, single, "--eps", eps, "--chunk-rows", "64").exit_code == 0
+        expected[eps] = read(single)
+    assert any(all(torch.equal(produced[k], want[k]) for k in want) for want in expected.values())
+    assert leftovers(tmp_path) == []
+
+
+# --- security -----------------------------------------------------------------------------------
+
+PACKAGE = Path(maskln_cli.__file__).parent
+
+
+def package_source() -> str:
+    return "\n".join(path.read_text() for path in sorted(PACKAGE.glob("*.py")))
+
+
+def test_nothing_is_ever_unpickled_or_run_through_a_shell():
+    source = package_source()
+    for forbidden in (
+        "torch.load",
+        "import pickle",
+        "pickle.load",
+        "shell=True",
+        "os.system",
+        "eval(",
+        "exec(",
+    ):
+        assert forbidden not in source, forbidden
+    assert not re.search(r"^\s*import subprocess|^\s*from subprocess", source, re.MULTILINE)
+
+
+def test_paths_are_used_as_given(tmp_path):
+    """Shell metacharacters in a path are just characters."""
+    strange = tmp_path / "$(touch pwned); `id` & name.safetensors"
+    strange.write_bytes(WORKED.read_bytes())
+    output = tmp_path / "out; rm -rf x.safetensors"
+    result = run("normalize", strange, output)
+    assert result.returncode == 0, result.stderr
+    assert output.exists() and not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+HOSTILE = "\x1b[2J\x1b]0;title\x07evil\u202e[red]"
+
+
+def test_hostile_keys_are_escaped_in_reports(tmp_path):
+    actual = write(tmp_path / "a.safetensors", {HOSTILE: torch.ones(2)}, **{HOSTILE: HOSTILE})
+    expected = write(tmp_path / "e.safetensors", {HOSTILE: torch.zeros(2)})
+    outputs = [
+        invoke("diff", actual, expected).stdout,
+        invoke("diff", actual, expected, "--quiet").stdout,
+        invoke("inspect", actual).stdout,
+    ]
+    for text in outputs:
+        assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+        assert "\\x1b" in text
+    # In JSON the keys are data, escaped by the JSON encoder.
+    document = json.loads(invoke("diff", actual, expected, "--json").stdout)
+    assert document["tensors"][0]["name"] == HOSTILE
+
+
+def test_hostile_names_are_escaped_in_error_messages(tmp_path):
+    source = write(tmp_path / "in.safetensors", {HOSTILE: torch.ones(2, 3)})
+    result = invoke("normalize", source, tmp_path / "o.safetensors", "--valid-key", HOSTILE + "x")
+    assert result.exit_code == 2
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+    assert_one_line_error(result.stderr, "no tensor 'x'")
+
+
+def test_nan_and_inf_metadata_values_do_not_break_json(tmp_path):
+    source = write(tmp_path / "in.safetensors", {"x": torch.tensor([math.nan, math.inf, 1.0])})
+    document = json.loads(invoke("inspect", "--json", source).stdout)
+    assert document["tensors"][0]["nan"] == 1 and document["tensors"][0]["max"] == 1.0
+
+
+def test_spooled_stdin_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tensorfile.tempfile, "tempdir", str(tmp_path))
+    assert invoke("inspect", "-", input=WORKED.read_bytes()).exit_code == 0
+    assert invoke("inspect", "-", input=b"garbage").exit_code == 2
+    assert list(tmp_path.iterdir()) == []
