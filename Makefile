@@ -27,6 +27,9 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+bench: $(INSTALLED)
+	$(BIN)/python benchmarks/bench.py
+
 sample-data: $(INSTALLED)
 	$(BIN)/python scripts/make_sample_data.py
 

@@ -1,0 +1,655 @@
+"""Benchmarks of maskln against the torch one-liner a user would otherwise write.
+
+Run from the repository root with the project's interpreter::
+
+    .venv/bin/python benchmarks/bench.py               # everything (several minutes)
+    .venv/bin/python benchmarks/bench.py --quick       # few repetitions: a smoke test
+    .venv/bin/python benchmarks/bench.py --only core   # groups: core, memory, cli; or figures: 1,3
+    .venv/bin/python benchmarks/bench.py --markdown    # the table as Markdown, for the README
+
+Every figure is a ratio "ours / peer" measured side by side in one run, the two contenders
+interleaved run by run (alternating which goes first; in figures 1 and 2, call by call within
+each repetition) so that machine noise hits both alike; the table gives the min, median and
+max of the per-repetition ratios. "peer" is
+``F.layer_norm(x, (C,), scale, bias, eps).masked_fill(~valid[..., None], 0)``.
+
+1. Forward time without grad (``torch.no_grad()``), 8 cases (4 shapes x float32, float64).
+2. Forward + backward time, x, scale and bias requiring grad, a random upstream gradient.
+3. Peak extra memory of ONE no-grad forward, in a fresh subprocess per case and contender,
+   as a multiple of the output's bytes (see memory_probe.py).
+4. Bytes autograd saves for backward beyond the inputs' own storage, ours / peer.
+5. ``maskln --help`` wall time / ``python -c "import torch"`` wall time.
+6. ``maskln normalize`` of a 512 MiB x / a load_file, one-liner, save_file script
+   (peer_normalize.py): wall time and peak RSS of each process (see run_measured.py).
+7. ``maskln normalize`` of 40 small files in one ``--out-dir`` call / of one small file.
+
+Progress goes to stderr; the header, table and notes go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from workloads import CASES, CONTENDERS, THREADS, Case, Contender, Inputs, make_inputs, ours, peer
+
+import maskln_cli
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PYTHON = sys.executable
+MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
+GROUPS = {"core": (1, 2), "memory": (3, 4), "cli": (5, 6, 7)}
+LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
+BIG_SHAPE = "1048576,128"
+SMALL_SHAPE = "4,64,128"
+SMALL_FILES = 40
+
+T = TypeVar("T")
+progress = Console(stderr=True, highlight=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How hard to measure: repetitions per figure, and the length of a core repetition."""
+
+    core_reps: int
+    core_warmup_pairs: int
+    core_budget_s: float  # one repetition runs (ours, peer) pairs for about this long...
+    core_min_pairs: int  # ...and at least this many pairs
+    memory_reps: int
+    memory_cases: tuple[Case, ...]
+    help_reps: int
+    big_reps: int
+    small_reps: int
+    cli_warmup: bool  # run each command once, unmeasured, before the figures 5 to 7
+
+
+FULL = Settings(
+    core_reps=11,
+    core_warmup_pairs=2,
+    core_budget_s=0.4,
+    core_min_pairs=2,
+    memory_reps=2,
+    memory_cases=CASES,
+    help_reps=11,
+    big_reps=5,
+    small_reps=7,
+    cli_warmup=True,
+)
+QUICK = Settings(
+    core_reps=3,
+    core_warmup_pairs=1,
+    core_budget_s=0.05,
+    core_min_pairs=1,
+    memory_reps=1,
+    memory_cases=LARGE_FLOAT32,
+    help_reps=3,
+    big_reps=1,
+    small_reps=2,
+    cli_warmup=False,
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a figure's per-repetition values for one case."""
+
+    figure: str
+    case: str
+    values: list[float]
+    target: str = "-"
+    met: bool | None = None  # None: no target
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+
+@dataclass
+class Report:
+    """The rows of the table and the notes printed below it."""
+
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# Measuring ------------------------------------------------------------------------------------
+
+
+def time_call(call: Callable[[], object]) -> float:
+    """Wall time of one fresh call; its result is dropped (and freed) inside the timing."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def pairs_per_rep(
+    ours_call: Callable[[], object], peer_call: Callable[[], object], settings: Settings
+) -> int:
+    """Warm both calls up, then size one repetition from the last warm-up pair's time."""
+    pair = math.inf
+    for _ in range(settings.core_warmup_pairs):
+        pair = time_call(ours_call) + time_call(peer_call)
+    return max(settings.core_min_pairs, math.ceil(settings.core_budget_s / max(pair, 1e-9)))
+
+
+def paired_time_ratios(
+    ours_call: Callable[[], object], peer_call: Callable[[], object], settings: Settings
+) -> list[float]:
+    """Per-repetition ratios of the mean time per call, ours / peer.
+
+    Within a repetition the two alternate call by call (ours, peer, peer, ours, ...), so a
+    burst of machine noise lands on both rather than on one contender's whole repetition.
+    """
+    pairs = pairs_per_rep(ours_call, peer_call, settings)
+    values: list[float] = []
+    for _ in range(settings.core_reps):
+        gc.collect()
+        ours_total = peer_total = 0.0
+        for pair in range(pairs):
+            if pair % 2 == 0:
+                ours_total += time_call(ours_call)
+                peer_total += time_call(peer_call)
+            else:
+                peer_total += time_call(peer_call)
+                ours_total += time_call(ours_call)
+        values.append(ours_total / peer_total)
+    return values
+
+
+def interleaved(
+    ours_run: Callable[[], T], peer_run: Callable[[], T], reps: int
+) -> tuple[list[T], list[T]]:
+    """Run both ``reps`` times, alternating which goes first; return ours' and peer's results."""
+    ours_results: list[T] = []
+    peer_results: list[T] = []
+    for rep in range(reps):
+        gc.collect()
+        if rep % 2 == 0:
+            ours_results.append(ours_run())
+            peer_results.append(peer_run())
+        else:
+            peer_results.append(peer_run())
+            ours_results.append(ours_run())
+    return ours_results, peer_results
+
+
+def ratios(ours_values: Iterable[float], peer_values: Iterable[float]) -> list[float]:
+    """Per-repetition ratios ours / peer."""
+    return [o / p for o, p in zip(ours_values, peer_values, strict=True)]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Wall time and peak RSS of one child process."""
+
+    wall_s: float
+    max_rss_bytes: int
+
+
+def run_checked(command: list[str]) -> str:
+    """Run ``command``; return its stdout, or raise with its stderr if it fails."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr}")
+    return done.stdout
+
+
+def run_measured(command: list[str]) -> Measured:
+    """Run ``command`` through run_measured.py; fail loudly if it fails."""
+    launcher = [PYTHON, "-S", "-I", str(HERE / "run_measured.py")]
+    result = json.loads(run_checked([*launcher, *command]))
+    return Measured(result["wall_s"], result["max_rss_bytes"])
+
+
+# Figures 1 and 2: core timing -----------------------------------------------------------------
+
+
+def check_same_result(inputs: Inputs) -> None:
+    """Both contenders must compute the same thing, or the comparison means nothing."""
+    with torch.no_grad():
+        expected, actual = peer(inputs), ours(inputs)
+    tolerance = 1e-4 if inputs.x.dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+
+
+def forward_call(contender: Contender, inputs: Inputs) -> Callable[[], object]:
+    """One no-grad forward, as a user calls it (the output is allocated afresh)."""
+
+    def call() -> object:
+        with torch.no_grad():
+            return contender(inputs)
+
+    return call
+
+
+def forward_backward_call(
+    contender: Contender, inputs: Inputs, grad_out: torch.Tensor
+) -> Callable[[], object]:
+    """One forward and backward, returning the gradients of x, scale and bias."""
+    wrt = (inputs.x, inputs.scale, inputs.bias)
+
+    def call() -> object:
+        return torch.autograd.grad(contender(inputs), wrt, grad_out)
+
+    return call
+
+
+def timing_rows(
+    figure: str,
+    make_calls: Callable[[Case], tuple[Callable[[], object], Callable[[], object]]],
+    settings: Settings,
+    case_target: tuple[str, Callable[[float], bool]] | None,
+) -> list[Row]:
+    """Per-case rows of ours/peer time; ``case_target`` (if any) applies to the case median."""
+    rows: list[Row] = []
+    for case in CASES:
+        progress.print(f"  {figure}: {case.label}")
+        ours_call, peer_call = make_calls(case)
+        values = paired_time_ratios(ours_call, peer_call, settings)
+        target, met = "-", None
+        if case_target is not None:
+            target, check = case_target
+            met = check(statistics.median(values))
+        rows.append(Row(figure, case.label, values, target, met))
+        del ours_call, peer_call
+        gc.collect()
+    return rows
+
+
+def summary_row(figure: str, rows: list[Row], target: str, met: bool) -> Row:
+    """A row over all cases: min, median and max of the per-case medians."""
+    medians = [row.median for row in rows]
+    return Row(figure, f"all {len(rows)} cases (per-case medians)", medians, target, met)
+
+
+def figure_1(settings: Settings, report: Report) -> None:
+    """Forward time without grad, ours / peer."""
+    figure = "1 fwd time, no grad"
+
+    def make_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
+        inputs = make_inputs(case)
+        check_same_result(inputs)
+        return forward_call(ours, inputs), forward_call(peer, inputs)
+
+    rows = timing_rows(figure, make_calls, settings, ("<= 1.60", lambda m: m <= 1.60))
+    medians = [r.median for r in rows]
+    met = statistics.median(medians) <= 1.30 and max(medians) <= 1.60
+    report.rows += [*rows, summary_row(figure, rows, "median <= 1.30, max <= 1.60", met)]
+
+
+def figure_2(settings: Settings, report: Report) -> None:
+    """Forward + backward time, ours / peer."""
+    figure = "2 fwd+bwd time"
+
+    def make_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
+        inputs = make_inputs(case, requires_grad=True)
+        generator = torch.Generator().manual_seed(1)
+        grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
+        return (
+            forward_backward_call(ours, inputs, grad_out),
+            forward_backward_call(peer, inputs, grad_out),
+        )
+
+    rows = timing_rows(figure, make_calls, settings, None)
+    met = statistics.median(r.median for r in rows) <= 1.50
+    report.rows += [*rows, summary_row(figure, rows, "median <= 1.50", met)]
+
+
+# Figures 3 and 4: memory ----------------------------------------------------------------------
+
+
+def probe_extra_memory(contender: str, case: Case) -> float:
+    """Peak extra bytes / output bytes of one forward, in a fresh process (memory_probe.py)."""
+    shape = ",".join(str(size) for size in case.shape)
+    command = [PYTHON, str(HERE / "memory_probe.py"), contender, shape, case.dtype]
+    result = json.loads(run_checked(command))
+    return result["extra_bytes"] / result["output_bytes"]
+
+
+def figure_3(settings: Settings, report: Report) -> None:
+    """Peak extra memory of one no-grad forward, as a multiple of the output's bytes."""
+    figure = "3 fwd peak extra mem / output bytes"
+    for case in settings.memory_cases:
+        progress.print(f"  {figure}: {case.label}")
+        values: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+        for rep in range(settings.memory_reps):
+            order = list(CONTENDERS) if rep % 2 == 0 else list(reversed(CONTENDERS))
+            for name in order:
+                values[name].append(probe_extra_memory(name, case))
+        ours_values = values["ours"]
+        met = statistics.median(ours_values) <= 1.25
+        report.rows.append(Row(figure, f"{case.label}, ours", ours_values, "<= 1.25", met))
+        report.rows.append(Row(figure, f"{case.label}, peer", values["peer"]))
+
+
+def saved_bytes(contender: Contender, inputs: Inputs) -> int:
+    """Bytes of the storages autograd saves in one forward, other than the inputs' own."""
+    inputs_storage = {
+        t.untyped_storage().data_ptr() for t in (inputs.x, inputs.valid, inputs.scale, inputs.bias)
+    }
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in inputs_storage:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = contender(inputs)
+    del out
+    return sum(saved.values())
+
+
+def figure_4(settings: Settings, report: Report) -> None:
+    """Memory kept for backward beyond the inputs, ours / peer, and bytes per row."""
+    figure = "4 saved for backward"
+    for case in CASES:
+        inputs = make_inputs(case, requires_grad=True)
+        ours_bytes, peer_bytes = saved_bytes(ours, inputs), saved_bytes(peer, inputs)
+        label = f"{case.label} ({ours_bytes / case.rows:g} vs {peer_bytes / case.rows:g} B/row)"
+        ratio = ours_bytes / peer_bytes
+        report.rows.append(Row(figure, label, [ratio], "<= 1.00", ratio <= 1.0))
+
+
+# Figures 5 to 7: the command line -------------------------------------------------------------
+
+
+def figure_5(settings: Settings, report: Report) -> None:
+    """``maskln --help`` wall time / ``python -c "import torch"`` wall time."""
+    figure = "5 maskln --help / import torch"
+    progress.print(f"  {figure}")
+    help_command = [MASKLN, "--help"]
+    import_command = [PYTHON, "-c", "import torch"]
+    if settings.cli_warmup:  # page cache, .pyc files
+        run_measured(help_command), run_measured(import_command)
+    helps, imports = interleaved(
+        lambda: run_measured(help_command).wall_s,
+        lambda: run_measured(import_command).wall_s,
+        settings.help_reps,
+    )
+    values = ratios(helps, imports)
+    met = statistics.median(values) <= 0.25
+    report.rows.append(Row(figure, "wall time", values, "<= 0.25", met))
+    report.notes.append(
+        f"5: medians: maskln --help {statistics.median(helps):.3f} s,"
+        f" import torch {statistics.median(imports):.3f} s"
+    )
+
+
+def generate(path: Path, shape: str) -> None:
+    """Write a random input file with ``maskln generate``."""
+    command = [MASKLN, "generate", str(path), "--shape", shape, "--seed", "0", "--quiet"]
+    run_checked(command)
+
+
+def measure_fresh(command: list[str], output: Path) -> Measured:
+    """Run ``command`` after deleting its ``output`` (outside the timing)."""
+    if output.is_dir():
+        for child in output.iterdir():
+            child.unlink()
+    else:
+        output.unlink(missing_ok=True)
+    return run_measured(command)
+
+
+def figure_6(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln normalize`` of a 512 MiB x vs a load/one-liner/save script: wall and peak RSS."""
+    figure = "6 normalize 512 MiB x"
+    progress.print(f"  {figure}: generating the input")
+    source = workdir / "big.safetensors"
+    generate(source, BIG_SHAPE)
+    ours_out, peer_out = workdir / "big_ours.safetensors", workdir / "big_peer.safetensors"
+    ours_command = [MASKLN, "normalize", str(source), str(ours_out)]
+    peer_command = [PYTHON, str(HERE / "peer_normalize.py"), str(source), str(peer_out)]
+    progress.print(f"  {figure}: measuring")
+    if settings.cli_warmup:
+        measure_fresh(ours_command, ours_out), measure_fresh(peer_command, peer_out)
+    ours_runs, peer_runs = interleaved(
+        lambda: measure_fresh(ours_command, ours_out),
+        lambda: measure_fresh(peer_command, peer_out),
+        settings.big_reps,
+    )
+    walls = ratios((r.wall_s for r in ours_runs), (r.wall_s for r in peer_runs))
+    rss = ratios((r.max_rss_bytes for r in ours_runs), (r.max_rss_bytes for r in peer_runs))
+    case = f"[{BIG_SHAPE.replace(',', ', ')}] float32"
+    wall_met, rss_met = statistics.median(walls) <= 1.20, statistics.median(rss) <= 1.10
+    report.rows.append(Row(figure, f"{case}: wall", walls, "<= 1.20", wall_met))
+    report.rows.append(Row(figure, f"{case}: peak RSS", rss, "<= 1.10", rss_met))
+    report.notes.append(
+        "6: medians: maskln normalize"
+        f" {statistics.median(r.wall_s for r in ours_runs):.2f} s,"
+        f" {mib(statistics.median(r.max_rss_bytes for r in ours_runs))};"
+        f" peer script {statistics.median(r.wall_s for r in peer_runs):.2f} s,"
+        f" {mib(statistics.median(r.max_rss_bytes for r in peer_runs))}"
+    )
+    report.notes.append(
+        f"6: each peak RSS includes up to {mib(launcher_floor())} inherited from the launcher"
+        " (run_measured.py running `true`)"
+    )
+    for path in (source, ours_out, peer_out):
+        path.unlink(missing_ok=True)
+
+
+def figure_7(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln normalize`` of 40 small files with --out-dir / of one small file."""
+    figure = f"7 normalize {SMALL_FILES} files / 1 file"
+    progress.print(f"  {figure}")
+    single = workdir / "small.safetensors"
+    generate(single, SMALL_SHAPE)
+    inputs_dir, out_dir = workdir / "small_inputs", workdir / "small_outputs"
+    inputs_dir.mkdir()
+    out_dir.mkdir()
+    many = [inputs_dir / f"part{i:02d}.safetensors" for i in range(SMALL_FILES)]
+    for path in many:
+        shutil.copyfile(single, path)
+    single_out = workdir / "small_out.safetensors"
+    many_command = [MASKLN, "normalize", *map(str, many), "--out-dir", str(out_dir)]
+    single_command = [MASKLN, "normalize", str(single), str(single_out)]
+    if settings.cli_warmup:
+        measure_fresh(many_command, out_dir), measure_fresh(single_command, single_out)
+    manys, singles = interleaved(
+        lambda: measure_fresh(many_command, out_dir).wall_s,
+        lambda: measure_fresh(single_command, single_out).wall_s,
+        settings.small_reps,
+    )
+    values = ratios(manys, singles)
+    case = f"[{SMALL_SHAPE.replace(',', ', ')}] float32: wall"
+    report.rows.append(Row(figure, case, values, "<= 2.00", statistics.median(values) <= 2.0))
+    report.notes.append(
+        f"7: medians: {SMALL_FILES} files {statistics.median(manys):.2f} s,"
+        f" 1 file {statistics.median(singles):.2f} s"
+    )
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Busy CPU seconds of the whole machine, and of this process and its children."""
+
+    wall_s: float
+    machine_busy_s: float
+    own_s: float
+
+
+def cpu_snapshot() -> CpuSnapshot:
+    with open("/proc/stat") as stat:
+        fields = [int(f) for f in stat.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    ticks = os.sysconf("SC_CLK_TCK")
+    own = sum(os.times()[:4])  # user and system, self and (waited-for) children
+    busy = (user + nice + system + irq + softirq) / ticks
+    return CpuSnapshot(time.perf_counter(), busy, own)
+
+
+def background_load(start: CpuSnapshot, end: CpuSnapshot) -> float:
+    """Cores kept busy by other processes on average between two snapshots."""
+    others = (end.machine_busy_s - start.machine_busy_s) - (end.own_s - start.own_s)
+    return max(0.0, others) / (end.wall_s - start.wall_s)
+
+
+def launcher_floor() -> int:
+    """Peak RSS run_measured.py reports for ``true``, a command that uses next to no memory."""
+    return run_measured([shutil.which("true") or "/bin/true"]).max_rss_bytes
+
+
+def mib(count: float) -> str:
+    return f"{count / 2**20:,.0f} MiB"
+
+
+# Output ---------------------------------------------------------------------------------------
+
+
+def header_lines(settings_name: str) -> list[str]:
+    """Date, machine and versions."""
+    cpu = "unknown CPU"
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    cores = len(os.sched_getaffinity(0))
+    return [
+        f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"machine: {cpu}, {cores} cores available ({os.cpu_count()} online),"
+        f" {platform.system()} {platform.release()}",
+        f"versions: maskln {maskln_cli.__version__} ({source_state()}), torch {torch.__version__},"
+        f" Python {platform.python_version()}; torch threads {THREADS}",
+        f"mode: {settings_name}",
+    ]
+
+
+def source_state() -> str:
+    """The git commit measured, and whether maskln_cli/ had uncommitted changes."""
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "maskln_cli")
+    except (OSError, subprocess.CalledProcessError):
+        return "git state unknown"
+    return f"git {commit}" + (", maskln_cli/ with uncommitted changes" if dirty else "")
+
+
+def git(*args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
+def cells(row: Row) -> list[str]:
+    met = "-" if row.met is None else ("yes" if row.met else "no")
+    numbers = (min(row.values), row.median, max(row.values))
+    return [row.figure, row.case, *(f"{n:.2f}" for n in numbers), row.target, met]
+
+
+COLUMNS = ("figure", "case", "min", "median", "max", "target", "met")
+
+
+def print_rich(report: Report, header: Iterable[str]) -> None:
+    console = Console(highlight=False, width=max(150, Console().width))
+    for line in header:
+        console.print(line)
+    table = Table(title="ours / peer (per-repetition ratios)")
+    for name in COLUMNS:
+        table.add_column(name, justify="right" if name in ("min", "median", "max") else "left")
+    for row in report.rows:
+        style = "red" if row.met is False else None
+        table.add_row(*cells(row), style=style)
+    console.print(table)
+    for note in report.notes:
+        console.print(note)
+
+
+def print_markdown(report: Report, header: Iterable[str]) -> None:
+    for line in header:
+        print(f"- {line}")
+    print()
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "|".join("---:" if c in ("min", "median", "max") else "---" for c in COLUMNS) + "|")
+    for row in report.rows:
+        print("| " + " | ".join(cells(row)) + " |")
+    print()
+    for note in report.notes:
+        print(f"- {note}")
+
+
+# Main -----------------------------------------------------------------------------------------
+
+
+def parse_only(text: str | None) -> set[int]:
+    """``core,cli`` or ``1,3`` -> figure numbers; None -> all."""
+    if text is None:
+        return {n for figures in GROUPS.values() for n in figures}
+    chosen: set[int] = set()
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        if token in GROUPS:
+            chosen.update(GROUPS[token])
+        elif token.isdigit() and 1 <= int(token) <= 7:
+            chosen.add(int(token))
+        else:
+            raise SystemExit(f"--only: unknown group or figure {token!r} (core, memory, cli, 1-7)")
+    return chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few repetitions (a smoke test)")
+    parser.add_argument(
+        "--only", metavar="WHAT", help="comma-separated groups (core, memory, cli) or figures 1-7"
+    )
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args()
+    figures = parse_only(args.only)
+    settings = QUICK if args.quick else FULL
+    torch.set_num_threads(THREADS)
+    header = header_lines("quick" if args.quick else "full")
+    report = Report()
+    start = cpu_snapshot()
+    with tempfile.TemporaryDirectory(prefix="maskln-bench-") as tmp:
+        steps: dict[int, Callable[[], None]] = {
+            1: lambda: figure_1(settings, report),
+            2: lambda: figure_2(settings, report),
+            3: lambda: figure_3(settings, report),
+            4: lambda: figure_4(settings, report),
+            5: lambda: figure_5(settings, report),
+            6: lambda: figure_6(settings, report, Path(tmp)),
+            7: lambda: figure_7(settings, report, Path(tmp)),
+        }
+        for number in sorted(figures):
+            progress.print(f"figure {number}")
+            figure_start = time.perf_counter()
+            steps[number]()
+            progress.print(f"figure {number}: {time.perf_counter() - figure_start:.0f} s")
+    end = cpu_snapshot()
+    report.notes.append(
+        f"ran in {end.wall_s - start.wall_s:.0f} s; other processes kept"
+        f" {background_load(start, end):.1f} of {os.cpu_count()} cores busy meanwhile"
+        " (on average; much above 0 makes timings noisy)"
+    )
+    if args.markdown:
+        print_markdown(report, header)
+    else:
+        print_rich(report, header)
+
+
+if __name__ == "__main__":
+    main()
