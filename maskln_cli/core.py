@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterator
 
 import torch
 
@@ -127,14 +128,40 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
     return eps
 
 
+BLOCK_BYTES = 4 << 20
+"""Rows are processed in blocks of about this many bytes of x: the several passes over a block
+then hit the cache instead of memory, and the per-call overhead stays small."""
+
+
+def row_blocks(rows: int, block_rows: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` covering ``range(rows)``; no block has a single row unless rows == 1.
+
+    torch splits a reduction over threads when it has a single output, and so rounds a lone
+    row differently; with two rows or more per block, every row's result is the same whatever
+    the blocking, and chunked results are identical to one whole call.
+
+    Example:
+        >>> list(row_blocks(7, 3))
+        [(0, 3), (3, 7)]
+    """
+    block_rows = max(2, block_rows)
+    start = 0
+    while start < rows:
+        stop = min(rows, start + block_rows)
+        if rows - stop == 1:
+            stop = rows
+        yield start, stop
+        start = stop
+
+
 def forward(
     x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass without autograd: returns ``(y, mean, rstd)``.
 
-    ``mean`` and ``rstd`` have shape ``[..., 1]`` and are 0 on invalid rows. All the work
-    happens in place on the one output buffer, so the only full-size allocation is ``y``.
-    Inputs must already be checked (see :func:`check_inputs`).
+    ``mean`` and ``rstd`` have shape ``[..., 1]`` and are 0 on invalid rows. The work happens
+    in place in the output, a block of rows at a time, so the only full-size allocation is
+    ``y``. Inputs must already be checked (see :func:`check_inputs`).
 
     Example:
         >>> y, mean, rstd = forward(torch.tensor([[1.0, 3.0]]), torch.tensor([True]),
@@ -143,26 +170,81 @@ def forward(
         (tensor([[-0.5000,  0.5000]]), tensor([[2.]]), tensor([[0.5000]]))
     """
     with torch.no_grad():
-        channels = x.shape[-1]
-        row_valid = valid.unsqueeze(-1)
         y = torch.empty_like(x, memory_format=torch.preserve_format)
+        mean = x.new_zeros((*x.shape[:-1], 1))
+        rstd = torch.zeros_like(mean)
         if y.numel() == 0:
-            stats = x.new_zeros((*x.shape[:-1], 1))
-            return y, stats, stats.clone()
-        torch.where(row_valid, x, x.new_zeros(()), out=y)  # sanitize: invalid rows -> 0
-        mean = y.mean(dim=-1, keepdim=True)
-        xc = y.sub_(mean)
-        # Corrected two-pass (Chan, Golub & LeVeque): xc is exact, but mean was rounded; the
-        # mean of xc is that rounding error, and removing it keeps offset data accurate.
-        shift = xc.mean(dim=-1, keepdim=True)
-        # vector_norm is the fastest row reduction here: sum(xc^2) = |xc|^2.
-        var = torch.linalg.vector_norm(xc, dim=-1, keepdim=True).square_().div_(channels)
-        var.sub_(shift.square()).clamp_min_(0.0)
-        rstd = var.add_(eps).rsqrt_().mul_(row_valid)
-        xhat = torch.addcmul(-shift * rstd, xc, rstd, out=y)
-        torch.addcmul(bias, xhat, scale, out=y)
-        y.masked_fill_(~row_valid, 0.0)
+            return y, mean, rstd
+        x_rows, y_rows = _rows(x), _rows(y)
+        if x_rows is None or y_rows is None:  # a layout that cannot be viewed as rows
+            y_contiguous, mean, rstd = forward(x.contiguous(), valid, scale, bias, eps)
+            return y.copy_(y_contiguous), mean, rstd
+        valid_rows = valid.reshape(-1)
+        weight = valid_rows.to(x.dtype).unsqueeze(1)  # 1.0 on valid rows, 0.0 on invalid ones
+        mean_rows, rstd_rows = mean.view(-1, 1), rstd.view(-1, 1)
+        for start, stop in row_blocks(len(x_rows), _block_rows(x)):
+            rows = slice(start, stop)
+            _forward_rows(
+                y_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale, bias, eps,
+                mean_rows[rows], rstd_rows[rows],
+            )  # fmt: skip
+        if not _all_finite(scale, bias):  # then 0 * scale + bias is not 0 on invalid rows
+            y.masked_fill_(~valid.unsqueeze(-1), 0.0)
         return y, mean, rstd
+
+
+def _forward_rows(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> None:
+    """A block of rows [R, C] of the forward pass, in place in y; fills mean and rstd [R, 1].
+
+    Every op here streams over contiguous rows with at most one per-row factor, which torch
+    vectorizes; a broadcast mask (where, masked_fill) would not be.
+    """
+    channels = x.shape[-1]
+    torch.mean(x, dim=-1, keepdim=True, out=mean)
+    # An invalid row's statistics are its own and are discarded (set to 0) before use; a
+    # non-finite mean flags an invalid row holding NaN or inf, which is zeroed before any
+    # arithmetic mixes it with anything else.
+    poisoned = ~(valid | mean.isfinite().squeeze(1))
+    mean.masked_fill_(~valid.unsqueeze(1), 0.0)
+    xc = torch.sub(x, mean, out=y)
+    if poisoned.any():
+        xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
+    # Corrected two-pass (Chan, Golub & LeVeque): xc is exact, but mean was rounded; the mean
+    # of xc is that rounding error, and removing it keeps offset data accurate.
+    shift = xc.mean(dim=-1, keepdim=True)
+    # vector_norm is the fastest row reduction here: sum(xc^2) = |xc|^2.
+    torch.linalg.vector_norm(xc, dim=-1, keepdim=True, out=rstd)
+    var = rstd.square_().div_(channels).sub_(shift.square()).clamp_min_(0.0)
+    var.add_(eps).rsqrt_().mul_(weight)  # rstd, 0 on invalid rows
+    xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
+    torch.addcmul(bias, xhat, scale, out=y)
+    y.mul_(weight).add_(0.0)  # invalid rows: bias * 0 is -0.0 where bias < 0; -0.0 + 0.0 is +0.0
+
+
+def _block_rows(x: torch.Tensor) -> int:
+    return BLOCK_BYTES // max(1, x.shape[-1] * x.element_size())
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[..., C]`` viewed as ``[rows, C]`` (never a copy), or None when the strides forbid it."""
+    try:
+        return tensor.view(-1, tensor.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(t.isfinite().all()) for t in tensors)
 
 
 def backward(
@@ -204,6 +286,103 @@ def backward(
     return dx, dscale, dbias
 
 
+def backward_in_place(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dx: bool = True,
+    need_dscale: bool = True,
+    need_dbias: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The same gradients as :func:`backward`, without autograd: in place on two buffers, a
+    block of rows at a time. This is the first-order backward pass.
+
+    Example:
+        >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
+        >>> y, mean, rstd = forward(x, valid, torch.ones(2), torch.zeros(2), 3.0)
+        >>> backward_in_place(torch.tensor([[1.0, 0.0]]), x, valid, torch.ones(2), mean, rstd)
+        (tensor([[ 0.1875, -0.1875]]), tensor([-0.5000,  0.0000]), tensor([1., 0.]))
+    """
+    with torch.no_grad():
+        channels = x.shape[-1]
+        x_rows = _rows(x)
+        x_rows = x.contiguous().view(-1, channels) if x_rows is None else x_rows
+        dy_rows = _rows(dy)
+        dy_rows = dy.contiguous().view(-1, channels) if dy_rows is None else dy_rows
+        valid_rows = valid.reshape(-1)
+        weight = valid_rows.to(x.dtype)
+        mean_rows, rstd_rows = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+        dx = torch.empty_like(x_rows)  # the result, or a workspace when dx is not needed
+        block = min(len(x_rows), max(2, _block_rows(x)))
+        workspace = x_rows.new_empty(2, block, channels)
+        dscale = x.new_zeros(channels) if need_dscale else None
+        dbias = x.new_zeros(channels) if need_dbias else None
+        for start, stop in row_blocks(len(x_rows), _block_rows(x)):
+            rows = slice(start, stop)
+            _backward_rows(
+                dy_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale,
+                mean_rows[rows], rstd_rows[rows], dx[rows], workspace[:, : stop - start],
+                dscale, dbias, need_dx,
+            )  # fmt: skip
+        if need_dx and not _all_finite(scale):  # then 0 * scale is not 0 on invalid rows
+            dx.masked_fill_(~valid_rows.unsqueeze(1), 0.0)
+        return (dx.view(x.shape) if need_dx else None), dscale, dbias
+
+
+def _backward_rows(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    workspace: torch.Tensor,
+    dscale: torch.Tensor | None,
+    dbias: torch.Tensor | None,
+    need_dx: bool,
+) -> None:
+    """A block of rows [R, C] of :func:`backward_in_place`: writes dx (used as workspace when
+    not needed) and adds to dscale and dbias; ``workspace`` is [2, R, C].
+
+    Only row reductions and sums over rows, no matrix products: a row's result must not depend
+    on how many rows share its block (BLAS kernels treat row counts differently).
+    """
+    xhat_buffer, scratch = workspace
+    # wdy = dy * scale and c2 = mean_C(wdy); a non-finite c2 flags an invalid row whose dy
+    # holds NaN or inf, zeroed before it is used.
+    wdy = torch.mul(dy, scale, out=dx)
+    c2 = wdy.mean(dim=-1, keepdim=True)
+    poisoned = ~(valid | c2.isfinite().squeeze(1))
+    if poisoned.any():
+        dy = dy.clone().index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
+        wdy = torch.mul(dy, scale, out=dx)
+        c2 = wdy.mean(dim=-1, keepdim=True)
+    if dbias is not None:  # outputs of invalid rows are constants: their dy counts for nothing
+        dbias += torch.mul(dy, weight.unsqueeze(1), out=scratch).sum(dim=0)
+    if dscale is None and not need_dx:
+        return
+    # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).
+    xc = torch.sub(x, mean, out=xhat_buffer)
+    shift = xc.mean(dim=-1, keepdim=True)
+    poisoned = ~(valid | shift.isfinite().squeeze(1))
+    if poisoned.any():
+        xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
+    shift.masked_fill_(~valid.unsqueeze(1), 0.0)
+    xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
+    if dscale is not None:
+        dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
+    if not need_dx:
+        return
+    c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
+    # dx = rstd * (wdy - xhat * c1 - c2); rstd is 0 on invalid rows
+    wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
+
+
 def row_statistics(
     x: torch.Tensor, valid: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,13 +415,14 @@ class _MaskedLayerNorm(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, valid, scale, mean, rstd = ctx.saved_tensors
         need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
+        needs = (need_dx, need_dscale, need_dbias)
         if torch.is_grad_enabled():
             # create_graph: the saved statistics carry no graph, so recompute them from x for
-            # the second-order terms that flow through mean and rstd.
+            # the second-order terms that flow through mean and rstd, with differentiable ops.
             mean, rstd = row_statistics(x, valid, ctx.eps)
-        dx, dscale, dbias = backward(
-            dy, x, valid, scale, mean, rstd, need_dx, need_dscale, need_dbias
-        )
+            dx, dscale, dbias = backward(dy, x, valid, scale, mean, rstd, *needs)
+        else:
+            dx, dscale, dbias = backward_in_place(dy, x, valid, scale, mean, rstd, *needs)
         return dx, None, dscale, dbias, None
 
 

@@ -33,7 +33,8 @@ DEFAULT_EPS = 1e-5
 DTYPE_CHOICES = ("auto", "float32", "float64")
 FLOATING = ("float16", "bfloat16", "float32", "float64")
 CHUNK_BYTES = 8 * 2**20
-"""Rows are processed in chunks of about this many bytes of x (at least two rows each)."""
+"""Rows are processed in chunks of about this many bytes of x (at least two rows each, so
+that chunked results are identical to one whole call: see core.row_blocks)."""
 
 GRADIENT_KEYS = ("grad_x", "grad_scale", "grad_bias")
 
@@ -275,34 +276,14 @@ def check_eps(eps: float, where: str) -> float:
     return eps
 
 
-def row_chunks(rows: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` covering ``range(rows)``; no chunk has a single row unless rows == 1.
-
-    A one-row reduction is split across threads by torch, which rounds differently; keeping
-    every chunk at two rows or more makes chunked results identical to one whole call.
-
-    Example:
-        >>> list(row_chunks(7, 3))
-        [(0, 3), (3, 7)]
-    """
-    chunk_rows = max(2, chunk_rows)
-    start = 0
-    while start < rows:
-        stop = min(rows, start + chunk_rows)
-        if rows - stop == 1:
-            stop = rows
-        yield start, stop
-        start = stop
-
-
 def iter_outputs(problem: Problem) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(start, stop, out[start:stop])`` for each chunk of rows, computed without autograd."""
     import torch
 
-    from maskln_cli.core import masked_layer_normalization
+    from maskln_cli.core import masked_layer_normalization, row_blocks
 
     with torch.no_grad():
-        for start, stop in row_chunks(problem.rows, problem.chunk_rows):
+        for start, stop in row_blocks(problem.rows, problem.chunk_rows):
             x = problem.x[start:stop].to(problem.dtype)
             valid = problem.valid[start:stop]
             out = masked_layer_normalization(x, valid, problem.scale, problem.bias, problem.eps)
@@ -326,12 +307,12 @@ def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, 
     """
     import torch
 
-    from maskln_cli.core import masked_layer_normalization
+    from maskln_cli.core import masked_layer_normalization, row_blocks
 
     if problem.grad_out is None:
         raise ValueError("the problem has no grad_out")
     with torch.enable_grad():
-        for start, stop in row_chunks(problem.rows, problem.chunk_rows):
+        for start, stop in row_blocks(problem.rows, problem.chunk_rows):
             x = problem.x[start:stop].to(problem.dtype).requires_grad_()
             scale = problem.scale.detach().requires_grad_()
             bias = problem.bias.detach().requires_grad_()

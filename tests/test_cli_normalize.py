@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import itertools
 import math
 import os
 import pty
@@ -107,15 +106,6 @@ def test_chunked_results_are_identical_to_one_whole_call(tmp_path, chunk_rows):
         chunked_error = (chunked[key].double() - truth[key]).abs().max()
         whole_error = (whole[key].double() - truth[key]).abs().max()
         assert chunked_error <= max(whole_error, 1e-6 * truth[key].abs().max())
-
-
-def test_chunks_never_hold_a_single_row():
-    for rows in range(1, 40):
-        for chunk in range(1, 12):
-            bounds = list(normalize_module.row_chunks(rows, chunk))
-            assert bounds[0][0] == 0 and bounds[-1][1] == rows
-            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-            assert all(stop - start >= 2 for start, stop in bounds) or rows == 1
 
 
 def test_progress_is_reported_up_to_the_total(tmp_path):

@@ -580,3 +580,68 @@ def test_forward_statistics_are_zero_on_invalid_rows():
     assert torch.equal(rstd[~valid], torch.zeros_like(rstd[~valid]))
     expected_rstd = 1 / torch.sqrt(x[valid].var(-1, unbiased=False) + 1e-5)
     torch.testing.assert_close(rstd[valid][:, 0], expected_rstd)
+
+
+# --- blocking: results do not depend on how rows are split ---------------------------------------
+
+
+def test_chunks_never_hold_a_single_row():
+    for rows in range(1, 40):
+        for chunk in range(1, 12):
+            bounds = list(core.row_blocks(rows, chunk))
+            assert bounds[0][0] == 0 and bounds[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+            assert all(stop - start >= 2 for start, stop in bounds) or rows == 1
+
+
+@pytest.mark.parametrize("block_bytes", [1, 64, 1000, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocked_forward_is_identical_to_one_block(monkeypatch, block_bytes, dtype):
+    x, valid, scale, bias = make_inputs((7, 9), 33, dtype, poison=True)
+    whole = masked_layer_normalization(x, valid, scale, bias)
+    monkeypatch.setattr(core, "BLOCK_BYTES", block_bytes)
+    assert torch.equal(masked_layer_normalization(x, valid, scale, bias), whole)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 64, 1000, 1 << 20])
+def test_blocked_backward_matches_the_differentiable_backward(monkeypatch, block_bytes):
+    monkeypatch.setattr(core, "BLOCK_BYTES", block_bytes)
+    x, valid, scale, bias = make_inputs((6, 5), 12, poison=True)
+    dy = torch.randn(x.shape, dtype=x.dtype)
+    _, mean, rstd = core.forward(x, valid, scale, bias, 1e-5)
+    fast = core.backward_in_place(dy, x, valid, scale, mean, rstd)
+    plain = core.backward(dy, x, valid, scale, mean, rstd)
+    for got, want in zip(fast, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(fast[0][~valid], torch.zeros_like(fast[0][~valid]))
+    partial = core.backward_in_place(dy, x, valid, scale, mean, rstd, False, True, False)
+    assert partial[0] is None and partial[2] is None
+    torch.testing.assert_close(partial[1], plain[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_non_finite_values_in_valid_rows_propagate_as_in_the_reference(dtype):
+    """NaN or inf in a *valid* row is the caller's data: it gives NaN there, as the formula does,
+    and leaves every other row alone."""
+    x, valid, scale, bias = make_inputs((6, 5), 8, dtype, poison=True, valid_fraction=0.7)
+    rows = valid.nonzero()[:3]
+    for (i, j), value in zip(rows.tolist(), (math.nan, math.inf, -math.inf), strict=True):
+        x[i, j, 2] = value
+    out = masked_layer_normalization(x, valid, scale, bias)
+    expected = reference_masked_layer_norm(x, valid, scale, bias)
+    torch.testing.assert_close(out.double(), expected, equal_nan=True, **TOLERANCE[dtype])
+    assert out[tuple(rows[0])].isnan().all() and out[tuple(rows[1])].isnan().all()
+
+
+@pytest.mark.parametrize("which", ["scale", "bias"])
+def test_non_finite_parameters_still_give_zero_invalid_rows(which):
+    x, valid, scale, bias = make_inputs((4, 5), 6, poison=True, valid_fraction=0.5)
+    params = {"scale": scale.clone(), "bias": bias.clone()}
+    params[which][1] = math.inf
+    params[which][2] = math.nan
+    leaves = [t.clone().requires_grad_() for t in (x, params["scale"], params["bias"])]
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2])
+    assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
+    assert not out[~valid].signbit().any()
+    (dx,) = torch.autograd.grad(out, leaves[0], torch.ones_like(out))
+    assert torch.equal(dx[~valid], torch.zeros_like(dx[~valid]))
