@@ -8,10 +8,12 @@ Exit codes: 0 success, 1 a comparison found a mismatch, 2 a usage, input or outp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -100,7 +102,11 @@ def reports_errors(command: Command) -> Command:
         from maskln_cli import report
 
         try:
-            return command(*args, **kwargs)
+            with warnings.catch_warnings():
+                # Library warnings are not for the command line's user: stderr carries one
+                # line per error, and the conditions that warn are handled (or reported).
+                warnings.simplefilter("ignore")
+                return command(*args, **kwargs)
         except MasklnError as failure:
             report.error(str(failure))
             _detach_broken_stdout()
@@ -288,19 +294,7 @@ def normalize(
     from maskln_cli import report
     from maskln_cli.normalize import normalize_file
 
-    options = NormalizeOptions(
-        x_key=x_key,
-        valid_key=valid_key,
-        scale_key=scale_key,
-        bias_key=bias_key,
-        grad_out_key=grad_out_key,
-        out_key=out_key,
-        params=params,
-        grad_out=grad_out,
-        eps=eps,
-        dtype=dtype.value,
-        chunk_rows=chunk_rows,
-    )
+    options = _normalize_options(locals())
     jobs = _normalize_jobs(paths, out_dir)
     failures = 0
     for input_path, output_path in jobs:
@@ -321,6 +315,12 @@ def normalize(
         raise MasklnError(
             f"{failures} of {len(jobs)} inputs failed; their outputs were not written"
         )
+
+
+def _normalize_options(arguments: dict[str, Any]) -> NormalizeOptions:
+    """NormalizeOptions from a command's arguments (normalize and verify share their names)."""
+    values = {f.name: arguments[f.name] for f in dataclasses.fields(NormalizeOptions)}
+    return NormalizeOptions(**dict(values, dtype=values["dtype"].value))
 
 
 def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, str]]:
@@ -510,19 +510,7 @@ def verify(
     from maskln_cli import report
     from maskln_cli.verify import verify_file
 
-    options = NormalizeOptions(
-        x_key=x_key,
-        valid_key=valid_key,
-        scale_key=scale_key,
-        bias_key=bias_key,
-        grad_out_key=grad_out_key,
-        out_key=out_key,
-        params=params,
-        grad_out=grad_out,
-        eps=eps,
-        dtype=dtype.value,
-        chunk_rows=chunk_rows,
-    )
+    options = _normalize_options(locals())
     with report.progress_bar(f"verify {input_path}") as progress:
         result = verify_file(input_path, expected_path, options, rtol, atol, progress)
     _finish_comparison(result, json_output, quiet)

@@ -9,6 +9,7 @@ multi-GB tensors compare in bounded memory. :func:`diff_files` compares two file
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,6 +33,26 @@ WORST_ROWS = 5
 """How many of the worst rows a comparison keeps for the report."""
 CHUNK_ELEMENTS = 1 << 22
 """Elements compared at a time (rounded to whole rows): a few float64 temporaries of 32 MiB."""
+
+
+@functools.cache
+def converts_to_float64(dtype: torch.dtype) -> bool:
+    """Whether values of ``dtype`` can be compared as float64 (not complex, not float4).
+
+    Example:
+        >>> import torch
+        >>> converts_to_float64(torch.bfloat16), converts_to_float64(torch.complex64)
+        (True, False)
+    """
+    import torch
+
+    if dtype.is_complex:
+        return False
+    try:
+        torch.zeros(1, dtype=dtype).double()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def default_tolerance(*dtypes: str) -> tuple[float, float]:
@@ -147,6 +168,9 @@ class Comparison:
         self.expected_shape = list(expected_shape)
         self.dtype = dtype
         self.expected_dtype = expected_dtype
+        self._float64_forms = all(
+            converts_to_float64(_torch_dtype(d)) for d in (dtype, expected_dtype)
+        )
         self.rtol = default_rtol if rtol is None else rtol
         self.atol = default_atol if atol is None else atol
         # Rows are the leading index; a tensor of rank 0 or 1 has one element per row.
@@ -166,9 +190,14 @@ class Comparison:
         self._worst: list[tuple[float, int, float, float]] = []
 
     @property
-    def comparable(self) -> bool:
-        """Values can be compared only when the shapes agree."""
+    def same_shape(self) -> bool:
         return self.shape == self.expected_shape
+
+    @property
+    def comparable(self) -> bool:
+        """Values can be compared (fed to :meth:`update`) when the shapes agree and both dtypes
+        have a float64 form (see :func:`converts_to_float64`)."""
+        return self.same_shape and self._float64_forms
 
     def chunk_rows(self) -> int:
         """Rows per chunk for :meth:`update`, about :data:`CHUNK_ELEMENTS` elements."""
@@ -263,6 +292,7 @@ class Comparison:
             atol=self.atol,
         )
         if not (self.comparable and compared):
+            outcome.passed = not problems
             return outcome
         if self._offset != self.numel:
             raise ValueError(f"compared {self._offset} of {self.numel} elements of {self.name!r}")
@@ -340,8 +370,8 @@ def compare_tensors(
         rtol,
         atol,
     )
-    if actual.is_complex() or expected.is_complex():
-        return comparison.result(["complex values are not compared"], compared=False)
+    if not (converts_to_float64(actual.dtype) and converts_to_float64(expected.dtype)):
+        return comparison.result(_compare_bytes(actual, expected, comparison), compared=False)
     if comparison.comparable and comparison.numel:
         step = comparison.chunk_rows() * comparison.row_length
         flat_actual, flat_expected = actual.reshape(-1), expected.reshape(-1)
@@ -350,6 +380,21 @@ def compare_tensors(
                 flat_actual[start : start + step], flat_expected[start : start + step]
             )
     return comparison.result()
+
+
+def _compare_bytes(
+    actual: torch.Tensor, expected: torch.Tensor, comparison: Comparison
+) -> list[str]:
+    """Tensors whose values have no float64 form (complex, float4) must be equal bit for bit."""
+    import torch
+
+    dtype = _dtype_name(actual.dtype)
+    if not comparison.same_shape or actual.dtype != expected.dtype:
+        return [f"values not compared: {dtype} vs {_dtype_name(expected.dtype)}"]
+    as_bytes = (t.contiguous().reshape(-1).view(torch.uint8) for t in (actual, expected))
+    if torch.equal(*as_bytes):
+        return []
+    return [f"{dtype} values differ (compared bit for bit: {dtype} has no float64 form)"]
 
 
 def missing(name: str, side: str, shape: Sequence[int], dtype: str) -> TensorComparison:
@@ -431,6 +476,12 @@ def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:
 def check_tolerance(value: float | None, option: str) -> None:
     if value is not None and not (math.isfinite(value) and value >= 0):
         raise MasklnError(f"{option}: must be a finite number >= 0, got {value}")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -15,11 +15,14 @@ and y = +0.0 on invalid rows. The backward pass, with wdy = scale * dy::
     dscale = sum over valid rows of dy * xhat
     dx     = rstd * (wdy - xhat * c1 - c2),   c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
 
-and dx = 0 on invalid rows. Invalid rows of x are replaced by zeros before any reduction, and
-their mean and rstd are stored as 0, so whatever they hold (NaN, inf) never reaches an output
-or a gradient. ``shift`` is the corrected two-pass algorithm (Chan, Golub & LeVeque, 1983): on
-float32 rows with a large common offset it keeps the error near float32's resolution, where a
-plain two-pass (torch's own layer_norm included) loses several digits to the rounded mean.
+and dx = 0 on invalid rows. An invalid row is never mixed with another: its statistics are its
+own and are set to 0 before use; NaN or inf in it, flagged by its non-finite mean, are zeroed
+before any other arithmetic; and every sum across rows (dscale, dbias) reads valid rows only. So
+whatever invalid rows hold never reaches an output or a gradient.
+
+``shift`` is the corrected two-pass algorithm (Chan, Golub & LeVeque, 1983): on float32 rows
+with a large common offset it keeps the error near float32's resolution, where a plain two-pass
+(torch's own layer_norm included) loses several digits to the rounded mean.
 """
 
 from __future__ import annotations
@@ -125,7 +128,21 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
     eps = float(eps)
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a finite positive number, got {eps!r}")
+    compute = torch.float32 if x.dtype in _COMPUTED_IN_FLOAT32 else x.dtype
+    if eps_rounds_to_zero(eps, compute):
+        raise ValueError(f"eps {eps!r} rounds to 0 in {_dtype_name(compute)}, the compute dtype")
     return eps
+
+
+def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
+    """True when eps, positive as a Python float, is 0 in ``dtype`` (then rows of constant
+    values would divide by zero).
+
+    Example:
+        >>> eps_rounds_to_zero(1e-50, torch.float32), eps_rounds_to_zero(1e-50, torch.float64)
+        (True, False)
+    """
+    return torch.tensor(eps, dtype=dtype).item() == 0.0
 
 
 BLOCK_BYTES = 4 << 20
@@ -223,12 +240,28 @@ def _forward_rows(
     # of xc is that rounding error, and removing it keeps offset data accurate.
     shift = xc.mean(dim=-1, keepdim=True)
     # vector_norm is the fastest row reduction here: sum(xc^2) = |xc|^2.
-    torch.linalg.vector_norm(xc, dim=-1, keepdim=True, out=rstd)
-    var = rstd.square_().div_(channels).sub_(shift.square()).clamp_min_(0.0)
-    var.add_(eps).rsqrt_().mul_(weight)  # rstd, 0 on invalid rows
+    norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True)
+    if norm.dtype != torch.float64 and not bool(norm.isfinite().all()):
+        # |xc|^2 overflowed float32 in some row (|x| ~ 1e19 and up): again, in float64.
+        norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True, dtype=torch.float64)
+    rstd.copy_(_rstd(norm, shift, channels, eps))
+    invalid = ~valid.unsqueeze(1)
+    rstd.masked_fill_(invalid, 0.0)
+    shift.masked_fill_(invalid, 0.0)  # so that an invalid row's xhat is exactly (xc - 0) * 0
     xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
     torch.addcmul(bias, xhat, scale, out=y)
     y.mul_(weight).add_(0.0)  # invalid rows: bias * 0 is -0.0 where bias < 0; -0.0 + 0.0 is +0.0
+
+
+def _rstd(norm: torch.Tensor, shift: torch.Tensor, channels: int, eps: float) -> torch.Tensor:
+    """1 / sqrt(|xc|^2 / C - shift^2 + eps) per row, computed in float64.
+
+    The row statistics are few, so float64 costs nothing here; it keeps |xc|^2 from overflowing
+    float32 for rows of large magnitude, whose rstd is itself representable.
+    """
+    norm, shift = norm.double(), shift.double()
+    var = norm.square_().div_(channels).sub_(shift.square()).clamp_min_(0.0)
+    return var.add_(eps).rsqrt_()
 
 
 def _block_rows(x: torch.Tensor) -> int:

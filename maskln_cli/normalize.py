@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 DEFAULT_EPS = 1e-5
 DTYPE_CHOICES = ("auto", "float32", "float64")
 FLOATING = ("float16", "bfloat16", "float32", "float64")
+NUMERIC = (*FLOATING, "int8", "int16", "int32", "int64", "uint8")
+"""dtypes a parameter may have (cast to the compute dtype); torch cannot convert float4, and
+barely computes with uint16 to uint64."""
+MASK_DTYPES = NUMERIC
 CHUNK_BYTES = 8 * 2**20
 """Rows are processed in chunks of about this many bytes of x (at least two rows each, so
 that chunked results are identical to one whole call: see core.row_blocks)."""
@@ -147,6 +151,9 @@ def _prepare(
     channels = x_info.shape[-1]
     if channels == 0:
         raise MasklnError(f"{where} has shape {list(x_info.shape)}: zero channels")
+    # scale, bias (defaults included) and the gradient sums are channel-sized: even with no
+    # rows, a header can ask for 2**40 channels.
+    check_memory(channels * 8 * 8, f"{where} of {channels:,} channels")
     leading = x_info.shape[:-1]
     dtype = getattr(torch, x_info.dtype if options.dtype == "auto" else options.dtype)
     x = data.tensor(options.x_key).reshape(-1, channels)
@@ -200,7 +207,7 @@ def _prepare(
         scale=scale,
         bias=bias,
         grad_out=grad_out,
-        eps=_resolve_eps(options.eps, data),
+        eps=_resolve_eps(options.eps, data, dtype),
         dtype=dtype,
         chunk_rows=rows_per_chunk,
         notes=notes,
@@ -231,7 +238,7 @@ def _as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...
         )
     if valid.dtype == torch.bool:
         return valid
-    if valid.is_complex() or _dtype_name(valid.dtype).startswith("float8"):
+    if _dtype_name(valid.dtype) not in MASK_DTYPES:
         raise MasklnError(f"{where} has dtype {_dtype_name(valid.dtype)}; expected bool or 0/1")
     is_zero, is_one = valid == 0, valid == 1
     bad = ~(is_zero | is_one)
@@ -250,15 +257,15 @@ def _as_parameter(param: torch.Tensor, source: str, key: str, channels: int) -> 
         raise MasklnError(
             f"{where} has shape {list(param.shape)}; expected [{channels}] (x's channels)"
         )
-    if param.is_complex() or _dtype_name(param.dtype) in ("bool",):
-        raise MasklnError(f"{where} has dtype {_dtype_name(param.dtype)}; expected float")
+    if _dtype_name(param.dtype) not in NUMERIC:
+        raise MasklnError(f"{where} has dtype {_dtype_name(param.dtype)}; expected a float")
     return param
 
 
-def _resolve_eps(eps: float | None, data: TensorFile) -> float:
-    """--eps when given, else the input's metadata 'eps', else 1e-5."""
+def _resolve_eps(eps: float | None, data: TensorFile, dtype: torch.dtype) -> float:
+    """--eps when given, else the input's metadata 'eps', else 1e-5; checked for ``dtype``."""
     if eps is not None:
-        return check_eps(eps, "--eps")
+        return check_eps(eps, "--eps", dtype)
     if "eps" not in data.metadata:
         return DEFAULT_EPS
     text = data.metadata["eps"]
@@ -266,13 +273,22 @@ def _resolve_eps(eps: float | None, data: TensorFile) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    return check_eps(value, f"{data.name}: metadata 'eps' ({text!r})")
+    return check_eps(value, f"{data.name}: metadata 'eps' ({text!r})", dtype)
 
 
-def check_eps(eps: float, where: str) -> float:
-    """eps must be finite and positive; ``where`` names its source in the message."""
+def check_eps(eps: float, where: str, dtype: torch.dtype | None = None) -> float:
+    """eps must be finite and positive, and not 0 in the compute dtype for ``dtype``;
+    ``where`` names its source in the message."""
     if not (math.isfinite(eps) and eps > 0):
         raise MasklnError(f"{where}: eps must be a finite positive number")
+    if dtype is not None:
+        import torch
+
+        from maskln_cli.core import eps_rounds_to_zero
+
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        if eps_rounds_to_zero(eps, compute):
+            raise MasklnError(f"{where}: eps {eps!r} rounds to 0 in {_dtype_name(compute)}")
     return eps
 
 
@@ -337,6 +353,8 @@ def normalize_file(
     ``sum(out * grad_out)``. Its metadata records ``eps``, ``dtype`` and ``maskln_version``.
     """
     options = options or NormalizeOptions()
+    if options.out_key in ("", "__metadata__"):
+        raise MasklnError(f"--out-key: {options.out_key!r} cannot name a tensor in safetensors")
     with load_problem(input_path, options) as problem:
         keys = [options.out_key]
         if problem.grad_out is not None:

@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from maskln_cli.compare import converts_to_float64
 from maskln_cli.tensorfile import TensorFile, open_tensor_file
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def summarize_tensor(file: TensorFile, key: str) -> TensorSummary:
     if info.dtype == "bool":
         summary.true = sum(int(chunk.sum()) for chunk in _chunks(tensor))
         return summary
-    if tensor.is_complex():
+    if not converts_to_float64(tensor.dtype):  # complex, float4: no statistics
         return summary
     moments = _Moments()
     nan = inf = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 import sys
@@ -76,21 +77,17 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 class TensorFile:
     """An open safetensors file; tensors come memory-mapped, read as they are used."""
 
-    def __init__(self, handle: object, name: str) -> None:
+    def __init__(self, handle: object, name: str, path: str) -> None:
         self._handle = handle
         self.name = name
         self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
-        # offset_keys: file order, which is what a person reading the header expects.
-        self._keys: list[str] = list(handle.offset_keys())  # type: ignore[attr-defined]
+        self._keys: list[str] = _data_order(path, list(handle.keys()))  # type: ignore[attr-defined]
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -146,9 +143,24 @@ def open_tensor_file(path: str) -> Iterator[TensorFile]:
             handle = stack.enter_context(safe_open(source, framework="pt"))
         except Exception as error:
             raise MasklnError(f"{name}: not a valid safetensors file: {_reason(error)}") from None
+        tensor_file = TensorFile(handle, name, source)
         if path == STDIO:
             os.unlink(spool)  # the mapping keeps the data; nothing is left behind on a crash
-        yield TensorFile(handle, name)
+        yield tensor_file
+
+
+def _data_order(path: str, keys: list[str]) -> list[str]:
+    """``keys`` in the order of their data in the file, ties (empty tensors) broken by name.
+
+    This is the order a person reading the header expects, and it is stable; safetensors'
+    own ``offset_keys()`` leaves ties in hash order. The header was validated by safetensors.
+    """
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+    wanted = set(keys)
+    offsets = {key: tuple(entry["data_offsets"]) for key, entry in header.items() if key in wanted}
+    return sorted(keys, key=lambda key: (offsets.get(key, ()), key))
 
 
 def _check_readable_file(path: str) -> None:
@@ -239,6 +251,8 @@ class SafetensorsWriter:
         header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
         offset = 0
         for key, entry in tensors.items():
+            if key == "__metadata__":
+                raise MasklnError(f"{name}: '__metadata__' is reserved and cannot name a tensor")
             dtype, shape = entry
             nbytes = data_bytes({key: entry})
             header[key] = {
@@ -327,15 +341,7 @@ def data_bytes(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> int:
         >>> data_bytes({"out": ("float32", (2, 3)), "valid": ("bool", (2,))})
         26
     """
-    from torch import empty
-
-    total = 0
-    for dtype, shape in tensors.values():
-        count = empty((), dtype=_torch_dtype(dtype)).element_size()
-        for size in shape:
-            count *= size
-        total += count
-    return total
+    return sum(_torch_dtype(dtype).itemsize * math.prod(shape) for dtype, shape in tensors.values())
 
 
 @contextlib.contextmanager

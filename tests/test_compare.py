@@ -165,3 +165,13 @@ def test_worst_rows_are_the_worst_across_chunks():
     result = comparison.result()
     assert [w.row for w in result.worst] == [[11], [10], [9], [8], [7]]
     assert [w.index[-1] for w in result.worst] == [1, 0, 1, 0, 1]
+
+
+def test_values_without_a_float64_form_are_compared_bit_for_bit():
+    a = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    same = compare_tensors("c", a, a.clone())
+    assert same.passed and same.mismatched is None  # no element figures without float64 values
+    other = compare_tensors("c", a, a * 2)
+    assert not other.passed and "bit for bit" in other.problems[0]
+    against_float = compare_tensors("c", a, torch.ones(2))
+    assert not against_float.passed

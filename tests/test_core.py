@@ -645,3 +645,29 @@ def test_non_finite_parameters_still_give_zero_invalid_rows(which):
     assert not out[~valid].signbit().any()
     (dx,) = torch.autograd.grad(out, leaves[0], torch.ones_like(out))
     assert torch.equal(dx[~valid], torch.zeros_like(dx[~valid]))
+
+
+def test_eps_that_rounds_to_zero_in_the_compute_dtype_is_refused():
+    x, valid, scale, bias = make_inputs((2, 3), 4, torch.float32)
+    with pytest.raises(ValueError, match=r"^eps 1e-50 rounds to 0 in float32"):
+        masked_layer_normalization(x, valid, scale, bias, 1e-50)
+    with pytest.raises(ValueError, match="float32"):  # half dtypes compute in float32
+        masked_layer_normalization(x.half(), valid, scale.half(), bias.half(), 1e-50)
+    out = masked_layer_normalization(x.double(), valid, scale.double(), bias.double(), 1e-50)
+    assert out[valid].isfinite().all()
+
+
+@pytest.mark.parametrize("magnitude", [1e19, 1e25, 3e37])
+def test_rows_of_large_magnitude(magnitude):
+    """|xc|^2 overflows float32 here, though the result does not: valid rows still match the
+    reference, and invalid rows of such values are still exactly zero, forward and backward."""
+    x = torch.tensor([[1.0, 1.0, -2.0], [0.5, 2.0, -1.5], [3.0, -1.0, 2.0]]) * magnitude
+    valid = torch.tensor([True, False, True])
+    scale, bias = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.25, 0.0, -1.0])
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2])
+    torch.testing.assert_close(out.double(), reference_masked_layer_norm(x, valid, scale, bias))
+    assert torch.equal(out[1], torch.zeros(3)) and not out[1].signbit().any()
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert torch.equal(grads[0][1], torch.zeros(3))
+    assert all(g.isfinite().all() for g in grads[1:])
