@@ -80,7 +80,7 @@ def masked_layer_normalization(
         return out.to(x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or bias.requires_grad):
         return _MaskedLayerNorm.apply(x, valid, scale, bias, eps)
-    return forward(x, valid, scale, bias, eps)[0]
+    return forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
 
 
 def check_inputs(x: object, valid: object, scale: object, bias: object, eps: object) -> float:
@@ -172,13 +172,20 @@ def row_blocks(rows: int, block_rows: int) -> Iterator[tuple[int, int]]:
 
 
 def forward(
-    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    keep_statistics: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The forward pass without autograd: returns ``(y, mean, rstd)``.
 
-    ``mean`` and ``rstd`` have shape ``[..., 1]`` and are 0 on invalid rows. The work happens
-    in place in the output, a block of rows at a time, so the only full-size allocation is
-    ``y``. Inputs must already be checked (see :func:`check_inputs`).
+    ``mean`` and ``rstd`` have shape ``[..., 1]`` and are 0 on invalid rows; with
+    ``keep_statistics=False`` they are not kept (None), which saves their memory when no
+    backward pass will follow. The work happens in place in the output, a block of rows at a
+    time, so the only full-size allocation is ``y``. Inputs must already be checked (see
+    :func:`check_inputs`).
 
     Example:
         >>> y, mean, rstd = forward(torch.tensor([[1.0, 3.0]]), torch.tensor([True]),
@@ -188,22 +195,28 @@ def forward(
     """
     with torch.no_grad():
         y = torch.empty_like(x, memory_format=torch.preserve_format)
-        mean = x.new_zeros((*x.shape[:-1], 1))
-        rstd = torch.zeros_like(mean)
+        mean = rstd = None
+        if keep_statistics:
+            mean = x.new_zeros((*x.shape[:-1], 1))
+            rstd = torch.zeros_like(mean)
         if y.numel() == 0:
             return y, mean, rstd
         x_rows, y_rows = _rows(x), _rows(y)
         if x_rows is None or y_rows is None:  # a layout that cannot be viewed as rows
-            y_contiguous, mean, rstd = forward(x.contiguous(), valid, scale, bias, eps)
+            y_contiguous, mean, rstd = forward(
+                x.contiguous(), valid, scale, bias, eps, keep_statistics
+            )
             return y.copy_(y_contiguous), mean, rstd
         valid_rows = valid.reshape(-1)
-        weight = valid_rows.to(x.dtype).unsqueeze(1)  # 1.0 on valid rows, 0.0 on invalid ones
-        mean_rows, rstd_rows = mean.view(-1, 1), rstd.view(-1, 1)
         for start, stop in row_blocks(len(x_rows), _block_rows(x)):
             rows = slice(start, stop)
+            if keep_statistics:
+                block_mean, block_rstd = mean.view(-1, 1)[rows], rstd.view(-1, 1)[rows]
+            else:
+                block_mean, block_rstd = x.new_empty(stop - start, 1), x.new_empty(stop - start, 1)
             _forward_rows(
-                y_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale, bias, eps,
-                mean_rows[rows], rstd_rows[rows],
+                y_rows[rows], x_rows[rows], valid_rows[rows], scale, bias, eps,
+                block_mean, block_rstd,
             )  # fmt: skip
         if not _all_finite(scale, bias):  # then 0 * scale + bias is not 0 on invalid rows
             y.masked_fill_(~valid.unsqueeze(-1), 0.0)
@@ -214,7 +227,6 @@ def _forward_rows(
     y: torch.Tensor,
     x: torch.Tensor,
     valid: torch.Tensor,
-    weight: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
@@ -227,6 +239,7 @@ def _forward_rows(
     vectorizes; a broadcast mask (where, masked_fill) would not be.
     """
     channels = x.shape[-1]
+    weight = valid.to(x.dtype).unsqueeze(1)  # 1.0 on valid rows, 0.0 on invalid ones
     torch.mean(x, dim=-1, keepdim=True, out=mean)
     # An invalid row's statistics are its own and are discarded (set to 0) before use; a
     # non-finite mean flags an invalid row holding NaN or inf, which is zeroed before any
