@@ -125,7 +125,10 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
             raise ValueError(f"{name} must be on x's device {x.device}, got {param.device}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a finite positive number, got {type(eps).__name__}")
-    eps = float(eps)
+    try:
+        eps = float(eps)
+    except OverflowError:  # an int beyond float's range
+        eps = math.inf
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a finite positive number, got {eps!r}")
     compute = torch.float32 if x.dtype in _COMPUTED_IN_FLOAT32 else x.dtype
@@ -240,12 +243,13 @@ def _forward_rows(
     """
     channels = x.shape[-1]
     weight = valid.to(x.dtype).unsqueeze(1)  # 1.0 on valid rows, 0.0 on invalid ones
+    invalid = ~valid.unsqueeze(1)
     torch.mean(x, dim=-1, keepdim=True, out=mean)
     # An invalid row's statistics are its own and are discarded (set to 0) before use; a
     # non-finite mean flags an invalid row holding NaN or inf, which is zeroed before any
     # arithmetic mixes it with anything else.
     poisoned = ~(valid | mean.isfinite().squeeze(1))
-    mean.masked_fill_(~valid.unsqueeze(1), 0.0)
+    mean.masked_fill_(invalid, 0.0)
     xc = torch.sub(x, mean, out=y)
     if poisoned.any():
         xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
@@ -254,16 +258,38 @@ def _forward_rows(
     shift = xc.mean(dim=-1, keepdim=True)
     # vector_norm is the fastest row reduction here: sum(xc^2) = |xc|^2.
     norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True)
-    if norm.dtype != torch.float64 and not bool(norm.isfinite().all()):
-        # |xc|^2 overflowed float32 in some row (|x| ~ 1e19 and up): again, in float64.
-        norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True, dtype=torch.float64)
+    # Valid rows whose statistics overflowed (|x| ~ 1e19 and up in float32) or that hold NaN or
+    # inf are redone in float64 at the end; the other rows never see them.
+    rescued = valid & ~(norm.isfinite() & shift.isfinite()).squeeze(1)
     rstd.copy_(_rstd(norm, shift, channels, eps))
-    invalid = ~valid.unsqueeze(1)
     rstd.masked_fill_(invalid, 0.0)
     shift.masked_fill_(invalid, 0.0)  # so that an invalid row's xhat is exactly (xc - 0) * 0
     xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
     torch.addcmul(bias, xhat, scale, out=y)
     y.mul_(weight).add_(0.0)  # invalid rows: bias * 0 is -0.0 where bias < 0; -0.0 + 0.0 is +0.0
+    if x.dtype != torch.float64 and rescued.any():
+        _forward_rows_in_float64(y, x, rescued.nonzero().squeeze(1), scale, bias, eps, mean, rstd)
+
+
+def _forward_rows_in_float64(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> None:
+    """The formula in float64 for the given (valid) ``rows``, written into y, mean and rstd."""
+    x64 = x.index_select(0, rows).double()
+    row_mean = x64.mean(dim=-1, keepdim=True)
+    xc = x64 - row_mean
+    row_rstd = (xc.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
+    out = xc * row_rstd * scale.double() + bias.double()
+    y.index_copy_(0, rows, out.to(y.dtype))
+    mean.index_copy_(0, rows, row_mean.to(mean.dtype))
+    rstd.index_copy_(0, rows, row_rstd.to(rstd.dtype))
 
 
 def _rstd(norm: torch.Tensor, shift: torch.Tensor, channels: int, eps: float) -> torch.Tensor:
@@ -328,7 +354,8 @@ def backward(
         wdy = dy * scale
         c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
         c2 = wdy.mean(dim=-1, keepdim=True)
-        dx = (wdy - xhat * c1 - c2) * rstd
+        # rstd is 0 on invalid rows; where() keeps them 0 even when scale holds inf or NaN.
+        dx = torch.where(row_valid, (wdy - xhat * c1 - c2) * rstd, zero)
     return dx, dscale, dbias
 
 
@@ -339,21 +366,26 @@ def backward_in_place(
     scale: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    eps: float,
     need_dx: bool = True,
     need_dscale: bool = True,
     need_dbias: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The same gradients as :func:`backward`, without autograd: in place on two buffers, a
-    block of rows at a time. This is the first-order backward pass.
+    """The same gradients as :func:`backward`, without autograd: in place on block-sized
+    buffers, a block of rows at a time. This is the first-order backward pass.
 
     Example:
         >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
         >>> y, mean, rstd = forward(x, valid, torch.ones(2), torch.zeros(2), 3.0)
-        >>> backward_in_place(torch.tensor([[1.0, 0.0]]), x, valid, torch.ones(2), mean, rstd)
+        >>> backward_in_place(torch.tensor([[1.0, 0.0]]), x, valid, torch.ones(2), mean, rstd, 3.0)
         (tensor([[ 0.1875, -0.1875]]), tensor([-0.5000,  0.0000]), tensor([1., 0.]))
     """
     with torch.no_grad():
         channels = x.shape[-1]
+        dscale = x.new_zeros(channels) if need_dscale else None
+        dbias = x.new_zeros(channels) if need_dbias else None
+        if x.numel() == 0:
+            return (torch.zeros_like(x) if need_dx else None), dscale, dbias
         x_rows = _rows(x)
         x_rows = x.contiguous().view(-1, channels) if x_rows is None else x_rows
         dy_rows = _rows(dy)
@@ -361,21 +393,22 @@ def backward_in_place(
         valid_rows = valid.reshape(-1)
         weight = valid_rows.to(x.dtype)
         mean_rows, rstd_rows = mean.reshape(-1, 1), rstd.reshape(-1, 1)
-        dx = torch.empty_like(x_rows)  # the result, or a workspace when dx is not needed
-        block = min(len(x_rows), max(2, _block_rows(x)))
-        workspace = x_rows.new_empty(2, block, channels)
-        dscale = x.new_zeros(channels) if need_dscale else None
-        dbias = x.new_zeros(channels) if need_dbias else None
-        for start, stop in row_blocks(len(x_rows), _block_rows(x)):
+        blocks = list(row_blocks(len(x_rows), _block_rows(x)))
+        largest = max(stop - start for start, stop in blocks)
+        # Per block: xhat and a scratch buffer, and dy * scale (in dx itself when dx is needed).
+        workspace = x_rows.new_empty(2 if need_dx else 3, largest, channels)
+        dx = torch.empty_like(x_rows) if need_dx else None
+        for start, stop in blocks:
             rows = slice(start, stop)
+            block_dx = dx[rows] if dx is not None else workspace[2, : stop - start]
             _backward_rows(
                 dy_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale,
-                mean_rows[rows], rstd_rows[rows], dx[rows], workspace[:, : stop - start],
+                mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2, : stop - start],
                 dscale, dbias, need_dx,
             )  # fmt: skip
-        if need_dx and not _all_finite(scale):  # then 0 * scale is not 0 on invalid rows
+        if dx is not None and not _all_finite(scale):  # then 0 * scale is not 0 on invalid rows
             dx.masked_fill_(~valid_rows.unsqueeze(1), 0.0)
-        return (dx.view(x.shape) if need_dx else None), dscale, dbias
+        return (dx.view(x.shape) if dx is not None else None), dscale, dbias
 
 
 def _backward_rows(
@@ -386,6 +419,7 @@ def _backward_rows(
     scale: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    eps: float,
     dx: torch.Tensor,
     workspace: torch.Tensor,
     dscale: torch.Tensor | None,
@@ -415,18 +449,50 @@ def _backward_rows(
     # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).
     xc = torch.sub(x, mean, out=xhat_buffer)
     shift = xc.mean(dim=-1, keepdim=True)
-    poisoned = ~(valid | shift.isfinite().squeeze(1))
-    if poisoned.any():
-        xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
-    shift.masked_fill_(~valid.unsqueeze(1), 0.0)
-    xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
+    # Non-finite: an invalid row holding NaN or inf (zeroed), or a valid row whose x - mean
+    # overflowed or that holds NaN or inf (zeroed here, redone in float64 below).
+    unusable = ~shift.isfinite().squeeze(1)
+    rescued = valid & unusable
+    if x.dtype == torch.float64:  # nowhere wider to go: NaN in a valid row stays the caller's
+        rescued.zero_()
+    if unusable.any():
+        xc.index_fill_(0, (unusable & ~(valid & ~rescued)).nonzero().squeeze(1), 0.0)
+    shift.masked_fill_((~valid | rescued).unsqueeze(1), 0.0)
+    xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid (and rescued) rows
     if dscale is not None:
         dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
-    if not need_dx:
-        return
-    c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
-    # dx = rstd * (wdy - xhat * c1 - c2); rstd is 0 on invalid rows
-    wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
+    if need_dx:
+        c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
+        # dx = rstd * (wdy - xhat * c1 - c2); rstd is 0 on invalid rows
+        wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
+    if rescued.any():
+        _backward_rows_in_float64(
+            dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx
+        )
+
+
+def _backward_rows_in_float64(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    dx: torch.Tensor,
+    dscale: torch.Tensor | None,
+    need_dx: bool,
+) -> None:
+    """dx and dscale of the given (valid) ``rows`` in float64: :func:`backward` on statistics
+    recomputed from x. Their xhat was zeroed in the block, so dscale lacks them so far."""
+    x64, dy64 = x.index_select(0, rows).double(), dy.index_select(0, rows).double()
+    every = torch.ones(len(rows), dtype=torch.bool)
+    mean, rstd = row_statistics(x64, every, eps)
+    dx64, dscale64, _ = backward(
+        dy64, x64, every, scale.double(), mean, rstd, need_dx, dscale is not None, False
+    )
+    if need_dx and dx64 is not None:
+        dx.index_copy_(0, rows, dx64.to(dx.dtype))
+    if dscale is not None and dscale64 is not None:
+        dscale += dscale64.to(dscale.dtype)
 
 
 def row_statistics(
@@ -462,13 +528,17 @@ class _MaskedLayerNorm(torch.autograd.Function):
         x, valid, scale, mean, rstd = ctx.saved_tensors
         need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
         needs = (need_dx, need_dscale, need_dbias)
-        if torch.is_grad_enabled():
-            # create_graph: the saved statistics carry no graph, so recompute them from x for
-            # the second-order terms that flow through mean and rstd, with differentiable ops.
-            mean, rstd = row_statistics(x, valid, ctx.eps)
-            dx, dscale, dbias = backward(dy, x, valid, scale, mean, rstd, *needs)
-        else:
-            dx, dscale, dbias = backward_in_place(dy, x, valid, scale, mean, rstd, *needs)
+        if not torch.is_grad_enabled():
+            dx, dscale, dbias = backward_in_place(dy, x, valid, scale, mean, rstd, ctx.eps, *needs)
+            return dx, None, dscale, dbias, None
+        # create_graph: the saved statistics carry no graph, so recompute them from x, with
+        # differentiable ops, for the second-order terms that flow through mean and rstd. In
+        # float64, so that large rows do not overflow where the first-order pass would not.
+        dtype = x.dtype
+        x64, dy64, scale64 = x.double(), dy.double(), scale.double()
+        mean, rstd = row_statistics(x64, valid, ctx.eps)
+        grads = backward(dy64, x64, valid, scale64, mean, rstd, *needs)
+        dx, dscale, dbias = (None if g is None else g.to(dtype) for g in grads)
         return dx, None, dscale, dbias, None
 
 

@@ -473,6 +473,7 @@ def test_no_ready_made_normalization_in_forward_or_backward():
     leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
     with RecordOps() as recorder:
         out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2])
+        torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=True)  # first order
         grads = torch.autograd.grad(out, leaves, torch.ones_like(out), create_graph=True)
         torch.autograd.grad(sum(g.sum() for g in grads), leaves[:2])  # bias: first order only
         with torch.no_grad():
@@ -551,6 +552,7 @@ def bad_inputs():
         "eps is inf": ("eps", ValueError, {"eps": math.inf}),
         "eps is a string": ("eps", TypeError, {"eps": "1e-5"}),
         "eps is a bool": ("eps", TypeError, {"eps": True}),
+        "eps is a huge int": ("eps", ValueError, {"eps": 10**400}),
         "eps is None": ("eps", TypeError, {"eps": None}),
     }
     return [pytest.param(good, *case, id=name) for name, case in cases.items()]
@@ -603,20 +605,27 @@ def test_blocked_forward_is_identical_to_one_block(monkeypatch, block_bytes, dty
     assert torch.equal(masked_layer_normalization(x, valid, scale, bias), whole)
 
 
+@pytest.mark.parametrize("rows", [30, 31])  # 31: a last block one row longer than the others
 @pytest.mark.parametrize("block_bytes", [1, 64, 1000, 1 << 20])
-def test_blocked_backward_matches_the_differentiable_backward(monkeypatch, block_bytes):
-    monkeypatch.setattr(core, "BLOCK_BYTES", block_bytes)
-    x, valid, scale, bias = make_inputs((6, 5), 12, poison=True)
+def test_blocked_backward_matches_the_differentiable_backward(monkeypatch, block_bytes, rows):
+    x, valid, scale, bias = make_inputs((rows,), 12, poison=True)
     dy = torch.randn(x.shape, dtype=x.dtype)
     _, mean, rstd = core.forward(x, valid, scale, bias, 1e-5)
-    fast = core.backward_in_place(dy, x, valid, scale, mean, rstd)
+    whole = core.backward_in_place(dy, x, valid, scale, mean, rstd, 1e-5)
+    monkeypatch.setattr(core, "BLOCK_BYTES", block_bytes)
+    fast = core.backward_in_place(dy, x, valid, scale, mean, rstd, 1e-5)
     plain = core.backward(dy, x, valid, scale, mean, rstd)
     for got, want in zip(fast, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(fast[0], whole[0])  # dx is per row: the same bits whatever the blocks
     assert torch.equal(fast[0][~valid], torch.zeros_like(fast[0][~valid]))
-    partial = core.backward_in_place(dy, x, valid, scale, mean, rstd, False, True, False)
-    assert partial[0] is None and partial[2] is None
-    torch.testing.assert_close(partial[1], plain[1], rtol=1e-12, atol=1e-12)
+    for need in ((False, True, False), (False, False, True), (True, False, False)):
+        partial = core.backward_in_place(dy, x, valid, scale, mean, rstd, 1e-5, *need)
+        for got, want, wanted in zip(partial, plain, need, strict=True):
+            if wanted:
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            else:
+                assert got is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -671,3 +680,57 @@ def test_rows_of_large_magnitude(magnitude):
     grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
     assert torch.equal(grads[0][1], torch.zeros(3))
     assert all(g.isfinite().all() for g in grads[1:])
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [3e38, 3e38, 3e38, 3e38],  # the sum overflows float32
+        [3e38, -3e38, 3e38, 0.0],  # x - mean overflows float32
+        [1e20, 2e20, -3e20, 0.0],  # |xc|^2 overflows float32
+    ],
+)
+def test_valid_rows_near_the_float32_limit_match_the_reference(row):
+    """Such rows are redone in float64, alone; forward and both backward paths."""
+    x = torch.tensor([row, [1.0, 2.0, 3.0, 5.0], [7.0, 7.0, 1e30, 0.0]])
+    valid = torch.tensor([True, True, False])
+    scale, bias = torch.tensor([1.0, -2.0, 0.5, 1.5]), torch.tensor([0.25, 0.0, -1.0, 0.5])
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2])
+    expected = reference_masked_layer_norm(x, valid, scale, bias)
+    torch.testing.assert_close(out.double(), expected)
+    dy = torch.tensor([[1.0, -1.0, 0.5, 2.0]]).expand(3, 4)
+    want = reference_gradients(x, valid, scale, bias, 1e-5, dy)
+    first = torch.autograd.grad(out, leaves, dy, retain_graph=True)
+    graph = torch.autograd.grad(out, leaves, dy, create_graph=True)
+    for got_first, got_graph, wanted in zip(first, graph, want, strict=True):
+        torch.testing.assert_close(got_first.double(), wanted, rtol=1e-5, atol=1e-30)
+        torch.testing.assert_close(got_graph.double(), wanted, rtol=1e-5, atol=1e-30)
+
+
+def test_garbage_in_an_invalid_row_never_changes_a_valid_row():
+    x, valid, scale, bias = make_inputs((64,), 16, torch.float32, valid_fraction=0.8)
+    clean = masked_layer_normalization(x, valid, scale, bias)
+    for garbage in (1e20, -3e38, math.inf, math.nan):
+        dirty = x.clone()
+        dirty[~valid] = garbage
+        assert torch.equal(masked_layer_normalization(dirty, valid, scale, bias), clean)
+
+
+def test_create_graph_keeps_invalid_rows_at_zero_with_non_finite_scale():
+    x, valid, scale, bias = make_inputs((3, 4), 5, poison=True, valid_fraction=0.5)
+    scale = scale.clone()
+    scale[1] = math.inf
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2])
+    (dx,) = torch.autograd.grad(out, leaves[0], torch.ones_like(out), create_graph=True)
+    assert torch.equal(dx[~valid], torch.zeros_like(dx[~valid]))
+
+
+def test_zero_channels_backward():
+    x = torch.empty(3, 0, requires_grad=True)
+    out = masked_layer_normalization(
+        x, torch.ones(3, dtype=torch.bool), torch.empty(0), torch.empty(0)
+    )
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (3, 0)
