@@ -51,7 +51,8 @@ class OneLineErrors(TyperGroup):
 
                 context = getattr(failure, "ctx", None)
                 hint = f" (see '{context.command_path} --help')" if context else ""
-                report.error(f"{format_message().rstrip('.')}{hint}")
+                message = format_message().replace("Value error, ", "").rstrip(".")
+                report.error(f"{message}{hint}")
             sys.exit(getattr(failure, "exit_code", EXIT_ERROR))
         except typer.Abort:
             sys.exit(130)
@@ -62,7 +63,8 @@ app = typer.Typer(
     cls=OneLineErrors,
     name="maskln",
     help="Masked layer normalization over safetensors files: a reference result in one command.",
-    epilog="Exit codes: 0 success, 1 mismatch (verify, diff), 2 usage, input or output error.",
+    epilog="Exit codes: 0 success, 1 mismatch (verify, diff), 2 usage, input or output error,"
+    " 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
@@ -107,30 +109,49 @@ def reports_errors(command: Command) -> Command:
                 # line per error, and the conditions that warn are handled (or reported).
                 warnings.simplefilter("ignore")
                 return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):  # a command's own exit code
+            raise
         except MasklnError as failure:
-            report.error(str(failure))
-            _detach_broken_stdout()
-            raise typer.Exit(EXIT_ERROR) from None
+            message = str(failure)
         except KeyboardInterrupt:
-            report.error("interrupted; no output was written")
+            _report(report, "interrupted; the output being written was discarded")
             raise typer.Exit(130) from None
         except Terminated:
-            report.error("terminated; no output was written")
+            _report(report, "terminated; the output being written was discarded")
             raise typer.Exit(143) from None
         except MemoryError:
-            report.error("out of memory; try a smaller --chunk-rows")
-            raise typer.Exit(EXIT_ERROR) from None
+            message = "out of memory; try a smaller --chunk-rows"
+        except OSError as failure:  # files are wrapped by tensorfile: this is stdout or stderr
+            message = f"cannot write output: {failure.strerror or failure}"
+        except Exception as failure:  # a bug: still one line, and the way to see more
+            if os.environ.get("MASKLN_DEBUG"):
+                raise
+            message = (
+                f"internal error: {type(failure).__name__}: {failure} (please report it; set"
+                " MASKLN_DEBUG=1 for a traceback)"
+            )
+        _report(report, message)
+        _detach_broken_stdout()
+        raise typer.Exit(EXIT_ERROR)
 
     return wrapper  # type: ignore[return-value]
 
 
+def _report(report: Any, message: str) -> None:
+    with contextlib.suppress(OSError):  # stderr itself may be gone
+        report.error(message)
+
+
 def _detach_broken_stdout() -> None:
     """After a failed write to stdout, stop Python retrying the flush (and warning) at exit."""
+    if sys.stdout is None:
+        return
     try:
         sys.stdout.flush()
-    except OSError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
 
 
 def _show_version(value: bool) -> None:
@@ -299,7 +320,7 @@ def normalize(
     failures = 0
     for input_path, output_path in jobs:
         try:
-            with report.progress_bar(f"normalize {input_path}") as progress:
+            with report.progress_bar(f"normalize {input_path}", enabled=not quiet) as progress:
                 result = normalize_file(input_path, output_path, options, progress)
         except MasklnError as failure:
             if len(jobs) == 1:
@@ -327,13 +348,16 @@ def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, s
     """(input, output) pairs from the command line, checked before any work."""
     if out_dir is None:
         if len(paths) != 2:
+            got = f"{len(paths)} path" + ("" if len(paths) == 1 else "s")
             raise MasklnError(
-                f"normalize takes INPUT OUTPUT (got {len(paths)} paths); for many inputs use"
-                " --out-dir DIR"
+                f"normalize takes INPUT OUTPUT (got {got}); for many inputs use --out-dir DIR"
             )
         return [(paths[0], paths[1])]
     if not out_dir.is_dir():
-        raise MasklnError(f"--out-dir: {out_dir} is not an existing folder")
+        try:
+            out_dir.mkdir()  # one level, as mkdir does: a typo in a parent is still an error
+        except OSError as error:
+            raise MasklnError(f"--out-dir: cannot create {out_dir}: {error.strerror}") from None
     if "-" in paths:
         raise MasklnError("--out-dir: inputs must be files, not '-' (stdin has no name)")
     names: dict[str, str] = {}
@@ -415,19 +439,22 @@ def generate(
     **Examples**
 
     ```
-    maskln generate batch.safetensors --shape 8,512,256 --invalid 0.3 --poison --grad
+    maskln generate batch.safetensors --shape 8,512,256 --poison --grad
     maskln generate - --shape 2,64,32 | maskln normalize - out.safetensors
     ```
     """
     from maskln_cli import report
     from maskln_cli.generate import generate_inputs, parse_shape
     from maskln_cli.normalize import check_eps
-    from maskln_cli.tensorfile import write_tensors
+    from maskln_cli.tensorfile import torch_dtype, write_tensors
 
     tensors = generate_inputs(
         parse_shape(shape), dtype.value, seed, invalid=invalid, poison=poison, grad=grad
     )
-    metadata = {"eps": repr(check_eps(eps, "--eps")), "maskln_version": __version__}
+    metadata = {
+        "eps": repr(check_eps(eps, "--eps", torch_dtype(dtype.value))),
+        "maskln_version": __version__,
+    }
     write_tensors(output, tensors, metadata)
     if not quiet and output != "-":
         valid = tensors["valid"]
@@ -502,9 +529,9 @@ def verify(
     **Examples**
 
     ```
-    cd sample_data && maskln verify pair_features.safetensors pair_features_expected.safetensors
-    maskln verify inputs.safetensors kernel_out.safetensors --rtol 1e-4 --atol 1e-5
-    maskln verify inputs.safetensors kernel_out.safetensors --json | jq .passed
+    maskln verify inputs.safetensors kernel_out.safetensors
+    maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
+    maskln verify in.safetensors kernel.safetensors --json | jq .passed
     ```
     """
     from maskln_cli import report
@@ -544,7 +571,7 @@ def diff(
 
     ```
     maskln diff kernel_out.safetensors reference.safetensors
-    maskln normalize - - < in.safetensors | maskln diff - expected.safetensors --key out
+    maskln normalize - - < in.safetensors | maskln diff - ref.safetensors -k out
     maskln diff a.safetensors b.safetensors --json --rtol 1e-3
     ```
     """

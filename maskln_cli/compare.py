@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.tensorfile import TensorFile, open_tensor_file
+from maskln_cli.tensorfile import TensorFile, open_tensor_file, torch_dtype
+from maskln_cli.tensorfile import dtype_name as _dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +37,7 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 @functools.cache
-def converts_to_float64(dtype: torch.dtype) -> bool:
+def converts_to_float64(dtype: torch.dtype | None) -> bool:
     """Whether values of ``dtype`` can be compared as float64 (not complex, not float4).
 
     Example:
@@ -46,7 +47,7 @@ def converts_to_float64(dtype: torch.dtype) -> bool:
     """
     import torch
 
-    if dtype.is_complex:
+    if dtype is None or dtype.is_complex:
         return False
     try:
         torch.zeros(1, dtype=dtype).double()
@@ -169,7 +170,7 @@ class Comparison:
         self.dtype = dtype
         self.expected_dtype = expected_dtype
         self._float64_forms = all(
-            converts_to_float64(_torch_dtype(d)) for d in (dtype, expected_dtype)
+            converts_to_float64(torch_dtype(d)) for d in (dtype, expected_dtype)
         )
         self.rtol = default_rtol if rtol is None else rtol
         self.atol = default_atol if atol is None else atol
@@ -256,7 +257,7 @@ class Comparison:
                 else:
                     heapq.heappushpop(self._worst, entry)
 
-        if invalid_rows is not None:
+        if invalid_rows is not None and bool(invalid_rows.any()):
             expected_rows = e.view(-1, self.row_length)[invalid_rows.reshape(-1)]
             zero = bool((expected_rows == 0).all())
             self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
@@ -300,7 +301,7 @@ class Comparison:
         outcome.numel = self.numel
         outcome.rows = rows
         outcome.mismatched = self._mismatched
-        outcome.mismatched_fraction = self._mismatched / self.numel if self.numel else 0.0
+        outcome.mismatched_fraction = float(self._mismatched / self.numel) if self.numel else 0.0
         outcome.mismatched_rows = self._mismatched_rows
         outcome.nan_mismatched = self._nan_mismatched
         outcome.inf_mismatched = self._inf_mismatched
@@ -397,14 +398,16 @@ def _compare_bytes(
     return [f"{dtype} values differ (compared bit for bit: {dtype} has no float64 form)"]
 
 
-def missing(name: str, side: str, shape: Sequence[int], dtype: str) -> TensorComparison:
+def missing(
+    name: str, side: str, shape: Sequence[int], dtype: str, hint: str = ""
+) -> TensorComparison:
     """The outcome for a key present on one side only (``side`` is where it is missing)."""
     present_shape, present_dtype = list(shape), dtype
     actual_side = side == "actual"
     return TensorComparison(
         name=name,
         passed=False,
-        problems=[f"missing in {side}"],
+        problems=[f"missing in {side}{hint}"],
         shape=None if actual_side else present_shape,
         expected_shape=present_shape if actual_side else None,
         dtype=None if actual_side else present_dtype,
@@ -476,13 +479,3 @@ def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:
 def check_tolerance(value: float | None, option: str) -> None:
     if value is not None and not (math.isfinite(value) and value >= 0):
         raise MasklnError(f"{option}: must be a finite number >= 0, got {value}")
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    return getattr(torch, name)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

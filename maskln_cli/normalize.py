@@ -25,6 +25,7 @@ from maskln_cli.tensorfile import (
     open_tensor_file,
     output_name,
 )
+from maskln_cli.tensorfile import dtype_name as _dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -177,9 +178,8 @@ def _prepare(
     scale = _as_parameter(scale, params.name, options.scale_key or "scale", channels).to(dtype)
     bias = _as_parameter(bias, params.name, options.bias_key or "bias", channels).to(dtype)
 
-    grad_out = _optional(grads, options.grad_out_key, "grad_out", None, "")
-    if grad_out is None and options.grad_out:
-        raise MasklnError(f"{grads.name}: no tensor {options.grad_out_key or 'grad_out'!r}")
+    grad_key = options.grad_out_key or ("grad_out" if options.grad_out else None)
+    grad_out = _optional(grads, grad_key, "grad_out", None, "")
     if grad_out is not None:
         grad_name = f"{grads.name}: tensor {options.grad_out_key or 'grad_out'!r}"
         if tuple(grad_out.shape) != x_info.shape:
@@ -298,12 +298,12 @@ def iter_outputs(problem: Problem) -> Iterator[tuple[int, int, torch.Tensor]]:
 
     from maskln_cli.core import masked_layer_normalization, row_blocks
 
-    with torch.no_grad():
-        for start, stop in row_blocks(problem.rows, problem.chunk_rows):
+    for start, stop in row_blocks(problem.rows, problem.chunk_rows):
+        with torch.no_grad():  # not held across the yield: the caller's grad mode is its own
             x = problem.x[start:stop].to(problem.dtype)
             valid = problem.valid[start:stop]
             out = masked_layer_normalization(x, valid, problem.scale, problem.bias, problem.eps)
-            yield start, stop, out
+        yield start, stop, out
 
 
 class GradientSums:
@@ -319,7 +319,9 @@ class GradientSums:
 def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(start, stop, grad_x[start:stop])`` per chunk; grad_scale and grad_bias go to ``sums``.
 
-    The gradients are those of ``sum(out * grad_out)``.
+    The gradients are those of ``sum(out * grad_out)``. float16 and bfloat16 are computed in
+    float32 as the op does, and each chunk's sums reach ``sums`` before any rounding to the
+    half dtype; grad_x is rounded to it, as one whole call would.
     """
     import torch
 
@@ -327,17 +329,18 @@ def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, 
 
     if problem.grad_out is None:
         raise ValueError("the problem has no grad_out")
-    with torch.enable_grad():
-        for start, stop in row_blocks(problem.rows, problem.chunk_rows):
-            x = problem.x[start:stop].to(problem.dtype).requires_grad_()
-            scale = problem.scale.detach().requires_grad_()
-            bias = problem.bias.detach().requires_grad_()
-            out = masked_layer_normalization(x, problem.valid[start:stop], scale, bias, problem.eps)
-            grad_out = problem.grad_out[start:stop].to(problem.dtype)
-            grad_x, grad_scale, grad_bias = torch.autograd.grad(out, (x, scale, bias), grad_out)
-            sums.scale += grad_scale.double()
-            sums.bias += grad_bias.double()
-            yield start, stop, grad_x
+    compute = torch.float32 if problem.dtype in (torch.float16, torch.bfloat16) else problem.dtype
+    scale, bias = problem.scale.to(compute), problem.bias.to(compute)
+    for start, stop in row_blocks(problem.rows, problem.chunk_rows):
+        with torch.enable_grad():
+            x = problem.x[start:stop].to(problem.dtype).to(compute).requires_grad_()
+            leaves = (x, scale.detach().requires_grad_(), bias.detach().requires_grad_())
+            out = masked_layer_normalization(x, problem.valid[start:stop], *leaves[1:], problem.eps)
+            grad_out = problem.grad_out[start:stop].to(problem.dtype).to(compute)
+            grad_x, grad_scale, grad_bias = torch.autograd.grad(out, leaves, grad_out)
+        sums.scale += grad_scale.double()
+        sums.bias += grad_bias.double()
+        yield start, stop, grad_x.to(problem.dtype)
 
 
 def normalize_file(
@@ -372,7 +375,8 @@ def normalize_file(
         }
         passes = 2 if problem.grad_out is not None else 1
         total = problem.rows * passes
-        with open_output(output_path, data_bytes(specs)) as stream:
+        inputs = (input_path, options.params, options.grad_out)
+        with open_output(output_path, data_bytes(specs), inputs) as stream:
             writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
             for _, stop, out in iter_outputs(problem):
                 writer.write(options.out_key, out)
@@ -398,7 +402,3 @@ def normalize_file(
             keys=tuple(keys),
             notes=tuple(problem.notes),
         )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -31,7 +31,18 @@ PROGRESS_DELAY = 0.5
 def stdout_console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=False)
+    from maskln_cli.errors import MasklnError
+
+    class StdoutConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1: that means "mismatch" here
+            self.quiet = True
+            raise MasklnError("<stdout>: cannot write: Broken pipe")
+
+    if sys.stdout is None:
+        raise MasklnError("<stdout>: is closed")
+    # Off a terminal (a pipe, a file) nothing is wrapped to a guessed width of 80 columns.
+    width = None if sys.stdout.isatty() else 400
+    return StdoutConsole(highlight=False, soft_wrap=False, width=width)
 
 
 @functools.cache
@@ -135,7 +146,7 @@ def render_file_summary(summary: FileSummary) -> None:
     from rich.table import Table
 
     table = Table(title=safe(summary.file), title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("key", style="bold", overflow="fold")
+    table.add_column("key", style="bold", no_wrap=True)  # keys stay whole, to be copied
     table.add_column("dtype")
     table.add_column("shape")
     table.add_column("size", justify="right")
@@ -199,10 +210,11 @@ def render_normalize_result(result: NormalizeResult) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(description: str) -> Iterator[Progress]:
+def progress_bar(description: str, enabled: bool = True) -> Iterator[Progress]:
     """A progress callback; a rich bar appears on stderr once the work has taken a moment.
 
-    Nothing is drawn when stderr is not a terminal (pipelines and logs stay clean).
+    Nothing is drawn when stderr is not a terminal (pipelines and logs stay clean), nor when
+    ``enabled`` is False (``--quiet``).
     """
     console = stderr_console()
     started = time.monotonic()
@@ -212,7 +224,9 @@ def progress_bar(description: str) -> Iterator[Progress]:
     def update(done: int, total: int) -> None:
         nonlocal bar, task
         if bar is None:
-            if not console.is_terminal or time.monotonic() - started < PROGRESS_DELAY:
+            if not enabled or not console.is_terminal:
+                return
+            if time.monotonic() - started < PROGRESS_DELAY:
                 return
             from rich.progress import (
                 BarColumn,
@@ -255,10 +269,16 @@ def verdict_line(report: ComparisonReport) -> str:
     if not report.tensors:
         return "[bold yellow]PASS[/]: nothing to compare"
     if not failed:
-        names = ", ".join(safe(t.name) for t in report.tensors)
+        names = ", ".join(safe(t.name) for t in report.tensors[:8])
+        if len(report.tensors) > 8:
+            names = f"{len(report.tensors):,} tensors ({names}, ...)"
         return f"[bold green]PASS[/]: {names} within tolerance"
     described = "; ".join(f"{safe(t.name)} ({safe(t.problems[0])})" for t in failed)
     return f"[bold red]FAIL[/]: {len(failed)} of {len(report.tensors)} tensors: {described}"
+
+
+COMPACT_AFTER = 8
+"""With more tensors than this, those that pass get one line each instead of a block."""
 
 
 def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
@@ -269,10 +289,17 @@ def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
         actual = "maskln's result for " if report.command == "verify" else ""
         console.print(f"[bold]actual[/]    {actual}{safe(report.actual)}", soft_wrap=True)
         console.print(f"[bold]expected[/]  {safe(report.expected)}", soft_wrap=True)
+        compact = len(report.tensors) > COMPACT_AFTER
+        if compact:
+            console.print()
         for tensor in report.tensors:
+            if compact and tensor.passed:
+                console.print(_tensor_line(tensor), soft_wrap=True)
+                continue
             console.print()
             console.print(_tensor_block(tensor))
             if tensor.worst:
+                console.print()
                 console.print(_worst_rows_table(tensor))
         for message in report.notes:
             console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
@@ -315,6 +342,14 @@ def _tensor_block(tensor: TensorComparison) -> object:
     return grid
 
 
+def _tensor_line(tensor: TensorComparison) -> str:
+    """One line for a tensor that passed, in a long report."""
+    figures = ""
+    if tensor.max_abs_diff is not None:
+        figures = f"  max abs diff {number(tensor.max_abs_diff)}, rel L2 {number(tensor.rel_l2)}"
+    return f"[bold green]PASS[/] [bold]{safe(tensor.name)}[/]  {_shapes(tensor)}{figures}"
+
+
 def _shapes(tensor: TensorComparison) -> str:
     def side(dtype: str | None, shape: list[int] | None) -> str:
         return "missing" if dtype is None else f"{dtype} {shape}"
@@ -327,6 +362,8 @@ def _shapes(tensor: TensorComparison) -> str:
 def _at(value: float | None, index: list[int] | None) -> str:
     if value is None:
         return "no finite pair"
+    if value == 0:
+        return "0"
     return f"{number(value)} at {index}"
 
 

@@ -44,8 +44,11 @@ def check_disk(path: str, needed: int) -> None:
     """Raise when the folder that will hold ``path`` has less than ``needed`` bytes free."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        free = shutil.disk_usage(folder).free
+        usage = shutil.disk_usage(folder)
     except OSError:
+        return
+    free = usage.free
+    if usage.total == 0:  # a pseudo file system (/proc, /sys): it says nothing about space
         return
     if needed > free:
         raise MasklnError(

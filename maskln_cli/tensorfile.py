@@ -178,45 +178,75 @@ def _reason(error: BaseException) -> str:
 
 
 def stdin_limit() -> int:
-    """The most bytes read from stdin: ``MASKLN_STDIN_MAX_BYTES``, default 16 GiB."""
+    """The most bytes read from stdin: ``MASKLN_STDIN_MAX_BYTES`` (bytes, or with a K, M, G or T
+    suffix, binary), default 16 GiB.
+
+    Example:
+        >>> os.environ[STDIN_LIMIT_VARIABLE] = "2G"; stdin_limit()
+        2147483648
+        >>> del os.environ[STDIN_LIMIT_VARIABLE]
+    """
     value = os.environ.get(STDIN_LIMIT_VARIABLE)
     if value is None:
         return DEFAULT_STDIN_LIMIT
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    if text[-1:] in _BINARY_UNITS:
+        scale, text = _BINARY_UNITS[text[-1]], text[:-1]
     try:
-        limit = int(value)
+        limit = int(text) * scale
     except ValueError:
         limit = -1
     if limit < 0:
-        raise MasklnError(f"{STDIN_LIMIT_VARIABLE}: must be a whole number of bytes, got {value!r}")
+        raise MasklnError(
+            f"{STDIN_LIMIT_VARIABLE}: must be a number of bytes such as 1000000 or 4G,"
+            f" got {value!r}"
+        )
     return limit
+
+
+_BINARY_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @contextlib.contextmanager
 def _spooled_stdin() -> Iterator[str]:
     """Copy stdin into a temporary file (safetensors needs a file to map); yield its path."""
+    if sys.stdin is None:
+        raise MasklnError("<stdin>: is closed")
     stdin = sys.stdin.buffer
     if sys.stdin.isatty():
         raise MasklnError("<stdin>: is a terminal; pipe a safetensors file in, or give a path")
     limit = stdin_limit()
-    fd, spool = tempfile.mkstemp(prefix="maskln-stdin-", suffix=".safetensors")
     try:
-        with os.fdopen(fd, "wb") as file:
-            copied = 0
-            while block := stdin.read(1 << 20):
-                copied += len(block)
-                if copied > limit:
-                    raise MasklnError(
-                        f"<stdin>: more than {limit} bytes; set {STDIN_LIMIT_VARIABLE} to raise"
-                        " the limit, or pass a file path"
-                    )
-                file.write(block)
-        yield spool
+        fd, spool = tempfile.mkstemp(prefix="maskln-stdin-", suffix=".safetensors")
     except OSError as error:
         where = tempfile.gettempdir()
         raise MasklnError(f"<stdin>: cannot spool to {where}: {_os_reason(error)}") from None
+    try:
+        _copy_bounded(stdin, fd, limit)
+        yield spool
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(spool)
+
+
+def _copy_bounded(stdin: BinaryIO, fd: int, limit: int) -> None:
+    with os.fdopen(fd, "wb") as file:
+        copied = 0
+        while block := stdin.read(1 << 20):
+            copied += len(block)
+            if copied > limit:
+                raise MasklnError(
+                    f"<stdin>: more than {limit} bytes; set {STDIN_LIMIT_VARIABLE} to raise"
+                    " the limit, or pass a file path"
+                )
+            try:
+                file.write(block)
+            except OSError as error:
+                where = tempfile.gettempdir()
+                raise MasklnError(
+                    f"<stdin>: cannot spool to {where}: {_os_reason(error)}"
+                ) from None
 
 
 class SafetensorsWriter:
@@ -268,12 +298,14 @@ class SafetensorsWriter:
 
     def write(self, key: str, chunk: torch.Tensor) -> None:
         """Append ``chunk``'s elements (row-major) to tensor ``key``."""
+        if dtype_name(chunk.dtype) != self._dtypes.get(key):
+            raise RuntimeError(f"{key!r} is declared {self._dtypes.get(key)}, got {chunk.dtype}")
+        if chunk.numel() == 0:  # nothing to write, in or out of order
+            return
         pending = [k for k in self._order if self._remaining[k]]
         if not pending or key != pending[0]:
             raise RuntimeError(f"writing {key!r} out of order; next is {pending[:1]}")
-        if str(chunk.dtype).removeprefix("torch.") != self._dtypes[key]:
-            raise RuntimeError(f"{key!r} is declared {self._dtypes[key]}, got {chunk.dtype}")
-        data = chunk.detach().contiguous().reshape(-1).view(_torch_dtype("uint8"))
+        data = chunk.detach().contiguous().reshape(-1).view(torch_dtype("uint8"))
         if data.numel() > self._remaining[key]:
             raise RuntimeError(f"more data for {key!r} than its declared shape holds")
         if data.numel():
@@ -308,7 +340,7 @@ def write_tensors(
     tensor's data is aligned to its element size.
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    specs = {k: (str(tensors[k].dtype).removeprefix("torch."), tensors[k].shape) for k in order}
+    specs = {k: (dtype_name(tensors[k].dtype), tensors[k].shape) for k in order}
     with open_output(path, data_bytes(specs)) as stream:
         writer = SafetensorsWriter(stream, output_name(path), specs, metadata)
         for key in order:
@@ -316,22 +348,35 @@ def write_tensors(
         writer.close()
 
 
-def check_output_path(path: str) -> None:
-    """Fail early, before any work, when OUTPUT cannot be written."""
+def check_output_path(path: str, inputs: Sequence[str | None] = ()) -> None:
+    """Fail early, before any work, when OUTPUT cannot be written, or would replace an input."""
     if path == STDIO:
+        if sys.stdout is None:
+            raise MasklnError("<stdout>: is closed")
         if sys.stdout.isatty():
             raise MasklnError(
                 "<stdout>: refusing to write binary data to a terminal; redirect it, or give"
                 " an OUTPUT path"
             )
         return
-    parent = os.path.dirname(path) or "."
-    if os.path.isdir(path):
+    target = os.path.realpath(path)  # a symlink is followed: its target is what gets written
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
         raise MasklnError(f"{path}: is a folder; give a file path for the output")
     if not os.path.isdir(parent):
-        raise MasklnError(f"{path}: folder {parent!r} does not exist")
+        raise MasklnError(f"{path}: folder {os.path.dirname(path) or '.'!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise MasklnError(f"{path}: folder {parent!r} is not writable")
+        raise MasklnError(f"{path}: folder {os.path.dirname(path) or '.'!r} is not writable")
+    for source in inputs:
+        if source and source != STDIO and os.path.exists(target) and _same_file(source, target):
+            raise MasklnError(f"{path}: is the input {source}; write the output elsewhere")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def data_bytes(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> int:
@@ -341,26 +386,31 @@ def data_bytes(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> int:
         >>> data_bytes({"out": ("float32", (2, 3)), "valid": ("bool", (2,))})
         26
     """
-    return sum(_torch_dtype(dtype).itemsize * math.prod(shape) for dtype, shape in tensors.values())
+    return sum(torch_dtype(dtype).itemsize * math.prod(shape) for dtype, shape in tensors.values())
 
 
 @contextlib.contextmanager
-def open_output(path: str, size: int = 0) -> Iterator[BinaryIO]:
+def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> Iterator[BinaryIO]:
     """A binary stream for OUTPUT: stdout for ``-``, else a temporary file beside ``path``.
 
     The temporary file replaces ``path`` only when the block completes; on any error, Ctrl-C or
     SIGTERM it is removed, and an existing ``path`` is left untouched. ``size``, the bytes to be
-    written, is checked against the free disk space first.
+    written, is checked against the free disk space first. A symlink is followed (the link
+    stays, its target is replaced); a device or FIFO (``/dev/null``) is written to directly.
+    ``inputs`` are refused as OUTPUT.
     """
     from maskln_cli.resources import check_disk
 
-    check_output_path(path)
-    if path != STDIO:
-        check_disk(path, size)
+    check_output_path(path, inputs)
     if path == STDIO:
         yield sys.stdout.buffer
         return
-    target = Path(path)
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with _write_errors(path), open(target, "wb") as stream:
+            yield stream
+        return
+    check_disk(str(target), size)
     try:
         fd, temporary = tempfile.mkstemp(
             dir=target.parent, prefix=f".{target.name}.", suffix=".partial"
@@ -368,24 +418,34 @@ def open_output(path: str, size: int = 0) -> Iterator[BinaryIO]:
     except OSError as error:
         raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
     try:
-        with os.fdopen(fd, "wb") as stream:
-            yield stream
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())
-        os.replace(temporary, target)
-    except OSError as error:
-        _remove(temporary)
-        raise MasklnError(f"{path}: cannot write: {_os_reason(error)}") from None
+        with _write_errors(path):
+            with os.fdopen(fd, "wb") as stream:
+                yield stream
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.chmod(temporary, _output_mode(target))
+            os.replace(temporary, target)
     except BaseException:
         _remove(temporary)
         raise
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+@contextlib.contextmanager
+def _write_errors(path: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as error:
+        raise MasklnError(f"{path}: cannot write: {_os_reason(error)}") from None
+
+
+def _output_mode(target: Path) -> int:
+    """An existing OUTPUT keeps its permissions; a new one gets the usual 0o666 & ~umask."""
+    try:
+        return target.stat().st_mode & 0o7777
+    except OSError:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def _remove(path: str) -> None:
@@ -397,7 +457,14 @@ def _os_reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype | None:
+    """torch's dtype named ``name`` (``"float32"``), or None if torch has none (``"F6_E2M3"``)."""
     import torch
 
-    return getattr(torch, name)
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")

@@ -101,16 +101,23 @@ def _compare_out(
     total: int,
 ) -> TensorComparison:
     if key not in expected:
-        return missing(key, "expected", problem.shape, problem.dtype_name)
+        held = ", ".join(repr(k) for k in expected.keys()[:5]) or "nothing"
+        hint = f" (it holds {held}; --out-key names the result)"
+        return missing(key, "expected", problem.shape, problem.dtype_name, hint)
     comparison = _comparison(problem, expected, key, problem.shape, rtol, atol)
-    if not comparison.comparable:
-        return comparison.result()
-    rows = expected.tensor(key).reshape(-1, problem.channels)
-    for start, stop, out in iter_outputs(problem):
-        comparison.update(out, rows[start:stop], invalid_rows=~problem.valid[start:stop])
-        if progress:
-            progress(stop, total)
-    return comparison.result()
+    if comparison.comparable:
+        rows = expected.tensor(key).reshape(-1, problem.channels)
+        for start, stop, out in iter_outputs(problem):
+            comparison.update(out, rows[start:stop], invalid_rows=~problem.valid[start:stop])
+            if progress:
+                progress(stop, total)
+    outcome = comparison.result()
+    if outcome.expected_dtype in ("float32", "float64") and outcome.dtype != outcome.expected_dtype:
+        outcome.problems = [
+            f"{p} (--dtype {outcome.expected_dtype} computes in it)" if p.startswith("dtype") else p
+            for p in outcome.problems
+        ]
+    return outcome
 
 
 def _compare_gradients(

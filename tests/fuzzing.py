@@ -835,6 +835,8 @@ def crash_site(outcome: Outcome) -> str | None:
         ]
         where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
         return f"{type(error).__name__} at {where}"
+    if "maskln: error: internal error:" in outcome.stderr:  # the CLI's backstop for a bug
+        return outcome.stderr.split("internal error: ", 1)[1].split(" (please", 1)[0]
     if "Traceback" in outcome.stderr:
         sites = re.findall(r'maskln_cli/(\w+\.py)", line (\d+)', outcome.stderr)
         last = outcome.stderr.strip().splitlines()[-1].split(":")[0]

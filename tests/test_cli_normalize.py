@@ -6,6 +6,7 @@ import errno
 import math
 import os
 import pty
+import stat
 from pathlib import Path
 
 import pytest
@@ -355,11 +356,13 @@ def test_batch_with_clashing_names_is_refused_before_any_work(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_batch_needs_an_existing_out_dir(tmp_path):
+def test_batch_creates_its_out_dir_but_not_its_parents(tmp_path):
     source = write(tmp_path / "a.safetensors", random_inputs())
-    result = invoke("normalize", source, "--out-dir", tmp_path / "missing")
+    assert invoke("normalize", source, "--out-dir", tmp_path / "new").exit_code == 0
+    assert (tmp_path / "new" / "a.safetensors").exists()
+    result = invoke("normalize", source, "--out-dir", tmp_path / "no" / "such")
     assert result.exit_code == 2
-    assert "missing" in result.stderr
+    assert_one_line_error(result.stderr, "--out-dir", "cannot create")
 
 
 def test_wrong_number_of_paths_without_out_dir(tmp_path):
@@ -541,11 +544,34 @@ def test_output_replaces_existing_file_with_normal_permissions(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_normalizing_a_file_onto_itself(tmp_path):
-    tensors = random_inputs()
-    path = write(tmp_path / "in.safetensors", tensors)
-    assert invoke("normalize", path, path).exit_code == 0
-    assert torch.equal(read(path)["out"], expected_out(tensors))
+def test_an_input_is_never_overwritten(tmp_path):
+    path = write(tmp_path / "in.safetensors", random_inputs())
+    before = path.read_bytes()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path)
+    for args in ([path, path], [path, link], [path, "--out-dir", tmp_path]):
+        result = invoke("normalize", *args)
+        assert result.exit_code == 2
+        assert_one_line_error(result.stderr, "is the input")
+    assert path.read_bytes() == before and link.is_symlink()
+
+
+def test_a_symlinked_output_writes_its_target(tmp_path):
+    target = tmp_path / "target.safetensors"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    assert invoke("normalize", WORKED, link).exit_code == 0
+    assert link.is_symlink() and read(target)["out"].shape == (1, 2, 2)
+
+
+def test_a_device_output_is_written_to_not_replaced():
+    assert invoke("normalize", WORKED, "/dev/null").exit_code == 0
+    result = invoke("normalize", WORKED, "/dev/full")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "/dev/full", "No space left on device")
+    for device in ("/dev/null", "/dev/full"):
+        assert stat.S_ISCHR(os.stat(device).st_mode), device
 
 
 def current_umask() -> int:

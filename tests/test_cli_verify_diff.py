@@ -235,11 +235,14 @@ def test_verify_missing_out_and_wrong_dtype_are_mismatches(tmp_path):
     source = write(tmp_path / "in.safetensors", inputs)
     renamed = write(tmp_path / "renamed.safetensors", {"result": expected["out"]})
     document = json.loads(invoke("verify", source, renamed, "--json").stdout)
-    assert document["tensors"][0]["problems"] == ["missing in expected"]
+    assert document["tensors"][0]["problems"] == [
+        "missing in expected (it holds 'result'; --out-key names the result)"
+    ]
     assert invoke("verify", source, renamed, "--out-key", "result").exit_code == 0
     double = write(tmp_path / "double.safetensors", {"out": expected["out"].double()})
     result = invoke("verify", source, double)
-    assert result.exit_code == 1 and "dtype float32 vs expected float64" in result.stdout
+    assert result.exit_code == 1
+    assert "dtype float32 vs expected float64 (--dtype float64 computes in it)" in result.stdout
     assert (
         invoke(
             "verify", source, double, "--dtype", "float64", "--rtol", "1e-5", "--atol", "1e-6"

@@ -183,6 +183,7 @@ def test_chunks_that_memory_cannot_hold_are_refused(tmp_path, monkeypatch):
 def test_output_that_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
     class Usage:
         free = 100
+        total = 10**12
 
     monkeypatch.setattr(resources.shutil, "disk_usage", lambda path: Usage)
     output = tmp_path / "out.safetensors"
@@ -231,7 +232,7 @@ def test_signal_during_a_large_write_leaves_output_untouched(tmp_path, large_inp
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == code, stderr
-    assert_one_line_error(stderr, "no output was written")
+    assert_one_line_error(stderr, "the output being written was discarded")
     assert output.read_bytes() == b"the previous result"
     assert leftovers(tmp_path) == []
 
@@ -339,3 +340,80 @@ def test_spooled_stdin_is_removed(tmp_path, monkeypatch):
     assert invoke("inspect", "-", input=WORKED.read_bytes()).exit_code == 0
     assert invoke("inspect", "-", input=b"garbage").exit_code == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bug_still_gives_one_line_and_exit_2(monkeypatch):
+    """The backstop: an unexpected exception is one 'internal error' line, not a traceback."""
+    from maskln_cli import stats
+
+    def broken(path):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(stats, "summarize_file", broken)
+    result = invoke("inspect", WORKED)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "internal error: ZeroDivisionError: a bug", "MASKLN_DEBUG")
+    monkeypatch.setenv("MASKLN_DEBUG", "1")
+    assert isinstance(invoke("inspect", WORKED).exception, ZeroDivisionError)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect", WORKED],
+        ["diff", WORKED, WORKED],
+        ["verify", PAIRS, PAIRS.with_name("pair_features_expected.safetensors")],
+    ],
+)
+def test_reports_to_a_full_or_closed_stdout_exit_2(command):
+    with open("/dev/full", "wb") as full:
+        result = run(*command, stdout=full)
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "cannot write")
+    closed = subprocess.run(
+        [sys.executable, "-m", "maskln_cli", *map(str, command)],
+        capture_output=True,
+        cwd=ROOT,
+        bufsize=0,
+    )
+    assert closed.returncode in (0, 1)  # sanity: the command itself works
+
+
+def test_broken_pipe_from_a_report_exits_2(tmp_path):
+    many = write(tmp_path / "many.safetensors", {f"t{i}": torch.ones(2) for i in range(2000)})
+    pipeline = subprocess.run(
+        f"{sys.executable} -m maskln_cli diff {many} {many} | head -c 10 >/dev/null; "
+        "echo ${PIPESTATUS[0]}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert pipeline.stdout.strip() == "2", pipeline.stderr
+    assert "Traceback" not in pipeline.stderr
+
+
+def test_closed_stdin_and_stdout(tmp_path):
+    closed_stdin = subprocess.run(
+        f"{sys.executable} -m maskln_cli inspect - <&-", shell=True, capture_output=True, cwd=ROOT
+    )
+    assert closed_stdin.returncode == 2
+    assert_one_line_error(closed_stdin.stderr, "<stdin>")
+    closed_stdout = subprocess.run(
+        f"{sys.executable} -m maskln_cli generate - --shape 2,3 >&-",
+        shell=True,
+        capture_output=False,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert closed_stdout.returncode == 2
+    assert_one_line_error(closed_stdout.stderr, "<stdout>")
+
+
+@pytest.mark.parametrize("shape", ["0,4", "3,0,4"])
+def test_generate_with_an_empty_leading_axis(tmp_path, shape):
+    output = tmp_path / "g.safetensors"
+    assert invoke("generate", output, "--shape", shape).exit_code == 0
+    assert read(output)["x"].shape == tuple(int(s) for s in shape.split(","))
+    assert invoke("normalize", output, tmp_path / "o.safetensors").exit_code == 0
