@@ -197,7 +197,8 @@ def _prepare(
     # A chunk holds x converted, the output and a few temporaries: about 8 copies with
     # gradients, 4 without, of the compute dtype.
     copies = 8 if grad_out is not None else 4
-    chunk_bytes = min(rows_per_chunk, x.shape[0]) * channels * dtype.itemsize * copies
+    compute_itemsize = max(dtype.itemsize, 4)  # float16 and bfloat16 are computed in float32
+    chunk_bytes = min(rows_per_chunk, x.shape[0]) * channels * compute_itemsize * copies
     check_memory(chunk_bytes, f"--chunk-rows {rows_per_chunk} ({channels} channels)")
     return Problem(
         source=data.name,

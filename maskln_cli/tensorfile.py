@@ -273,6 +273,8 @@ class SafetensorsWriter:
         tensors: Mapping[str, tuple[str, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
     ) -> None:
+        if sys.byteorder != "little":  # safetensors is little-endian; tensors here are native
+            raise MasklnError("writing safetensors needs a little-endian machine")
         self._stream = stream
         self._name = name
         self._order = list(tensors)
@@ -323,8 +325,6 @@ class SafetensorsWriter:
             raise MasklnError(f"{self._name}: cannot write: {_os_reason(error)}") from None
 
     def _write(self, data: bytes | memoryview) -> None:
-        if sys.byteorder != "little":  # safetensors is little-endian; tensors here are native
-            raise MasklnError("writing safetensors needs a little-endian machine")
         try:
             self._stream.write(data)
         except OSError as error:
