@@ -322,14 +322,17 @@ def test_hostile_keys_are_escaped_in_reports(tmp_path):
 
 
 def test_hostile_names_are_escaped_in_error_messages(tmp_path):
-    source = write(tmp_path / "in.safetensors", {HOSTILE: torch.ones(2, 3)})
-    result = invoke("normalize", source, tmp_path / "o.safetensors", "--valid-key", HOSTILE + "x")
+    """The hostile name reaches the message (the key the user asked for), escaped."""
+    source = write(tmp_path / "in.safetensors", {"x": torch.ones(2, 3), HOSTILE: torch.ones(2)})
+    asked = HOSTILE + "?"  # missing: the message names it, and the keys the file holds
+    result = invoke("normalize", source, tmp_path / "o.safetensors", "--valid-key", asked)
     assert result.exit_code == 2
-    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
-    assert_one_line_error(result.stderr, "no tensor 'x'")
+    for raw in ("\x1b", "\x07", "\u202e"):
+        assert raw not in result.stderr
+    assert_one_line_error(result.stderr, "\\x1b[2J", "evil", "[red]?'", "it holds")
 
 
-def test_nan_and_inf_metadata_values_do_not_break_json(tmp_path):
+def test_nan_and_inf_tensor_values_do_not_break_json(tmp_path):
     source = write(tmp_path / "in.safetensors", {"x": torch.tensor([math.nan, math.inf, 1.0])})
     document = json.loads(invoke("inspect", "--json", source).stdout)
     assert document["tensors"][0]["nan"] == 1 and document["tensors"][0]["max"] == 1.0
