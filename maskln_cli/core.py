@@ -75,12 +75,14 @@ def masked_layer_normalization(
                  [ 0.0000,  0.0000]]], dtype=torch.float64)
     """
     eps = check_inputs(x, valid, scale, bias, eps)
-    if x.dtype in _COMPUTED_IN_FLOAT32:
-        out = masked_layer_normalization(x.float(), valid, scale.float(), bias.float(), eps)
-        return out.to(x.dtype)
+    dtype = x.dtype
+    if dtype in _COMPUTED_IN_FLOAT32:  # differentiable casts: gradients come back in dtype
+        x, scale, bias = x.float(), scale.float(), bias.float()
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or bias.requires_grad):
-        return _MaskedLayerNorm.apply(x, valid, scale, bias, eps)
-    return forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
+        out = _MaskedLayerNorm.apply(x, valid, scale, bias, eps)
+    else:
+        out = forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
+    return out.to(dtype)
 
 
 def check_inputs(x: object, valid: object, scale: object, bias: object, eps: object) -> float:

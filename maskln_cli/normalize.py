@@ -36,7 +36,6 @@ FLOATING = ("float16", "bfloat16", "float32", "float64")
 NUMERIC = (*FLOATING, "int8", "int16", "int32", "int64", "uint8")
 """dtypes a parameter may have (cast to the compute dtype); torch cannot convert float4, and
 barely computes with uint16 to uint64."""
-MASK_DTYPES = NUMERIC
 CHUNK_BYTES = 8 * 2**20
 """Rows are processed in chunks of about this many bytes of x (at least two rows each, so
 that chunked results are identical to one whole call: see core.row_blocks)."""
@@ -239,7 +238,7 @@ def _as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...
         )
     if valid.dtype == torch.bool:
         return valid
-    if _dtype_name(valid.dtype) not in MASK_DTYPES:
+    if _dtype_name(valid.dtype) not in NUMERIC:
         raise MasklnError(f"{where} has dtype {_dtype_name(valid.dtype)}; expected bool or 0/1")
     is_zero, is_one = valid == 0, valid == 1
     bad = ~(is_zero | is_one)

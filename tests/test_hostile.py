@@ -368,7 +368,7 @@ def test_a_bug_still_gives_one_line_and_exit_2(monkeypatch):
         ["verify", PAIRS, PAIRS.with_name("pair_features_expected.safetensors")],
     ],
 )
-def test_reports_to_a_full_or_closed_stdout_exit_2(command):
+def test_reports_to_a_full_stdout_exit_2(command):
     with open("/dev/full", "wb") as full:
         result = run(*command, stdout=full)
     assert result.returncode == 2
