@@ -1,4 +1,4 @@
-"""Masked layer normalization: the op, its checks, and its autograd.
+"""Masked layer normalization: the op, its checks, its kernels and its autograd.
 
 For each valid row x of C channels (Ba et al., 2016), with a two-pass variance::
 
@@ -15,28 +15,45 @@ and y = +0.0 on invalid rows. The backward pass, with wdy = scale * dy::
     dscale = sum over valid rows of dy * xhat
     dx     = rstd * (wdy - xhat * c1 - c2),   c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
 
-and dx = 0 on invalid rows. An invalid row is never mixed with another: its statistics are its
-own and are set to 0 before use; NaN or inf in it, flagged by its non-finite mean, are zeroed
-before any other arithmetic; and every sum across rows (dscale, dbias) reads valid rows only. So
-whatever invalid rows hold never reaches an output or a gradient.
+and dx = +0.0 on invalid rows. An invalid row is never mixed with another: its statistics are
+its own and are set to 0 before use; NaN or inf in it, flagged by its non-finite mean, are
+zeroed before any other arithmetic; and every sum across rows (dscale, dbias) reads valid rows
+only. So whatever invalid rows hold never reaches an output or a gradient.
 
 ``shift`` is the corrected two-pass algorithm (Chan, Golub & LeVeque, 1983): on float32 rows
 with a large common offset it keeps the error near float32's resolution, where a plain two-pass
-(torch's own layer_norm included) loses several digits to the rounded mean.
+(torch's own layer_norm included) loses several digits to the rounded mean. Rows whose squares
+overflow are redone scaled by a power of two (see :mod:`maskln_cli.functional`).
+
+One op, three ways in, chosen by :func:`masked_layer_normalization`:
+
+- eager (the default): the blocked, in-place kernels below, through an autograd.Function;
+- under torch.compile and torch.export, and for fake and meta tensors: the same kernels as the
+  torch.library custom op ``maskln::masked_layer_norm``, with a fake implementation, autograd
+  (its backward the custom op ``maskln::masked_layer_norm_backward``) and a vmap rule, so that
+  a graph holds one opaque node;
+- under torch.func transforms (grad, vmap, jvp, jacrev, jacfwd, hessian) and forward-mode AD:
+  the purely functional composite of :mod:`maskln_cli.functional`, which they see through.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import struct
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.autograd.forward_ad
+
+from maskln_cli.functional import gradients, masked_layer_norm_functional, normalized_rows
 
 __all__ = ["masked_layer_normalization"]
 
-_COMPUTED_IN_FLOAT32 = (torch.float16, torch.bfloat16)
-_SUPPORTED_DTYPES = (torch.float32, torch.float64, *_COMPUTED_IN_FLOAT32)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Computed in float32 and returned in their own dtype."""
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
 
 
 def masked_layer_normalization(
@@ -53,14 +70,15 @@ def masked_layer_normalization(
             computed in float32 and returned in their own dtype). Any strides.
         valid: ``[...]`` bool tensor, exactly ``x``'s leading shape. ``False`` rows give
             ``+0.0`` whatever ``x`` holds there, NaN and inf included.
-        scale: ``[C]`` tensor of ``x``'s dtype, multiplied after normalization.
-        bias: ``[C]`` tensor of ``x``'s dtype, added after scaling.
+        scale: ``[C]`` tensor of ``x``'s dtype (or float32, when x is float16 or bfloat16, as
+            under autocast), multiplied after normalization.
+        bias: ``[C]``, likewise; added after scaling.
         eps: finite positive number added to the population variance inside the sqrt.
 
     Returns:
         A tensor of ``x``'s shape, dtype, device and memory layout (as ``torch.empty_like(x)``).
-        It requires grad when ``x``, ``scale`` or ``bias`` does; first and second derivatives
-        are supported.
+        It requires grad when ``x``, ``scale`` or ``bias`` does; gradients have each input's own
+        dtype; derivatives of any order are supported.
 
     Raises:
         TypeError, ValueError: the message names the offending argument.
@@ -76,13 +94,70 @@ def masked_layer_normalization(
     """
     eps = check_inputs(x, valid, scale, bias, eps)
     dtype = x.dtype
-    if dtype in _COMPUTED_IN_FLOAT32:  # differentiable casts: gradients come back in dtype
-        x, scale, bias = x.float(), scale.float(), bias.float()
-    if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or bias.requires_grad):
-        out = _MaskedLayerNorm.apply(x, valid, scale, bias, eps)
-    else:
-        out = forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
-    return out.to(dtype)
+    compute = compute_dtype(dtype)
+    # Differentiable casts: gradients come back in each input's own dtype.
+    x_, scale_, bias_ = (t if t.dtype == compute else t.to(compute) for t in (x, scale, bias))
+    with _autocast_off(x.device.type):  # the arithmetic is ours: autocast must not recast it
+        if torch.compiler.is_compiling():
+            out = torch.ops.maskln.masked_layer_norm(x_, valid, scale_, bias_, eps)[0]
+        elif _transformed():
+            out = masked_layer_norm_functional(x_, valid, scale_, bias_, eps)
+        elif _traced(x, valid, scale, bias):
+            out = torch.ops.maskln.masked_layer_norm(x_, valid, scale_, bias_, eps)[0]
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in (x_, scale_, bias_)):
+            out = _MaskedLayerNormFunction.apply(x_, valid, scale_, bias_, eps)[0]
+        else:
+            out = forward(x_, valid, scale_, bias_, eps, keep_statistics=False)[0]
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the op computes in for x of ``dtype``: float32 for the half dtypes.
+
+    Example:
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in _HALF_DTYPES else dtype
+
+
+def _transformed() -> bool:
+    """A torch.func transform, or forward-mode AD, is active: the composite path."""
+    return (
+        torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+    )
+
+
+def _legacy_batched(tensor: torch.Tensor) -> bool:
+    """A batched gradient of ``autograd.grad(..., is_grads_batched=True)`` (as gradcheck's
+    ``check_batched_grad`` makes), which torch's older vmap batches outside any transform."""
+    return bool(torch._C._functorch.is_legacy_batchedtensor(tensor))
+
+
+def _traced(*tensors: torch.Tensor) -> bool:
+    """Fake, meta or other tensor subclasses (tracing, export): the custom op's path."""
+    return any(
+        type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
+        for t in tensors
+    )
+
+
+class _autocast_off:
+    """``torch.autocast(device, enabled=False)`` when autocast is on for ``device``, else
+    nothing (entering an autocast context costs microseconds on every call)."""
+
+    def __init__(self, device_type: str) -> None:
+        self._context = None
+        if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
+            self._context = torch.autocast(device_type, enabled=False)
+
+    def __enter__(self) -> None:
+        if self._context is not None:
+            self._context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
 
 
 def check_inputs(x: object, valid: object, scale: object, bias: object, eps: object) -> float:
@@ -115,9 +190,13 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
     for name, param in (("scale", scale), ("bias", bias)):
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(param).__name__}")
-        if param.dtype != x.dtype:
+        if param.dtype != x.dtype and not (
+            x.dtype in _HALF_DTYPES and param.dtype == torch.float32
+        ):
+            accepted = "x's dtype" + (" or float32" if x.dtype in _HALF_DTYPES else "")
             raise TypeError(
-                f"{name} must have x's dtype {_dtype_name(x.dtype)}, got {_dtype_name(param.dtype)}"
+                f"{name} must have {accepted} ({_dtype_name(x.dtype)}), got"
+                f" {_dtype_name(param.dtype)}"
             )
         if param.shape != (channels,):
             raise ValueError(
@@ -133,7 +212,7 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
         eps = math.inf
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a finite positive number, got {eps!r}")
-    compute = torch.float32 if x.dtype in _COMPUTED_IN_FLOAT32 else x.dtype
+    compute = compute_dtype(x.dtype)
     if eps_rounds_to_zero(eps, compute):
         raise ValueError(f"eps {eps!r} rounds to 0 in {_dtype_name(compute)}, the compute dtype")
     return eps
@@ -147,7 +226,13 @@ def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
         >>> eps_rounds_to_zero(1e-50, torch.float32), eps_rounds_to_zero(1e-50, torch.float64)
         (True, False)
     """
-    return torch.tensor(eps, dtype=dtype).item() == 0.0
+    if dtype == torch.float64:
+        return False
+    # Pure Python, so that it also runs under fake tensors and tracing.
+    try:
+        return struct.unpack("f", struct.pack("f", eps))[0] == 0.0
+    except OverflowError:  # beyond float32's range: inf, not 0
+        return False
 
 
 BLOCK_BYTES = 4 << 20
@@ -251,29 +336,41 @@ def _forward_rows(
     # non-finite mean flags an invalid row holding NaN or inf, which is zeroed before any
     # arithmetic mixes it with anything else.
     poisoned = ~(valid | mean.isfinite().squeeze(1))
+    poisoned_rows = poisoned.nonzero().squeeze(1) if poisoned.any() else None
     mean.masked_fill_(invalid, 0.0)
-    xc = torch.sub(x, mean, out=y)
-    if poisoned.any():
-        xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
+    xc = _centered(x, mean, poisoned_rows, out=y)
     # Corrected two-pass (Chan, Golub & LeVeque): xc is exact, but mean was rounded; the mean
     # of xc is that rounding error, and removing it keeps offset data accurate.
     shift = xc.mean(dim=-1, keepdim=True)
-    # vector_norm is the fastest row reduction here: sum(xc^2) = |xc|^2.
-    norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True)
-    # Valid rows whose statistics overflowed (|x| ~ 1e19 and up in float32) or that hold NaN or
-    # inf are redone in float64 at the end; the other rows never see them.
-    rescued = valid & ~(norm.isfinite() & shift.isfinite()).squeeze(1)
-    rstd.copy_(_rstd(norm, shift, channels, eps))
+    # sum(xc^2), accurate to about an ulp at any C and spread of magnitudes (see _row_sums).
+    # The squares are taken in place in y, and xc recomputed: one pass more, no extra memory.
+    sum_of_squares = _row_sums(xc.square_())
+    xc = _centered(x, mean, poisoned_rows, out=y)
+    # Valid rows whose statistics overflowed (float32 |x| from about 1e19, float64 from about
+    # 1e154) or that hold NaN or inf are redone at the end, scaled, in float64; the other rows
+    # never see them.
+    rescued = valid & ~(sum_of_squares.isfinite() & shift.isfinite()).squeeze(1)
+    rstd.copy_(_rstd(sum_of_squares, shift, channels, eps))
     rstd.masked_fill_(invalid, 0.0)
     shift.masked_fill_(invalid, 0.0)  # so that an invalid row's xhat is exactly (xc - 0) * 0
     xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
     torch.addcmul(bias, xhat, scale, out=y)
     y.mul_(weight).add_(0.0)  # invalid rows: bias * 0 is -0.0 where bias < 0; -0.0 + 0.0 is +0.0
-    if x.dtype != torch.float64 and rescued.any():
-        _forward_rows_in_float64(y, x, rescued.nonzero().squeeze(1), scale, bias, eps, mean, rstd)
+    if rescued.any():
+        _forward_rows_rescued(y, x, rescued.nonzero().squeeze(1), scale, bias, eps, mean, rstd)
 
 
-def _forward_rows_in_float64(
+def _centered(
+    x: torch.Tensor, mean: torch.Tensor, poisoned_rows: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """``x - mean`` into ``out``, with the poisoned (invalid, non-finite) rows set to 0."""
+    xc = torch.sub(x, mean, out=out)
+    if poisoned_rows is not None:
+        xc.index_fill_(0, poisoned_rows, 0.0)
+    return xc
+
+
+def _forward_rows_rescued(
     y: torch.Tensor,
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -283,25 +380,57 @@ def _forward_rows_in_float64(
     mean: torch.Tensor,
     rstd: torch.Tensor,
 ) -> None:
-    """The formula in float64 for the given (valid) ``rows``, written into y, mean and rstd."""
+    """The given (valid) ``rows`` in float64, each scaled by a power of two so that nothing
+    overflows (:func:`maskln_cli.functional.normalized_rows`), written into y, mean and rstd.
+    A row holding NaN or inf comes out NaN, as the formula says."""
     x64 = x.index_select(0, rows).double()
-    row_mean = x64.mean(dim=-1, keepdim=True)
-    xc = x64 - row_mean
-    row_rstd = (xc.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
-    out = xc * row_rstd * scale.double() + bias.double()
+    every = torch.ones(len(rows), dtype=torch.bool, device=x.device)
+    xhat, rs, exponent = normalized_rows(x64, every, eps)
+    out = xhat * scale.double() + bias.double()
     y.index_copy_(0, rows, out.to(y.dtype))
+    row_mean = torch.ldexp(torch.ldexp(x64, -exponent).mean(dim=-1, keepdim=True), exponent)
     mean.index_copy_(0, rows, row_mean.to(mean.dtype))
-    rstd.index_copy_(0, rows, row_rstd.to(rstd.dtype))
+    rstd.index_copy_(0, rows, torch.ldexp(rs, -exponent).to(rstd.dtype))
 
 
-def _rstd(norm: torch.Tensor, shift: torch.Tensor, channels: int, eps: float) -> torch.Tensor:
-    """1 / sqrt(|xc|^2 / C - shift^2 + eps) per row, computed in float64.
+_PARTIAL_SUM_LENGTH = 128
+"""Row sums add float64 partial sums of this many elements each (see _row_sums)."""
 
-    The row statistics are few, so float64 costs nothing here; it keeps |xc|^2 from overflowing
-    float32 for rows of large magnitude, whose rstd is itself representable.
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``rows`` [R, C] (contiguous rows), ``[R, 1]`` in float64.
+
+    A float32 sum accumulates in vector lanes, where a lane holding a large value drops the
+    small ones added after it: at C = 262,144 the sum of squares of a one-hot row lost several
+    ulps that way. Here each run of 128 elements is summed in the rows' dtype (so a lane adds at
+    most a handful), and the runs' sums are added in float64: about twice the time of a plain
+    sum, and accurate to within an ulp or so.
+
+    Example:
+        >>> _row_sums(torch.ones(2, 300))
+        tensor([[300.],
+                [300.]], dtype=torch.float64)
     """
-    norm, shift = norm.double(), shift.double()
-    var = norm.square_().div_(channels).sub_(shift.square()).clamp_min_(0.0)
+    rows_count, channels = rows.shape
+    whole = channels - channels % _PARTIAL_SUM_LENGTH
+    if whole == 0:
+        return rows.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    partial = rows[:, :whole].view(rows_count, -1, _PARTIAL_SUM_LENGTH).sum(dim=-1)
+    total = partial.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    if whole < channels:
+        total += rows[:, whole:].sum(dim=-1, keepdim=True, dtype=torch.float64)
+    return total
+
+
+def _rstd(
+    sum_of_squares: torch.Tensor, shift: torch.Tensor, channels: int, eps: float
+) -> torch.Tensor:
+    """1 / sqrt(sum(xc^2) / C - shift^2 + eps) per row, computed in float64.
+
+    The row statistics are few, so float64 costs nothing here, and keeps the variance's last
+    subtraction and eps exact.
+    """
+    var = sum_of_squares.div(channels).sub_(shift.double().square()).clamp_min_(0.0)
     return var.add_(eps).rsqrt_()
 
 
@@ -321,46 +450,6 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(t.isfinite().all()) for t in tensors)
 
 
-def backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    need_dx: bool = True,
-    need_dscale: bool = True,
-    need_dbias: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients ``(dx, dscale, dbias)`` of ``sum(y * dy)``, from the forward's ``mean``, ``rstd``.
-
-    Differentiable in every argument, so that autograd can take it again for second-order
-    gradients; with ``mean`` and ``rstd`` recomputed from ``x`` (see :func:`row_statistics`)
-    the result is exact to any order.
-
-    Example:
-        >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
-        >>> y, mean, rstd = forward(x, valid, torch.ones(2), torch.zeros(2), 3.0)
-        >>> backward(torch.tensor([[1.0, 0.0]]), x, valid, torch.ones(2), mean, rstd)
-        (tensor([[ 0.1875, -0.1875]]), tensor([-0.5000,  0.0000]), tensor([1., 0.]))
-    """
-    row_valid = valid.unsqueeze(-1)
-    zero = dy.new_zeros(())
-    dy = torch.where(row_valid, dy, zero)  # outputs of invalid rows are constants
-    xc = torch.where(row_valid, x - mean, zero)
-    xhat = (xc - xc.mean(dim=-1, keepdim=True)) * rstd  # shift-corrected, as in forward
-    dbias = _sum_over_rows(dy) if need_dbias else None
-    dscale = _sum_over_rows(dy * xhat) if need_dscale else None
-    dx = None
-    if need_dx:
-        wdy = dy * scale
-        c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
-        c2 = wdy.mean(dim=-1, keepdim=True)
-        # rstd is 0 on invalid rows; where() keeps them 0 even when scale holds inf or NaN.
-        dx = torch.where(row_valid, (wdy - xhat * c1 - c2) * rstd, zero)
-    return dx, dscale, dbias
-
-
 def backward_in_place(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -373,8 +462,9 @@ def backward_in_place(
     need_dscale: bool = True,
     need_dbias: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The same gradients as :func:`backward`, without autograd: in place on block-sized
-    buffers, a block of rows at a time. This is the first-order backward pass.
+    """The gradients of :func:`maskln_cli.functional.gradients`, without autograd, from the
+    forward's ``mean`` and ``rstd``: in place on block-sized buffers, a block of rows at a time.
+    This is the first-order backward pass; dx is +0.0 on invalid rows.
 
     Example:
         >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
@@ -452,28 +542,32 @@ def _backward_rows(
     xc = torch.sub(x, mean, out=xhat_buffer)
     shift = xc.mean(dim=-1, keepdim=True)
     # Non-finite: an invalid row holding NaN or inf (zeroed), or a valid row whose x - mean
-    # overflowed or that holds NaN or inf (zeroed here, redone in float64 below).
+    # overflowed or that holds NaN or inf. Those valid rows, and those whose rstd is too small
+    # to be exact (|x| near the dtype's limit), are zeroed here and redone, scaled, below.
     unusable = ~shift.isfinite().squeeze(1)
-    rescued = valid & unusable
-    if x.dtype == torch.float64:  # nowhere wider to go: NaN in a valid row stays the caller's
-        rescued.zero_()
-    if unusable.any():
-        xc.index_fill_(0, (unusable & ~(valid & ~rescued)).nonzero().squeeze(1), 0.0)
+    rescued = valid & (unusable | (rstd < _SMALLEST_EXACT_RSTD[x.dtype]).squeeze(1))
+    if unusable.any() or rescued.any():
+        xc.index_fill_(0, (unusable | rescued).nonzero().squeeze(1), 0.0)
     shift.masked_fill_((~valid | rescued).unsqueeze(1), 0.0)
     xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid (and rescued) rows
     if dscale is not None:
         dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
     if need_dx:
         c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
-        # dx = rstd * (wdy - xhat * c1 - c2); rstd is 0 on invalid rows
-        wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
+        # dx = rstd * (wdy - xhat * c1 - c2); rstd is 0 on invalid rows, and -0.0 + 0.0 is +0.0
+        wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd).add_(0.0)
     if rescued.any():
-        _backward_rows_in_float64(
-            dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx
-        )
+        _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
 
 
-def _backward_rows_in_float64(
+_SMALLEST_EXACT_RSTD = {
+    dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+    for dtype in (torch.float32, torch.float64)
+}
+"""Below this an rstd is a subnormal number, or close to one, and has lost precision."""
+
+
+def _backward_rows_rescued(
     dy: torch.Tensor,
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -483,70 +577,132 @@ def _backward_rows_in_float64(
     dscale: torch.Tensor | None,
     need_dx: bool,
 ) -> None:
-    """dx and dscale of the given (valid) ``rows`` in float64: :func:`backward` on statistics
-    recomputed from x. Their xhat was zeroed in the block, so dscale lacks them so far."""
+    """dx and dscale of the given (valid) ``rows`` in float64, from statistics recomputed from
+    x with each row scaled by a power of two. Their xhat was zeroed in the block, so dscale
+    lacks them so far."""
     x64, dy64 = x.index_select(0, rows).double(), dy.index_select(0, rows).double()
-    every = torch.ones(len(rows), dtype=torch.bool)
-    mean, rstd = row_statistics(x64, every, eps)
-    dx64, dscale64, _ = backward(
-        dy64, x64, every, scale.double(), mean, rstd, need_dx, dscale is not None, False
-    )
-    if need_dx and dx64 is not None:
+    every = torch.ones(len(rows), dtype=torch.bool, device=x.device)
+    needs = (need_dx, dscale is not None, False)
+    dx64, dscale64, _ = gradients(dy64, x64, every, scale.double(), eps, needs)
+    if dx64 is not None:
         dx.index_copy_(0, rows, dx64.to(dx.dtype))
     if dscale is not None and dscale64 is not None:
         dscale += dscale64.to(dscale.dtype)
 
 
-def row_statistics(
-    x: torch.Tensor, valid: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, rstd)`` of each row, ``[..., 1]``, 0 on invalid rows; differentiable.
-
-    Example:
-        >>> row_statistics(torch.tensor([[1.0, 3.0], [9.0, 9.0]]), torch.tensor([True, False]), 3.0)
-        (tensor([[2.],
-                [0.]]), tensor([[0.5000],
-                [0.0000]]))
-    """
-    row_valid = valid.unsqueeze(-1)
-    zero = x.new_zeros(())
-    x = torch.where(row_valid, x, zero)
-    mean = x.mean(dim=-1, keepdim=True)
-    xc = x - mean
-    var = (xc * xc).mean(dim=-1, keepdim=True)
-    return mean, torch.where(row_valid, (var + eps).rsqrt(), zero)
+# --- autograd: one setup_context and one backward, for the eager Function and the custom op ----
 
 
-class _MaskedLayerNorm(torch.autograd.Function):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    x, valid, scale, _, eps = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, valid, scale, mean, rstd)
+    ctx.eps = eps
+
+
+def _backward(
+    ctx: Any, dy: torch.Tensor, _dmean: object = None, _drstd: object = None
+) -> tuple[torch.Tensor | None, ...]:
+    x, valid, scale, mean, rstd = ctx.saved_tensors
+    need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
+    needs = (need_dx, need_dscale, need_dbias)
+    if torch.is_grad_enabled() or _transformed() or _legacy_batched(dy):
+        # create_graph (or a batched backward under vmap): the saved statistics carry no graph,
+        # so the differentiable formula recomputes them from x, for the second-order terms that
+        # flow through mean and rstd. In float64, so that its intermediate values are exact.
+        grads = gradients(dy.double(), x.double(), valid, scale.double(), ctx.eps, needs)
+        dx, dscale, dbias = (None if g is None else g.to(x.dtype) for g in grads)
+    elif _traced(dy, x, valid, scale):
+        computed = iter(
+            torch.ops.maskln.masked_layer_norm_backward(
+                dy, x, valid, scale, mean, rstd, ctx.eps, list(needs)
+            )
+        )
+        dx, dscale, dbias = (next(computed) if need else None for need in needs)
+    else:
+        dx, dscale, dbias = backward_in_place(dy, x, valid, scale, mean, rstd, ctx.eps, *needs)
+    return dx, None, dscale, dbias, None
+
+
+class _MaskedLayerNormFunction(torch.autograd.Function):
+    """The eager op: the blocked kernels, with no dispatcher in between (the custom op below
+    costs about 20 microseconds a call more, which small inputs would notice)."""
+
     @staticmethod
-    def forward(ctx, x, valid, scale, bias, eps):  # type: ignore[override]
-        y, mean, rstd = forward(x, valid, scale, bias, eps)
-        ctx.save_for_backward(x, valid, scale, mean, rstd)
-        ctx.eps = eps
-        return y
+    def forward(x, valid, scale, bias, eps):  # type: ignore[override]
+        return forward(x, valid, scale, bias, eps)
 
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        x, valid, scale, mean, rstd = ctx.saved_tensors
-        need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
-        needs = (need_dx, need_dscale, need_dbias)
-        if not torch.is_grad_enabled():
-            dx, dscale, dbias = backward_in_place(dy, x, valid, scale, mean, rstd, ctx.eps, *needs)
-            return dx, None, dscale, dbias, None
-        # create_graph: the saved statistics carry no graph, so recompute them from x, with
-        # differentiable ops, for the second-order terms that flow through mean and rstd. In
-        # float64, so that large rows do not overflow where the first-order pass would not.
-        dtype = x.dtype
-        x64, dy64, scale64 = x.double(), dy.double(), scale.double()
-        mean, rstd = row_statistics(x64, valid, ctx.eps)
-        grads = backward(dy64, x64, valid, scale64, mean, rstd, *needs)
-        dx, dscale, dbias = (None if g is None else g.to(dtype) for g in grads)
-        return dx, None, dscale, dbias, None
+    setup_context = staticmethod(_setup_context)  # type: ignore[assignment]
+    backward = staticmethod(_backward)  # type: ignore[assignment]
 
 
-def _sum_over_rows(t: torch.Tensor) -> torch.Tensor:
-    # sum(dim=()) would sum everything: a single row [C] is its own sum.
-    return t.sum(dim=tuple(range(t.dim() - 1))) if t.dim() > 1 else t
+# --- the torch.library custom ops: what torch.compile, torch.export and fake tensors see -------
+
+
+@torch.library.custom_op("maskln::masked_layer_norm", mutates_args=())
+def _masked_layer_norm_op(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)`` from checked inputs of one compute dtype: the blocked forward."""
+    return forward(x, valid, scale, bias, eps)  # type: ignore[return-value]
+
+
+@_masked_layer_norm_op.register_fake
+def _(x, valid, scale, bias, eps):
+    statistics = x.new_empty((*x.shape[:-1], 1))
+    return torch.empty_like(x), statistics, torch.empty_like(statistics)
+
+
+_masked_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("maskln::masked_layer_norm_backward", mutates_args=())
+def _masked_layer_norm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    output_mask: list[bool],
+) -> list[torch.Tensor]:
+    """The gradients that ``output_mask`` asks for, of (dx, dscale, dbias), in that order."""
+    grads = backward_in_place(dy, x, valid, scale, mean, rstd, eps, *output_mask)
+    return [g for g in grads if g is not None]
+
+
+@_masked_layer_norm_backward_op.register_fake
+def _(dy, x, valid, scale, mean, rstd, eps, output_mask):
+    shapes = (x.shape, scale.shape, scale.shape)
+    return [x.new_empty(shape) for shape, need in zip(shapes, output_mask, strict=True) if need]
+
+
+@_masked_layer_norm_op.register_vmap
+def _(info, in_dims, x, valid, scale, bias, eps):
+    """Under vmap, the batch axis becomes one more leading axis of x; batched scale and bias
+    apply to the normalized rows, which the op computes with unit scale and zero bias."""
+    size = info.batch_size
+    x = _batch_first(x, in_dims[0], size)
+    valid = _batch_first(valid, in_dims[1], size)
+    batched_params = in_dims[2] is not None or in_dims[3] is not None
+    if not batched_params:
+        return _masked_layer_norm_op(x, valid, scale, bias, eps), (0, 0, 0)
+    channels = x.shape[-1]
+    y, mean, rstd = _masked_layer_norm_op(
+        x, valid, x.new_ones(channels), x.new_zeros(channels), eps
+    )
+    view = (size,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    scale = _batch_first(scale, in_dims[2], size).reshape(view)
+    bias = _batch_first(bias, in_dims[3], size).reshape(view)
+    return (torch.where(valid.unsqueeze(-1), y * scale + bias, 0.0), mean, rstd), (0, 0, 0)
+
+
+def _batch_first(tensor: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
+    if dim is None:
+        return tensor.unsqueeze(0).expand(size, *tensor.shape)
+    return tensor.movedim(dim, 0)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
