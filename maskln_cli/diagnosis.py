@@ -1,0 +1,359 @@
+"""Known mistakes in implementing masked layer normalization, and which one a result matches.
+
+``maskln verify`` (a kernel's output file) and ``maskln grade`` (a function) both ask the same
+question once a result is wrong: is it one of the usual mistakes? Each :class:`Mistake` is the
+op written wrongly in one way, evaluated on the same inputs; :func:`diagnose_output` says which
+of them a result is close to. :func:`diagnose_nan_gradient` explains NaN gradients that come
+from unsanitized padding.
+
+Formula mistakes are evaluated in float64, so a match does not depend on the result's dtype;
+precision mistakes (a one-pass variance) are evaluated in the result's dtype and recognized by
+the size of their error rather than its exact value, since two one-pass kernels round
+differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["MISTAKES", "Diagnosis", "Mistake", "diagnose_nan_gradient", "diagnose_output"]
+
+Formula = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """One way of getting the op wrong: its name, what it does in words, how to fix it, and the
+    output it gives (float64, from float64 inputs)."""
+
+    name: str
+    description: str
+    fix: str
+    formula: Formula
+
+
+@dataclass
+class Diagnosis:
+    """A known mistake a result matches. ``distance`` is the relative L2 distance between the
+    result and that mistake's output (for a precision mistake: between their errors' sizes)."""
+
+    mistake: str
+    description: str
+    fix: str
+    distance: float
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def sentence(self) -> str:
+        """``likely: unbiased variance (divides by C - 1); fix: ...``"""
+        return f"likely {self.description}; {self.fix}"
+
+
+# --- the formulas --------------------------------------------------------------------------------
+
+
+def _clean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid.unsqueeze(-1), x, 0.0)
+
+
+def _statistics(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = x.mean(dim=dim, keepdim=True)
+    return mean, (x - mean).square().mean(dim=dim, keepdim=True)
+
+
+def _masked(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid.unsqueeze(-1), y, 0.0)
+
+
+def correct(x, valid, scale, bias, eps):
+    """The op as specified (float64)."""
+    x = _clean(x, valid)
+    mean, var = _statistics(x)
+    return _masked((x - mean) / torch.sqrt(var + eps) * scale + bias, valid)
+
+
+def _with_xhat(
+    make_xhat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+):
+    """A formula that differs from the correct one in how x is normalized only."""
+
+    def formula(x, valid, scale, bias, eps):
+        x = _clean(x, valid)
+        mean, var = _statistics(x)
+        return _masked(make_xhat(x, mean, var, eps) * scale + bias, valid)
+
+    return formula
+
+
+def _unbiased(x, mean, var, eps):
+    channels = x.shape[-1]
+    unbiased = var * channels / (channels - 1) if channels > 1 else torch.full_like(var, torch.nan)
+    return (x - mean) / torch.sqrt(unbiased + eps)
+
+
+def _with_affine(apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+    """A formula that normalizes correctly and applies scale and bias wrongly."""
+
+    def formula(x, valid, scale, bias, eps):
+        x = _clean(x, valid)
+        mean, var = _statistics(x)
+        return _masked(apply((x - mean) / torch.sqrt(var + eps), scale, bias), valid)
+
+    return formula
+
+
+def _wrong_axis(x, valid, scale, bias, eps):
+    if x.dim() < 2:
+        return torch.full_like(x, torch.nan)
+    x = _clean(x, valid)
+    mean, var = _statistics(x, dim=-2)
+    return _masked((x - mean) / torch.sqrt(var + eps) * scale + bias, valid)
+
+
+def _padding_returns_bias(x, valid, scale, bias, eps):
+    return torch.where(valid.unsqueeze(-1), correct(x, valid, scale, bias, eps), bias)
+
+
+def _padding_not_masked(x, valid, scale, bias, eps):
+    mean, var = _statistics(x)
+    return (x - mean) / torch.sqrt(var + eps) * scale + bias
+
+
+def _rms_norm(x, valid, scale, bias, eps):
+    x = _clean(x, valid)
+    return _masked(
+        x / torch.sqrt(x.square().mean(dim=-1, keepdim=True) + eps) * scale + bias, valid
+    )
+
+
+MISTAKES: dict[str, Mistake] = {
+    mistake.name: mistake
+    for mistake in (
+        Mistake(
+            "unbiased_variance",
+            "unbiased variance (divides by C - 1)",
+            "use the population variance: mean((x - mean)**2), or var(unbiased=False)",
+            _with_xhat(_unbiased),
+        ),
+        Mistake(
+            "eps_outside_sqrt",
+            "eps added outside the square root: (x - mean) / (sqrt(var) + eps)",
+            "add eps inside: (x - mean) / sqrt(var + eps)",
+            _with_xhat(lambda x, mean, var, eps: (x - mean) / (torch.sqrt(var) + eps)),
+        ),
+        Mistake(
+            "eps_missing",
+            "eps missing: (x - mean) / sqrt(var)",
+            "add eps inside the square root: (x - mean) / sqrt(var + eps)",
+            _with_xhat(lambda x, mean, var, eps: (x - mean) / torch.sqrt(var)),
+        ),
+        Mistake(
+            "sqrt_missing",
+            "no square root: (x - mean) / (var + eps)",
+            "divide by the square root: (x - mean) / sqrt(var + eps)",
+            _with_xhat(lambda x, mean, var, eps: (x - mean) / (var + eps)),
+        ),
+        Mistake(
+            "scale_missing",
+            "scale not applied: xhat + bias",
+            "multiply by scale before adding bias: xhat * scale + bias",
+            _with_affine(lambda xhat, scale, bias: xhat + bias),
+        ),
+        Mistake(
+            "bias_missing",
+            "bias not added: xhat * scale",
+            "add bias after scaling: xhat * scale + bias",
+            _with_affine(lambda xhat, scale, bias: xhat * scale),
+        ),
+        Mistake(
+            "bias_before_scale",
+            "bias added before scaling: (xhat + bias) * scale",
+            "scale first, then add bias: xhat * scale + bias",
+            _with_affine(lambda xhat, scale, bias: (xhat + bias) * scale),
+        ),
+        Mistake(
+            "scale_bias_swapped",
+            "scale and bias swapped: xhat * bias + scale",
+            "xhat * scale + bias",
+            _with_affine(lambda xhat, scale, bias: xhat * bias + scale),
+        ),
+        Mistake(
+            "wrong_axis",
+            "normalized over the positions axis (-2) instead of the channels (-1)",
+            "take mean and variance over the last axis: dim=-1",
+            _wrong_axis,
+        ),
+        Mistake(
+            "rms_norm",
+            "mean not subtracted (RMS normalization): x / sqrt(mean(x**2) + eps)",
+            "subtract the row mean before dividing: (x - mean) / sqrt(var + eps)",
+            _rms_norm,
+        ),
+        Mistake(
+            "padding_returns_bias",
+            "invalid rows return bias (the padding is normalized to 0, then bias added)",
+            "zero every invalid output after adding bias: torch.where(valid[..., None], y, 0)",
+            _padding_returns_bias,
+        ),
+        Mistake(
+            "padding_not_masked",
+            "invalid rows are normalized like valid ones and not zeroed",
+            "sanitize invalid x before the reductions and zero invalid outputs at the end",
+            _padding_not_masked,
+        ),
+    )
+}
+
+ONE_PASS = Mistake(
+    "one_pass_variance",
+    "one-pass variance E[x**2] - E[x]**2 (catastrophic cancellation on rows whose mean is large"
+    " against their spread)",
+    "subtract the mean first and average the squares of x - mean (two passes)",
+    correct,  # placeholder: recognized by the size of its error, see _one_pass_error
+)
+
+
+# --- matching ------------------------------------------------------------------------------------
+
+MATCH_DISTANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+"""A result matches a formula mistake within this relative L2 distance, for the result's dtype
+(a few times that dtype's rounding of a normalized output)."""
+
+
+def diagnose_output(
+    actual: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype | None = None,
+) -> list[Diagnosis]:
+    """The known mistakes ``actual`` (an output of the op on these inputs) matches, best first.
+
+    ``dtype`` is the dtype the result was computed in (default: ``actual``'s). A mistake matches
+    when the result is within :data:`MATCH_DISTANCE` of its output and ten times closer to it
+    than to the correct output. An empty list: the result is wrong in no known way (or right).
+
+    Example:
+        >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
+        >>> valid, scale, bias = torch.tensor([True, True]), torch.ones(3), torch.zeros(3)
+        >>> wrong = (x - x.mean(-1, True)) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
+        >>> [d.mistake for d in diagnose_output(wrong, x, valid, scale, bias, 1e-5)]
+        ['unbiased_variance']
+    """
+    dtype = dtype or actual.dtype
+    x64, scale64, bias64 = x.double(), scale.double(), bias.double()
+    result = actual.double()
+    truth = correct(x64, valid, scale64, bias64, eps)
+    to_truth = _distance(result, truth)
+    if to_truth == 0.0:
+        return []
+    limit = MATCH_DISTANCE.get(dtype, 1e-4)
+    found = []
+    for mistake in MISTAKES.values():
+        with torch.no_grad():
+            wrong = mistake.formula(x64, valid, scale64, bias64, eps)
+        distance = _distance(result, wrong)
+        if distance <= limit and distance * 10 <= to_truth:
+            found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
+    one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
+    if one_pass is not None:
+        found.append(one_pass)
+    return sorted(found, key=lambda d: d.distance)
+
+
+def _distance(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative L2 distance over finite values; NaN or inf in different places (or different
+    infinities) make it infinite."""
+    finite = reference.isfinite()
+    if not torch.equal(result.isfinite(), finite):
+        return float("inf")
+    if not torch.equal(result[~finite].nan_to_num(0.0), reference[~finite].nan_to_num(0.0)):
+        return float("inf")
+    both = finite
+    difference = (result[both] - reference[both]).norm()
+    size = reference[both].norm()
+    if size == 0:
+        return 0.0 if difference == 0 else float("inf")
+    return float(difference / size)
+
+
+def _one_pass_match(
+    result: torch.Tensor,
+    truth: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+) -> Diagnosis | None:
+    """A one-pass variance in ``dtype`` errs far more than a two-pass one on these rows, and the
+    result errs about as much: its error, not its exact value, is the signature."""
+    if dtype == torch.float64 or not valid.any():
+        return None
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    rows = _clean(x, valid).to(dtype).to(compute)
+    mean = rows.mean(dim=-1, keepdim=True)
+    one_pass_var = (rows * rows).mean(dim=-1, keepdim=True) - mean * mean
+    xhat = (rows - mean) / torch.sqrt(one_pass_var.clamp_min(0) + eps)
+    one_pass = _masked(xhat.double() * scale + bias, valid)
+    two_pass = correct(rows.double(), valid, scale, bias, eps)  # only x's rounding to dtype
+    one_pass_error = _distance(one_pass, truth)
+    if not one_pass_error < float("inf") or one_pass_error < 100 * max(
+        _distance(two_pass, truth), MATCH_DISTANCE.get(dtype, 1e-4)
+    ):
+        return None  # on these rows a one-pass variance is not much worse than a correct one
+    result_error = _distance(result, truth)
+    ratio = result_error / one_pass_error
+    if not 0.1 <= ratio <= 10:
+        return None
+    return Diagnosis(ONE_PASS.name, ONE_PASS.description, ONE_PASS.fix, abs(1 - ratio))
+
+
+def diagnose_nan_gradient(
+    name: str,
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    grad_out: torch.Tensor | None = None,
+) -> Diagnosis | None:
+    """When gradient ``name`` holds NaN (or inf) where the reference is finite and the padding
+    holds NaN or inf, say so and why: 0 * NaN is NaN.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0], [float("nan"), 0.0]])
+        >>> valid = torch.tensor([True, False])
+        >>> d = diagnose_nan_gradient("grad_scale", torch.tensor([float("nan"), 1.0]),
+        ...                           torch.tensor([1.0, 1.0]), x, valid)
+        >>> d.mistake
+        'nan_from_padding'
+    """
+    leaked = ~actual.isfinite() & reference.isfinite()
+    if not leaked.any():
+        return None
+    invalid = ~valid.unsqueeze(-1).expand(x.shape)
+    poisoned_x = bool((~x.isfinite() & invalid).any())
+    poisoned_dy = grad_out is not None and bool((~grad_out.isfinite() & invalid).any())
+    if not (poisoned_x or poisoned_dy):
+        return None
+    source = "x" if poisoned_x else "grad_out"
+    return Diagnosis(
+        "nan_from_padding",
+        f"NaN or inf from the padding of {source} reaches {name} (0 * NaN is NaN: masking the"
+        " output or multiplying by the mask does not stop it)",
+        "sanitize x before the reductions, torch.where(valid[..., None], x, 0), and select"
+        " with torch.where rather than multiplying by the mask",
+        0.0,
+    )
