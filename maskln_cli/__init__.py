@@ -1,8 +1,9 @@
 """maskln: masked layer normalization, forward and backward, over tensors and safetensors files.
 
-    >>> from maskln_cli import masked_layer_normalization
+    >>> from maskln_cli import MaskedLayerNorm, masked_layer_normalization
 
-torch is imported only when the op is first looked up, so ``maskln --help`` stays fast.
+torch is imported only when the op or the module is first looked up, so ``maskln --help`` stays
+fast.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ except metadata.PackageNotFoundError:  # running from a source tree that is not 
 
 if TYPE_CHECKING:
     from maskln_cli.core import masked_layer_normalization
+    from maskln_cli.module import MaskedLayerNorm
 
-__all__ = ["__version__", "masked_layer_normalization"]
+__all__ = ["MaskedLayerNorm", "__version__", "masked_layer_normalization"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from maskln_cli.core import masked_layer_normalization
 
         return masked_layer_normalization
+    if name == "MaskedLayerNorm":
+        from maskln_cli.module import MaskedLayerNorm
+
+        return MaskedLayerNorm
     raise AttributeError(f"module 'maskln_cli' has no attribute {name!r}")
