@@ -22,6 +22,8 @@ max of the per-repetition ratios. "peer" is
 6. ``maskln normalize`` of a 512 MiB x / a load_file, one-liner, save_file script
    (peer_normalize.py): wall time and peak RSS of each process (see run_measured.py).
 7. ``maskln normalize`` of 40 small files in one ``--out-dir`` call / of one small file.
+8. The op under ``torch.compile(fullgraph=True)`` / the op eager, forward + backward: the
+   compiled graph holds the op as one custom-op node, so this is the cost of that path.
 
 Progress goes to stderr; the header, table and notes go to stdout.
 """
@@ -57,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
-GROUPS = {"core": (1, 2), "memory": (3, 4), "cli": (5, 6, 7)}
+GROUPS = {"core": (1, 2, 8), "memory": (3, 4), "cli": (5, 6, 7)}
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 SMALL_SHAPE = "4,64,128"
@@ -313,6 +315,27 @@ def figure_2(settings: Settings, report: Report) -> None:
     rows = timing_rows(figure, make_calls, settings, None)
     met = statistics.median(r.median for r in rows) <= 1.50
     report.rows += [*rows, summary_row(figure, rows, "median <= 1.50", met)]
+
+
+def figure_8(settings: Settings, report: Report) -> None:
+    """Forward + backward time, the op compiled (fullgraph) / the op eager."""
+    figure = "8 compiled / eager, fwd+bwd"
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, dynamic=False)
+
+    def make_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
+        inputs = make_inputs(case, requires_grad=True)
+        generator = torch.Generator().manual_seed(1)
+        grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
+        return (
+            forward_backward_call(compiled, inputs, grad_out),
+            forward_backward_call(ours, inputs, grad_out),
+        )
+
+    rows = timing_rows(figure, make_calls, settings, None)
+    medians = [row.median for row in rows]
+    report.rows += [*rows, Row(figure, f"all {len(rows)} cases (per-case medians)", medians)]
+    report.notes.append("8: ratios are compiled / eager (both ours); compile time excluded")
 
 
 # Figures 3 and 4: memory ----------------------------------------------------------------------
@@ -603,10 +626,10 @@ def parse_only(text: str | None) -> set[int]:
     for token in filter(None, (t.strip() for t in text.split(","))):
         if token in GROUPS:
             chosen.update(GROUPS[token])
-        elif token.isdigit() and 1 <= int(token) <= 7:
+        elif token.isdigit() and 1 <= int(token) <= 8:
             chosen.add(int(token))
         else:
-            raise SystemExit(f"--only: unknown group or figure {token!r} (core, memory, cli, 1-7)")
+            raise SystemExit(f"--only: unknown group or figure {token!r} (core, memory, cli, 1-8)")
     return chosen
 
 
@@ -614,7 +637,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repetitions (a smoke test)")
     parser.add_argument(
-        "--only", metavar="WHAT", help="comma-separated groups (core, memory, cli) or figures 1-7"
+        "--only", metavar="WHAT", help="comma-separated groups (core, memory, cli) or figures 1-8"
     )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
@@ -633,6 +656,7 @@ def main() -> None:
             5: lambda: figure_5(settings, report),
             6: lambda: figure_6(settings, report, Path(tmp)),
             7: lambda: figure_7(settings, report, Path(tmp)),
+            8: lambda: figure_8(settings, report),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")
