@@ -40,14 +40,18 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad
 
-from maskln_cli.functional import gradients, masked_layer_norm_functional, normalized_rows
+from maskln_cli.functional import (
+    gradients,
+    masked_layer_norm_functional,
+    normalized_rows,
+    row_means,
+)
 
 __all__ = ["masked_layer_normalization"]
 
@@ -98,11 +102,9 @@ def masked_layer_normalization(
     # Differentiable casts: gradients come back in each input's own dtype.
     x_, scale_, bias_ = (t if t.dtype == compute else t.to(compute) for t in (x, scale, bias))
     with _autocast_off(x.device.type):  # the arithmetic is ours: autocast must not recast it
-        if torch.compiler.is_compiling():
-            out = torch.ops.maskln.masked_layer_norm(x_, valid, scale_, bias_, eps)[0]
-        elif _transformed():
+        if _transformed():
             out = masked_layer_norm_functional(x_, valid, scale_, bias_, eps)
-        elif _traced(x, valid, scale, bias):
+        elif torch.compiler.is_compiling() or _traced(x, valid, scale, bias):
             out = torch.ops.maskln.masked_layer_norm(x_, valid, scale_, bias_, eps)[0]
         elif torch.is_grad_enabled() and any(t.requires_grad for t in (x_, scale_, bias_)):
             out = _MaskedLayerNormFunction.apply(x_, valid, scale_, bias_, eps)[0]
@@ -174,6 +176,9 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
         raise TypeError(
             f"x must be a float32, float64, float16 or bfloat16 tensor, got {_dtype_name(x.dtype)}"
         )
+    for name, tensor in (("x", x), ("valid", valid), ("scale", scale), ("bias", bias)):
+        if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
     if x.dim() == 0:
         raise ValueError("x must have a channel axis (shape [..., C]), got a 0-d tensor")
     if not isinstance(valid, torch.Tensor):
@@ -204,18 +209,20 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
             )
         if param.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {param.device}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real | torch.SymFloat):
         raise TypeError(f"eps must be a finite positive number, got {type(eps).__name__}")
-    try:
-        eps = float(eps)
-    except OverflowError:  # an int beyond float's range
-        eps = math.inf
-    if not (math.isfinite(eps) and eps > 0):
+    if isinstance(eps, numbers.Integral):
+        try:
+            eps = float(eps)
+        except OverflowError:  # an int beyond float's range
+            eps = math.inf
+    # Comparisons only: under torch.compile with dynamic shapes, eps is a symbolic float.
+    if not (eps > 0 and eps < math.inf):
         raise ValueError(f"eps must be a finite positive number, got {eps!r}")
     compute = compute_dtype(x.dtype)
     if eps_rounds_to_zero(eps, compute):
         raise ValueError(f"eps {eps!r} rounds to 0 in {_dtype_name(compute)}, the compute dtype")
-    return eps
+    return eps  # type: ignore[return-value]
 
 
 def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
@@ -226,13 +233,9 @@ def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
         >>> eps_rounds_to_zero(1e-50, torch.float32), eps_rounds_to_zero(1e-50, torch.float64)
         (True, False)
     """
-    if dtype == torch.float64:
-        return False
-    # Pure Python, so that it also runs under fake tensors and tracing.
-    try:
-        return struct.unpack("f", struct.pack("f", eps))[0] == 0.0
-    except OverflowError:  # beyond float32's range: inf, not 0
-        return False
+    # A comparison, so that it also runs under fake tensors and on a symbolic eps: 2**-150 is
+    # half float32's smallest subnormal, and rounds (to even) to 0, as does anything below it.
+    return dtype != torch.float64 and eps <= 2.0**-150
 
 
 BLOCK_BYTES = 4 << 20
@@ -284,6 +287,14 @@ def forward(
         (tensor([[-0.5000,  0.5000]]), tensor([[2.]]), tensor([[0.5000]]))
     """
     with torch.no_grad():
+        if x.numel() and x.numel() == x.shape[-1]:  # one row: computed as two, see below
+            y_pair, mean_pair, rstd_pair = forward(
+                *_as_pair(x), valid.reshape(1).expand(2), scale, bias, eps, keep_statistics
+            )
+            y = torch.empty_like(x).copy_(y_pair[0].view(x.shape))
+            if mean_pair is None or rstd_pair is None:
+                return y, None, None
+            return y, mean_pair[:1].view(*x.shape[:-1], 1), rstd_pair[:1].view(*x.shape[:-1], 1)
         y = torch.empty_like(x, memory_format=torch.preserve_format)
         mean = rstd = None
         if keep_statistics:
@@ -308,9 +319,16 @@ def forward(
                 y_rows[rows], x_rows[rows], valid_rows[rows], scale, bias, eps,
                 block_mean, block_rstd,
             )  # fmt: skip
-        if not _all_finite(scale, bias):  # then 0 * scale + bias is not 0 on invalid rows
-            y.masked_fill_(~valid.unsqueeze(-1), 0.0)
         return y, mean, rstd
+
+
+def _as_pair(*rows: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors of a single row (x, dy [..., C]; mean, rstd [..., 1]) as two identical rows.
+
+    torch splits the reduction of a lone row over threads, and so rounds it differently from
+    the same row among others; computed as two rows, a row's bits never depend on its company.
+    """
+    return [t.reshape(1, -1).expand(2, -1) for t in rows]
 
 
 def _forward_rows(
@@ -326,48 +344,37 @@ def _forward_rows(
     """A block of rows [R, C] of the forward pass, in place in y; fills mean and rstd [R, 1].
 
     Every op here streams over contiguous rows with at most one per-row factor, which torch
-    vectorizes; a broadcast mask (where, masked_fill) would not be.
+    vectorizes; a broadcast mask (where, masked_fill) would not be. Invalid rows are zeroed by
+    index at the end, which costs only their own rows.
     """
     channels = x.shape[-1]
-    weight = valid.to(x.dtype).unsqueeze(1)  # 1.0 on valid rows, 0.0 on invalid ones
     invalid = ~valid.unsqueeze(1)
     torch.mean(x, dim=-1, keepdim=True, out=mean)
     # An invalid row's statistics are its own and are discarded (set to 0) before use; a
     # non-finite mean flags an invalid row holding NaN or inf, which is zeroed before any
     # arithmetic mixes it with anything else.
     poisoned = ~(valid | mean.isfinite().squeeze(1))
-    poisoned_rows = poisoned.nonzero().squeeze(1) if poisoned.any() else None
     mean.masked_fill_(invalid, 0.0)
-    xc = _centered(x, mean, poisoned_rows, out=y)
+    xc = torch.sub(x, mean, out=y)
+    if poisoned.any():
+        xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
     # Corrected two-pass (Chan, Golub & LeVeque): xc is exact, but mean was rounded; the mean
     # of xc is that rounding error, and removing it keeps offset data accurate.
     shift = xc.mean(dim=-1, keepdim=True)
-    # sum(xc^2), accurate to about an ulp at any C and spread of magnitudes (see _row_sums).
-    # The squares are taken in place in y, and xc recomputed: one pass more, no extra memory.
-    sum_of_squares = _row_sums(xc.square_())
-    xc = _centered(x, mean, poisoned_rows, out=y)
+    sum_of_squares = _row_sums_of_squares(xc)
     # Valid rows whose statistics overflowed (float32 |x| from about 1e19, float64 from about
     # 1e154) or that hold NaN or inf are redone at the end, scaled, in float64; the other rows
     # never see them.
     rescued = valid & ~(sum_of_squares.isfinite() & shift.isfinite()).squeeze(1)
     rstd.copy_(_rstd(sum_of_squares, shift, channels, eps))
     rstd.masked_fill_(invalid, 0.0)
-    shift.masked_fill_(invalid, 0.0)  # so that an invalid row's xhat is exactly (xc - 0) * 0
-    xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid rows
+    shift.masked_fill_(invalid, 0.0)
+    xhat = xc.sub_(shift).mul_(rstd)
     torch.addcmul(bias, xhat, scale, out=y)
-    y.mul_(weight).add_(0.0)  # invalid rows: bias * 0 is -0.0 where bias < 0; -0.0 + 0.0 is +0.0
+    if not valid.all():  # +0.0, whatever bias, scale or the row hold
+        y.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
     if rescued.any():
         _forward_rows_rescued(y, x, rescued.nonzero().squeeze(1), scale, bias, eps, mean, rstd)
-
-
-def _centered(
-    x: torch.Tensor, mean: torch.Tensor, poisoned_rows: torch.Tensor | None, out: torch.Tensor
-) -> torch.Tensor:
-    """``x - mean`` into ``out``, with the poisoned (invalid, non-finite) rows set to 0."""
-    xc = torch.sub(x, mean, out=out)
-    if poisoned_rows is not None:
-        xc.index_fill_(0, poisoned_rows, 0.0)
-    return xc
 
 
 def _forward_rows_rescued(
@@ -383,42 +390,53 @@ def _forward_rows_rescued(
     """The given (valid) ``rows`` in float64, each scaled by a power of two so that nothing
     overflows (:func:`maskln_cli.functional.normalized_rows`), written into y, mean and rstd.
     A row holding NaN or inf comes out NaN, as the formula says."""
-    x64 = x.index_select(0, rows).double()
-    every = torch.ones(len(rows), dtype=torch.bool, device=x.device)
+    x64 = _two_rows_at_least(x.index_select(0, rows).double())
+    every = torch.ones(len(x64), dtype=torch.bool, device=x.device)
     xhat, rs, exponent = normalized_rows(x64, every, eps)
-    out = xhat * scale.double() + bias.double()
+    count = len(rows)
+    out = xhat[:count] * scale.double() + bias.double()
     y.index_copy_(0, rows, out.to(y.dtype))
-    row_mean = torch.ldexp(torch.ldexp(x64, -exponent).mean(dim=-1, keepdim=True), exponent)
-    mean.index_copy_(0, rows, row_mean.to(mean.dtype))
-    rstd.index_copy_(0, rows, torch.ldexp(rs, -exponent).to(rstd.dtype))
+    mean.index_copy_(0, rows, row_means(x64)[:count].to(mean.dtype))
+    rstd.index_copy_(0, rows, torch.ldexp(rs, -exponent)[:count].to(rstd.dtype))
 
 
-_PARTIAL_SUM_LENGTH = 128
-"""Row sums add float64 partial sums of this many elements each (see _row_sums)."""
+def _two_rows_at_least(rows: torch.Tensor) -> torch.Tensor:
+    """A lone row doubled: torch splits a single row's reduction over threads and so rounds it
+    differently; with two rows or more, each row's bits are the same whatever its company."""
+    return rows.repeat(2, 1) if len(rows) == 1 else rows
 
 
-def _row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """The sum of each row of ``rows`` [R, C] (contiguous rows), ``[R, 1]`` in float64.
+_RUN_LENGTH = 32
+"""Sums of squares add the squared norms of runs of this many elements (see below)."""
 
-    A float32 sum accumulates in vector lanes, where a lane holding a large value drops the
-    small ones added after it: at C = 262,144 the sum of squares of a one-hot row lost several
-    ulps that way. Here each run of 128 elements is summed in the rows' dtype (so a lane adds at
-    most a handful), and the runs' sums are added in float64: about twice the time of a plain
-    sum, and accurate to within an ulp or so.
+
+def _row_sums_of_squares(rows: torch.Tensor) -> torch.Tensor:
+    """``sum(rows**2)`` of each row of ``rows`` [R, C] (contiguous rows), ``[R, 1]`` float64.
+
+    A float32 norm accumulates in vector lanes, where a lane holding a large value drops the
+    small ones added after it: at C = 262,144, a running sum of squares (``vector_norm`` of the
+    whole row) lost up to thousands of ulps on heavy-tailed rows. Here each run of 32 elements
+    has its norm taken in the rows' dtype (a lane adds one or two squares), and the runs'
+    squared norms are added in float64: within about an ulp, in one read of the rows, for
+    about 1.8 times a plain norm's time (squaring into a buffer and summing runs of it was as
+    accurate and 4 times slower).
 
     Example:
-        >>> _row_sums(torch.ones(2, 300))
-        tensor([[300.],
-                [300.]], dtype=torch.float64)
+        >>> rows = torch.zeros(2, 300)
+        >>> rows[:, ::32] = 3.0  # one 3 in each run of 32, and in the tail
+        >>> _row_sums_of_squares(rows)
+        tensor([[90.],
+                [90.]], dtype=torch.float64)
     """
     rows_count, channels = rows.shape
-    whole = channels - channels % _PARTIAL_SUM_LENGTH
-    if whole == 0:
-        return rows.sum(dim=-1, keepdim=True, dtype=torch.float64)
-    partial = rows[:, :whole].view(rows_count, -1, _PARTIAL_SUM_LENGTH).sum(dim=-1)
-    total = partial.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    whole = channels - channels % _RUN_LENGTH
+    if whole < 2 * _RUN_LENGTH:  # short rows: one norm is as accurate
+        return torch.linalg.vector_norm(rows, dim=-1, keepdim=True).double().square_()
+    runs = torch.linalg.vector_norm(rows[:, :whole].view(rows_count, -1, _RUN_LENGTH), dim=-1)
+    total = runs.double().square_().sum(dim=-1, keepdim=True)
     if whole < channels:
-        total += rows[:, whole:].sum(dim=-1, keepdim=True, dtype=torch.float64)
+        tail = torch.linalg.vector_norm(rows[:, whole:], dim=-1, keepdim=True)
+        total += tail.double().square_()
     return total
 
 
@@ -446,10 +464,6 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(t.isfinite().all()) for t in tensors)
-
-
 def backward_in_place(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -474,10 +488,22 @@ def backward_in_place(
     """
     with torch.no_grad():
         channels = x.shape[-1]
-        dscale = x.new_zeros(channels) if need_dscale else None
-        dbias = x.new_zeros(channels) if need_dbias else None
+        if x.numel() and x.numel() == channels:  # one row: computed as two (see _as_pair)
+            valid_pair = valid.reshape(1).expand(2)
+            dx_pair, dscale_pair, dbias_pair = backward_in_place(
+                *_as_pair(dy, x), valid_pair, scale, *_as_pair(mean, rstd), eps,
+                need_dx, need_dscale, need_dbias,
+            )  # fmt: skip
+            dx = None if dx_pair is None else dx_pair[0].reshape(x.shape).clone()
+            # each gradient sum counted the row twice: halving is exact
+            halves = (None if g is None else g / 2 for g in (dscale_pair, dbias_pair))
+            return dx, *halves
+        # dscale and dbias accumulate the blocks' sums in float64
+        dscale = x.new_zeros(channels, dtype=torch.float64) if need_dscale else None
+        dbias = x.new_zeros(channels, dtype=torch.float64) if need_dbias else None
         if x.numel() == 0:
-            return (torch.zeros_like(x) if need_dx else None), dscale, dbias
+            dx = torch.zeros_like(x) if need_dx else None
+            return dx, *(None if g is None else g.to(x.dtype) for g in (dscale, dbias))
         x_rows = _rows(x)
         x_rows = x.contiguous().view(-1, channels) if x_rows is None else x_rows
         dy_rows = _rows(dy)
@@ -498,9 +524,8 @@ def backward_in_place(
                 mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2, : stop - start],
                 dscale, dbias, need_dx,
             )  # fmt: skip
-        if dx is not None and not _all_finite(scale):  # then 0 * scale is not 0 on invalid rows
-            dx.masked_fill_(~valid_rows.unsqueeze(1), 0.0)
-        return (dx.view(x.shape) if dx is not None else None), dscale, dbias
+        sums = (None if g is None else g.to(x.dtype) for g in (dscale, dbias))
+        return (dx.view(x.shape) if dx is not None else None), *sums
 
 
 def _backward_rows(
@@ -534,8 +559,9 @@ def _backward_rows(
         dy = dy.clone().index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
         wdy = torch.mul(dy, scale, out=dx)
         c2 = wdy.mean(dim=-1, keepdim=True)
+    all_valid = bool(valid.all())
     if dbias is not None:  # outputs of invalid rows are constants: their dy counts for nothing
-        dbias += torch.mul(dy, weight.unsqueeze(1), out=scratch).sum(dim=0)
+        dbias += (dy if all_valid else torch.mul(dy, weight.unsqueeze(1), out=scratch)).sum(dim=0)
     if dscale is None and not need_dx:
         return
     # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).
@@ -554,8 +580,10 @@ def _backward_rows(
         dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
     if need_dx:
         c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
-        # dx = rstd * (wdy - xhat * c1 - c2); rstd is 0 on invalid rows, and -0.0 + 0.0 is +0.0
-        wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd).add_(0.0)
+        # dx = rstd * (wdy - xhat * c1 - c2), then +0.0 on invalid rows whatever scale holds
+        wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
+        if not all_valid:
+            wdy.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
     if rescued.any():
         _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
 
@@ -580,14 +608,17 @@ def _backward_rows_rescued(
     """dx and dscale of the given (valid) ``rows`` in float64, from statistics recomputed from
     x with each row scaled by a power of two. Their xhat was zeroed in the block, so dscale
     lacks them so far."""
-    x64, dy64 = x.index_select(0, rows).double(), dy.index_select(0, rows).double()
-    every = torch.ones(len(rows), dtype=torch.bool, device=x.device)
-    needs = (need_dx, dscale is not None, False)
-    dx64, dscale64, _ = gradients(dy64, x64, every, scale.double(), eps, needs)
+    count = len(rows)
+    x64 = _two_rows_at_least(x.index_select(0, rows).double())
+    dy64 = _two_rows_at_least(dy.index_select(0, rows).double())
+    every = torch.ones(len(x64), dtype=torch.bool, device=x.device)
+    needs = (need_dx, False, False)
+    dx64, _, _ = gradients(dy64, x64, every, scale.double(), eps, needs)
     if dx64 is not None:
-        dx.index_copy_(0, rows, dx64.to(dx.dtype))
-    if dscale is not None and dscale64 is not None:
-        dscale += dscale64.to(dscale.dtype)
+        dx.index_copy_(0, rows, dx64[:count].to(dx.dtype))
+    if dscale is not None:  # per row, then summed: the same whatever the company
+        xhat, _, _ = normalized_rows(x64, every, eps)
+        dscale += (dy64 * xhat)[:count].sum(dim=0)
 
 
 # --- autograd: one setup_context and one backward, for the eager Function and the custom op ----

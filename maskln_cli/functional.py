@@ -2,80 +2,103 @@
 
 No ``out=``, nothing in place, no data-dependent Python branching and no ``.item()``: every
 torch transform sees through it. :mod:`maskln_cli.core` runs it under ``torch.func`` transforms
-(grad, vmap, jvp, jacfwd, hessian) and forward-mode AD, and uses its backward formula for
-second-order gradients; the fast blocked kernels in core stay the eager default.
+(grad, vmap, jvp, jacfwd, hessian) and forward-mode AD, uses its backward formula for
+second-order gradients, and redoes with it the rare rows whose arithmetic overflows in the
+blocked kernels; those kernels stay the eager default.
 
-The arithmetic is the eager op's, row by row (Ba et al., 2016, with a corrected two-pass
-variance)::
+The arithmetic, row by row, in float64 (Ba et al., 2016, with a corrected two-pass variance)::
 
-    xs    = x * 2**-e                   # e: the row's binary exponent, so |xs| < 1; exact
+    xs    = x * 2**-e1                  # e1: the row's binary exponent, so |xs| <= 1
     mean  = mean_C(xs)
-    xc    = xs - mean
-    shift = mean_C(xc)                  # mean's rounding error (Chan, Golub & LeVeque)
-    var   = mean_C(xc * xc) - shift**2
-    rs    = 1 / sqrt(var + eps * 2**-2e)   # rstd of x is rs * 2**-e
-    xhat  = (xc - shift) * rs
+    xc    = xs - mean - mean_C(xs - mean)   # the mean's rounding error removed (Chan et al.)
+    d     = xc * 2**-e2                 # e2: the deviations' exponent, so |d| <= 1
+    rs    = 1 / sqrt(mean_C(d * d) + eps * 4**-(e1 + e2))
+    xhat  = d * rs,     rstd = rs * 2**-(e1 + e2)
 
-Scaling each row by a power of two rounds nothing, and keeps the squares of float64 rows from
-overflowing (|x| from about 1e154): the row is normalized as exactly as one of ordinary size.
-Rows are never scaled up (e >= 0), so eps keeps its meaning for tiny rows.
+Scaling by powers of two rounds nothing. The first keeps the sum and the mean of rows near the
+float64 limit finite, the second keeps the variance of every row well inside float64's range:
+its squares neither overflow (rows from 1e154 up) nor underflow (tiny deviations), so rs is
+finite and at most 4 sqrt(C), and so are its derivatives of any order. e2 never scales the
+deviations below sqrt(eps)'s exponent: a constant row (deviations 0) gets rs = 1 / sqrt of
+about eps's mantissa, and rstd = 1 / sqrt(eps), as the formula says.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["gradients", "masked_layer_norm_functional", "normalized_rows"]
+__all__ = ["gradients", "masked_layer_norm_functional", "normalized_rows", "row_means"]
+
+_EXPONENT_LIMIT = 960
+"""Scalings stay within 2**+-960, so that the factors themselves are finite float64 numbers."""
 
 
-def row_exponents(x: torch.Tensor) -> torch.Tensor:
-    """Per row of ``x`` ``[..., C]``, a binary exponent ``e >= 0`` with ``|x| * 2**-e < 1``
-    (0 for rows below 1, of zeros, or holding NaN or inf); shape ``[..., 1]``, x's dtype.
+def _row_exponent(magnitude: torch.Tensor) -> torch.Tensor:
+    """A binary exponent e of each (detached, non-negative) magnitude, with magnitude * 2**-e
+    at most 1 (and at least 1/4); -inf for 0, and 0 for NaN or inf (those rows come out NaN
+    anyway). From log2 rather than frexp, which torch.compile's CPU code cannot convert."""
+    exponent = torch.floor(torch.log2(magnitude)) + 1
+    exponent = torch.where(magnitude > 0, exponent, -math.inf)
+    return torch.where(magnitude.isfinite(), exponent, 0.0)
 
-    Not differentiated: it is a constant of each row, so the scaling it gives is linear.
+
+def _magnitude_exponent(x: torch.Tensor) -> torch.Tensor:
+    magnitude = x.detach().abs().amax(dim=-1, keepdim=True)
+    return _row_exponent(magnitude).clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
+
+
+def row_means(x: torch.Tensor) -> torch.Tensor:
+    """The mean of each row of float64 ``x`` ``[..., C]``, ``[..., 1]``, finite for every row of
+    finite values (the sum of rows near float64's limit would overflow).
 
     Example:
-        >>> row_exponents(torch.tensor([[3.0, -1.0], [0.25, 0.0], [1e20, 1.0]]))
-        tensor([[ 2.],
-                [ 0.],
-                [67.]])
+        >>> row_means(torch.tensor([[1.7e308, 1.7e308, 1.5e308]], dtype=torch.float64))
+        tensor([[1.6333e+308]], dtype=torch.float64)
     """
-    if x.shape[-1] == 0:  # amax needs an element
-        return x.new_zeros((*x.shape[:-1], 1))
-    magnitude = x.detach().abs().amax(dim=-1, keepdim=True)
-    exponent = torch.frexp(magnitude).exponent.to(x.dtype)  # magnitude = m * 2**e, m in [0.5, 1)
-    return torch.where(magnitude.isfinite(), exponent.clamp_min(0), 0.0)
+    e1 = _magnitude_exponent(x)
+    return torch.ldexp(torch.ldexp(x, -e1).mean(dim=-1, keepdim=True), e1)
 
 
 def normalized_rows(
     x: torch.Tensor, valid: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(xhat, rs, e)``: the normalized rows, and each row's scaled rstd and exponent.
+    """``(xhat, rs, e)`` in float64: the normalized rows, and per row a scaled rstd and its
+    exponent, ``rstd = rs * 2**-e`` (see the module docstring).
 
-    The rstd of row x is ``rs * 2**-e`` (see the module docstring); ``xhat`` is 0 on invalid
-    rows, whatever they hold. Differentiable, to any order, in x.
+    ``xhat`` is 0 on invalid rows, whatever they hold. Differentiable, to any order, in x.
 
     Example:
         >>> xhat, rs, e = normalized_rows(torch.tensor([[1.0, 3.0], [9.0, 9.0]]),
         ...                               torch.tensor([True, False]), 3.0)
         >>> xhat, torch.ldexp(rs, -e)
         (tensor([[-0.5000,  0.5000],
-                [ 0.0000,  0.0000]]), tensor([[0.5000],
-                [0.5774]]))
+                [ 0.0000,  0.0000]], dtype=torch.float64), tensor([[0.5000],
+                [0.5774]], dtype=torch.float64))
     """
-    keep = valid.unsqueeze(-1)
-    x = torch.where(keep, x, 0.0)  # before any arithmetic: NaN * 0 would still be NaN
-    exponent = row_exponents(x)
-    xs = torch.ldexp(x, -exponent)
-    mean = xs.mean(dim=-1, keepdim=True)
-    xc = xs - mean
-    shift = xc.mean(dim=-1, keepdim=True)
-    var = ((xc * xc).mean(dim=-1, keepdim=True) - shift * shift).clamp_min(0.0)
-    # eps * 2**-2e underflows to 0 for rows of huge magnitude; the clamp keeps a constant row's
-    # rs finite, so that its xhat is 0 * rs = 0 rather than 0 * inf.
-    tiny = torch.finfo(x.dtype).tiny
-    rs = (var + torch.ldexp(torch.full_like(var, eps), -2 * exponent)).clamp_min(tiny).rsqrt()
-    return (xc - shift) * rs, rs, exponent
+    x = torch.where(valid.unsqueeze(-1), x.double(), 0.0)  # NaN * 0 would still be NaN
+    if x.shape[-1] == 0:  # nothing to normalize; amax needs an element
+        rs = torch.full_like(x[..., :1], eps).rsqrt()
+        return x, rs, torch.zeros_like(rs)
+    e1 = _magnitude_exponent(x)
+    xs = torch.ldexp(x, -e1)
+    centered = xs - xs.mean(dim=-1, keepdim=True)
+    xc = centered - centered.mean(dim=-1, keepdim=True)
+    deviation = xc.detach().abs().amax(dim=-1, keepdim=True)
+    # Deviations are scaled to below 1, but never below the exponent of sqrt(eps), at which
+    # eps itself would dominate: then eps * 4**-(e1 + e2) is about 1, never inf or 0.
+    eps_exponent = math.ceil(math.frexp(eps)[1] / 2)
+    e2 = torch.maximum(_row_exponent(deviation), eps_exponent - e1)
+    e2 = e2.clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
+    d = torch.ldexp(xc, -e2)
+    exponent = e1 + e2
+    scaled_eps = torch.ldexp(torch.full_like(deviation, eps), -2 * exponent)
+    # Positive by construction (var >= max(d**2) / C, or eps term about 1); the clamp only
+    # guards eps and magnitudes both at float64's limits.
+    tiny = torch.finfo(torch.float64).tiny
+    rs = (d.square().mean(dim=-1, keepdim=True) + scaled_eps).clamp_min(tiny).rsqrt()
+    return d * rs, rs, exponent
 
 
 def masked_layer_norm_functional(
@@ -87,8 +110,9 @@ def masked_layer_norm_functional(
 ) -> torch.Tensor:
     """The op, composite: ``xhat * scale + bias`` on valid rows, ``+0.0`` on invalid ones.
 
-    Inputs must be checked and of one compute dtype (float32 or float64); scale and bias may
-    be batched (broadcastable to x), as under ``torch.func.vmap``.
+    Inputs must be checked and of one compute dtype (float32 or float64): the result has it,
+    computed in float64. scale and bias may be batched (broadcastable to x), as under
+    ``torch.func.vmap``.
 
     Example:
         >>> x, valid = torch.tensor([[1.0, 3.0], [9.0, -9.0]]), torch.tensor([True, False])
@@ -98,7 +122,10 @@ def masked_layer_norm_functional(
                 [ 0.0000,  0.0000]])
     """
     xhat, _, _ = normalized_rows(x, valid, eps)
-    return torch.where(valid.unsqueeze(-1), xhat * scale + bias, 0.0)
+    y = torch.where(valid.unsqueeze(-1), xhat * scale.double() + bias.double(), 0.0)
+    # In x's layout, as the eager op's output (reductions along the way made y contiguous): a
+    # binary op's result takes its first operand's layout. Out of place, for vmap's sake.
+    return torch.zeros_like(x) + y.to(x.dtype)
 
 
 def gradients(
@@ -117,7 +144,8 @@ def gradients(
                  c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
 
     and dx = 0 on invalid rows. Differentiable in every argument, so autograd can take it
-    again for second-order gradients. ``needs`` says which of the three to compute.
+    again for second-order gradients. ``needs`` says which of the three to compute; they are
+    computed in float64 and returned in the dtype of dy, x and scale.
 
     Example:
         >>> gradients(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 3.0]]), torch.tensor([True]),
@@ -126,17 +154,19 @@ def gradients(
     """
     need_dx, need_dscale, need_dbias = needs
     keep = valid.unsqueeze(-1)
-    dy = torch.where(keep, dy, 0.0)  # outputs of invalid rows are constants
+    dtype = dy.dtype
+    dy = torch.where(keep, dy.double(), 0.0)  # outputs of invalid rows are constants
     xhat, rs, exponent = normalized_rows(x, valid, eps)
-    dbias = _sum_over_rows(dy) if need_dbias else None
-    dscale = _sum_over_rows(dy * xhat) if need_dscale else None
+    dbias = _sum_over_rows(dy).to(dtype) if need_dbias else None
+    dscale = _sum_over_rows(dy * xhat).to(dtype) if need_dscale else None
     dx = None
     if need_dx:
-        wdy = dy * scale
+        wdy = dy * scale.double()
         c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
         c2 = wdy.mean(dim=-1, keepdim=True)
         # rstd = rs * 2**-e: scaled last, so that tiny results round once.
         dx = torch.where(keep, torch.ldexp((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
+        dx = dx.to(dtype)
     return dx, dscale, dbias
 
 

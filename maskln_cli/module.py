@@ -7,6 +7,7 @@ moves between the two unchanged.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, ClassVar
 
 import torch
@@ -57,13 +58,12 @@ class MaskedLayerNorm(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(normalized_shape, int):
-            if len(normalized_shape) != 1:
+            if isinstance(normalized_shape, str) or len(normalized_shape) != 1:
                 raise ValueError(
-                    "normalized_shape must be one size (the last axis), got"
-                    f" {list(normalized_shape)}"
+                    f"normalized_shape must be one size (the last axis), got {normalized_shape!r}"
                 )
             (normalized_shape,) = normalized_shape
-        self.normalized_shape = (int(normalized_shape),)
+        self.normalized_shape = (operator.index(normalized_shape),)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
@@ -122,6 +122,9 @@ class MaskedLayerNorm(nn.Module):
                 )
             valid = valid != 0
         channels = self.normalized_shape[0]
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != channels:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have {channels} channels (its last axis), got {got}")
         weight = self.weight
         bias = self.bias
         if weight is None:

@@ -478,3 +478,134 @@ def test_swapped_into_a_block_padding_influences_nothing_and_nan_never_leaks():
     _, control_grads = train_step(control, torch.where(mask.bool()[..., None], x, math.nan),
                                   mask, target)  # fmt: skip
     assert not all(g.isfinite().all() for g in control_grads.values())
+
+
+# --- regressions from an adversarial review --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [(1e17, torch.float32), (1e15, torch.float32), (3e10, torch.float32), (1e200, torch.float64),
+     (1.7e308, torch.float64), (1e120, torch.float64)],
+)  # fmt: skip
+def test_constant_rows_of_any_magnitude_have_the_right_gradient_on_every_path(value, dtype):
+    """A constant row has xhat = 0 and rstd = 1/sqrt(eps): dx = rstd * (wdy - mean(wdy)).
+    Huge constant rows once got dx near 1e-47 (eager) or NaN (torch.func)."""
+    channels = 4
+    x = torch.full((2, channels), value, dtype=dtype)
+    valid = torch.tensor([True, False])
+    scale = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=dtype)
+    bias = torch.zeros(channels, dtype=dtype)
+    dy = torch.tensor([[1.0, -2.0, 0.5, 3.0]] * 2, dtype=dtype)
+    wdy = (dy[0] * scale).double()
+    want = (wdy - wdy.mean()) / math.sqrt(1e-5)
+
+    def loss(a):
+        return (masked_layer_normalization(a, valid, scale, bias) * dy).sum()
+
+    leaf = x.clone().requires_grad_()
+    (eager,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+    for dx in (eager, grad(loss)(x), vmap(grad(loss))(x[None])[0]):
+        torch.testing.assert_close(dx[0].double(), want, rtol=1e-5, atol=0)
+        assert_no_padding_in(dx, valid)
+    (second,) = torch.autograd.grad(eager.square().sum(), leaf)
+    assert second.isfinite().all()
+
+
+@pytest.mark.parametrize(
+    ("value", "eps", "dtype"),
+    [(0.0, 1e-30, torch.float32), (1e-30, 1e-45, torch.float32), (1e-120, 1e-210, torch.float64)],
+)
+def test_tiny_rows_and_tiny_eps_agree_on_every_path(value, eps, dtype):
+    """var + eps far below the dtype's smallest normal number: torch.func once gave NaN (an
+    overflowing rsqrt derivative) or values 2900 times off (a clamp to the smallest normal)."""
+    x = torch.tensor([[value, -value, 2 * value, -2 * value]], dtype=dtype)
+    valid = torch.tensor([True])
+    scale, bias = torch.ones(4, dtype=dtype), torch.zeros(4, dtype=dtype)
+    dy = torch.tensor([[3.0, -1.0, -1.0, -1.0]], dtype=dtype)
+    want_y = reference_masked_layer_norm(x.double(), valid, scale, bias, eps)
+    leaf = x.clone().requires_grad_()
+    eager = masked_layer_normalization(leaf, valid, scale, bias, eps)
+    (eager_dx,) = torch.autograd.grad(eager, leaf, dy)
+    transformed = vmap(lambda a: masked_layer_normalization(a, valid, scale, bias, eps))(x[None])
+    func_dx = grad(lambda a: (masked_layer_normalization(a, valid, scale, bias, eps) * dy).sum())(x)
+    tolerance = {"rtol": 1e-5, "atol": 0.0}
+    torch.testing.assert_close(eager.detach().double(), want_y, **tolerance)
+    torch.testing.assert_close(transformed[0].double(), want_y, **tolerance)
+    assert func_dx.isfinite().all()
+    torch.testing.assert_close(func_dx.double(), eager_dx.double(), **tolerance)
+
+
+def test_a_rows_bits_do_not_depend_on_its_company():
+    """A lone row, the same row among others, and a rescued (overflowing) row next to an
+    ordinary or another rescued row: identical bits (torch splits a lone row's reduction)."""
+    torch.set_num_threads(2)
+    generator = torch.Generator().manual_seed(0)
+    row = torch.randn(40000, generator=generator, dtype=torch.float64)
+    valid1, valid2 = torch.tensor([True]), torch.tensor([True, True])
+    ones, zeros = torch.ones(40000, dtype=torch.float64), torch.zeros(40000, dtype=torch.float64)
+    alone = masked_layer_normalization(row[None], valid1, ones, zeros)
+    together = masked_layer_normalization(torch.stack([row, row.flip(0)]), valid2, ones, zeros)
+    assert torch.equal(alone[0], together[0])
+    huge = row * 1e200
+    with_ordinary = masked_layer_normalization(torch.stack([huge, row]), valid2, ones, zeros)
+    with_huge = masked_layer_normalization(torch.stack([huge, huge.flip(0)]), valid2, ones, zeros)
+    assert torch.equal(with_ordinary[0], with_huge[0])
+
+
+def test_torch_compile_with_dynamic_shapes_and_a_varying_eps():
+    torch._dynamo.reset()
+    compiled = torch.compile(masked_layer_normalization, fullgraph=True, dynamic=True)
+    module = torch.compile(MaskedLayerNorm(16), fullgraph=True, dynamic=True)
+    for length, eps in ((5, 1e-5), (9, 1e-6), (3, 0.1)):
+        x, valid, scale, bias = make_inputs((2, length), 16, torch.float32, poison=True)
+        want = masked_layer_normalization(x, valid, scale, bias, eps)
+        assert torch.equal(compiled(x, valid, scale, bias, eps), want)
+        assert torch.equal(compiled(x, valid, scale, bias), masked_layer_normalization(
+            x, valid, scale, bias))  # fmt: skip
+        assert torch.equal(module(x, valid), MaskedLayerNorm(16)(x, valid))
+
+
+def test_torch_compile_of_torch_func_grad():
+    torch._dynamo.reset()
+    x, valid, scale, bias, dy = padded_case()
+
+    def loss(a):
+        return (masked_layer_normalization(a, valid, scale, bias) * dy).sum()
+
+    compiled = torch.compile(grad(loss))
+    torch.testing.assert_close(compiled(x), grad(loss)(x), **TIGHT)
+
+
+def test_eps_beyond_float32_range_works_on_every_path():
+    x, valid, scale, bias = make_inputs((3,), 4, torch.float32)
+    want = reference_masked_layer_norm(x, valid, scale, bias, 1e39)
+    eager = masked_layer_normalization(x, valid, scale, bias, 1e39)
+    transformed = vmap(lambda a: masked_layer_normalization(a, valid, scale, bias, 1e39))(x[None])
+    for out in (eager, transformed[0]):
+        torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("argument", ["x", "valid", "scale"])
+def test_non_strided_layouts_are_refused_by_name(argument):
+    x, valid, scale, bias = make_inputs((2, 3), 4, torch.float32)
+    inputs = {"x": x, "valid": valid, "scale": scale, "bias": bias}
+    inputs[argument] = inputs[argument].to_sparse()
+    with pytest.raises(TypeError, match=rf"^{argument} must be a dense \(strided\) tensor"):
+        masked_layer_normalization(**inputs)
+
+
+def test_outputs_keep_xs_layout_under_forward_mode_ad():
+    x = torch.randn(4, 5, 6).permute(2, 0, 1)
+    valid = torch.rand(6, 4) < 0.5
+    scale, bias = torch.randn(5), torch.randn(5)
+    out, tangent = jvp(lambda a: masked_layer_normalization(a, valid, scale, bias), (x,),
+                       (torch.ones_like(x),))  # fmt: skip
+    assert out.stride() == tangent.stride() == torch.empty_like(x).stride()
+
+
+def test_module_errors_name_its_own_terms():
+    with pytest.raises(ValueError, match=r"^x must have 5 channels"):
+        MaskedLayerNorm(5)(torch.randn(2, 4), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        MaskedLayerNorm("4")  # type: ignore[arg-type]
