@@ -167,6 +167,9 @@ HUGE_ROWS = {
     "tiny": [1e-300, -3e-300, 2e-300, 0.0],
     "subnormal": [5e-324, -1e-323, 2e-323, 0.0],
     "mixed 1e-200 and 1": [1.0, 1e-200, -1.0, 0.5],
+    "constant 1e200": [1e200] * 7,
+    "constant near the limit": [1.7e308] * 5,
+    "constant 0.1": [0.1] * 3,
 }
 
 
