@@ -546,8 +546,9 @@ def _backward_rows(
     """A block of rows [R, C] of :func:`backward_in_place`: writes dx (used as workspace when
     not needed) and adds to dscale and dbias; ``workspace`` is [2, R, C].
 
-    Only row reductions and sums over rows, no matrix products: a row's result must not depend
-    on how many rows share its block (BLAS kernels treat row counts differently).
+    dx comes from row reductions only, no matrix products: a row's result must not depend on
+    how many rows share its block (BLAS kernels treat row counts differently). The sums over
+    rows (dbias) may use them: their last bits depend on the blocking anyway.
     """
     xhat_buffer, scratch = workspace
     # wdy = dy * scale and c2 = mean_C(wdy); a non-finite c2 flags an invalid row whose dy
@@ -559,9 +560,8 @@ def _backward_rows(
         dy = dy.clone().index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
         wdy = torch.mul(dy, scale, out=dx)
         c2 = wdy.mean(dim=-1, keepdim=True)
-    all_valid = bool(valid.all())
     if dbias is not None:  # outputs of invalid rows are constants: their dy counts for nothing
-        dbias += (dy if all_valid else torch.mul(dy, weight.unsqueeze(1), out=scratch)).sum(dim=0)
+        dbias += torch.mv(dy.t(), weight)  # one read of dy; poisoned rows were zeroed above
     if dscale is None and not need_dx:
         return
     # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).
@@ -582,7 +582,7 @@ def _backward_rows(
         c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
         # dx = rstd * (wdy - xhat * c1 - c2), then +0.0 on invalid rows whatever scale holds
         wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
-        if not all_valid:
+        if not valid.all():
             wdy.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
     if rescued.any():
         _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
