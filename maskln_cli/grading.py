@@ -125,7 +125,13 @@ class GradeReport:
                 continue
             if not clause.diagnosis:
                 found.append(
-                    {"clause": clause.name, "mistake": None, "description": NO_MATCH, "fix": None}
+                    {
+                        "clause": clause.name,
+                        "mistake": None,
+                        "description": NO_MATCH,
+                        "fix": None,
+                        "distance": None,
+                    }
                 )
             for diagnosis in clause.diagnosis:
                 found.append({"clause": clause.name, **diagnosis})

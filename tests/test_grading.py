@@ -178,7 +178,13 @@ def test_a_mistake_no_formula_explains_is_said_so():
     result = grade(broken.near_constant_rows_as_constant, only=["values"])
     assert clause(result, "values").diagnosis == []
     assert result.diagnosis == [
-        {"clause": "values", "mistake": None, "description": grading.NO_MATCH, "fix": None}
+        {
+            "clause": "values",
+            "mistake": None,
+            "description": grading.NO_MATCH,
+            "fix": None,
+            "distance": None,
+        }
     ]
     assert "values: the result matches none of the known mistakes" in result.text()
 
