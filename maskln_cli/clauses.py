@@ -121,13 +121,15 @@ def _apply_view(tensor: torch.Tensor, view: tuple[Any, ...]) -> torch.Tensor:
 
 
 def _generator(seed: int, clause: str) -> torch.Generator:
-    """One generator per clause: a clause's cases do not change when another clause's do."""
+    """One generator per clause: a clause's cases do not change when another clause's do.
+    (Every draw names its dtype: a function that changes torch's default dtype in the child
+    must not change the cases the child builds.)"""
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(clause.encode())) % 2**62)
 
 
 def _mask(g: torch.Generator, leading: Sequence[int], fraction: float = 0.7) -> torch.Tensor:
     """A random mask with at least one valid and one invalid row (when it has two rows)."""
-    valid = torch.rand(tuple(leading), generator=g) < fraction
+    valid = torch.rand(tuple(leading), generator=g, dtype=torch.float64) < fraction
     flat = valid.view(-1)
     if flat.numel() >= 2:
         flat[0], flat[-1] = True, False
@@ -158,7 +160,7 @@ def _params(
     """scale around 1 (some entries negative) and bias of size at least 0.5."""
     scale = 1.0 + 0.6 * torch.randn(channels, generator=g, dtype=torch.float64)
     magnitude = 0.5 + torch.rand(channels, generator=g, dtype=torch.float64)
-    sign = torch.where(torch.rand(channels, generator=g) < 0.5, -1.0, 1.0).double()
+    sign = torch.where(torch.rand(channels, generator=g, dtype=torch.float64) < 0.5, -1.0, 1.0)
     bias = -magnitude if negative_bias else sign * magnitude
     return scale, bias
 
@@ -688,7 +690,8 @@ def _leading_cases(seed: int) -> list[Case]:
     cases = []
     for i, leading in enumerate(LEADING_SHAPES):
         dtype = torch.float32 if i % 2 else torch.float64
-        x = _rows(g, leading, 6) if math.prod(leading) else torch.zeros(*leading, 6)
+        empty = torch.zeros(*leading, 6, dtype=torch.float64)
+        x = _rows(g, leading, 6) if math.prod(leading) else empty
         valid = _mask(g, leading) if leading else torch.tensor(True)
         valid_shape = "a 0-d valid" if not leading else f"valid {list(leading)}"
         label = f"{_describe(x, dtype, 1e-5)}, {valid_shape}"
@@ -722,7 +725,7 @@ def _invalid_cases(seed: int) -> list[Case]:
             x = _rows(g, (2, 6), 8)
             label = f"{_describe(x, dtype, 1e-5)}, {what}, bias nonzero"
             cases.append(_case(label, x, valid, _params(g, 8), 1e-5, dtype))
-    x = torch.zeros(2, 6, 8)
+    x = torch.zeros(2, 6, 8, dtype=torch.float64)
     label = f"{_describe(x, torch.float32, 1e-5)}, zero padding, bias nonzero"
     cases.append(_case(label, x, masks["trailing padding"], _params(g, 8), 1e-5, torch.float32))
     x = _rows(g, (), 8)

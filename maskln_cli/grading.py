@@ -219,8 +219,11 @@ def check_device(device: str) -> str:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise MasklnError(f"--device: not a device: {device!r} ({error})") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise MasklnError(f"--device {device}: this torch has no CUDA device")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MasklnError(f"--device {device}: this torch has no CUDA device")
+        if parsed.index is None:  # as tensors report it: cuda:0, not cuda
+            parsed = torch.device("cuda", torch.cuda.current_device())
     if parsed.type not in ("cpu", "cuda") and not hasattr(torch, parsed.type):
         raise MasklnError(f"--device {device}: not available here")
     return str(parsed)

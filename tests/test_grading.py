@@ -243,6 +243,23 @@ def test_cases_are_deterministic_by_seed():
     assert details[0].detail == details[1].detail
 
 
+def test_cases_do_not_depend_on_torch_default_dtype():
+    """A function that changes the default dtype in the child cannot change its cases."""
+
+    def tensors(build):
+        return [t for case in build(0) for t in case.inputs().values()]
+
+    for clause_ in CLAUSES.values():
+        usual = tensors(clause_.build)
+        torch.set_default_dtype(torch.float64)
+        try:
+            changed = tensors(clause_.build)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        for a, b in zip(usual, changed, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_grading_leaves_the_callers_random_state_alone():
     torch.manual_seed(1234)
     expected = torch.rand(3)
