@@ -280,9 +280,9 @@ class Sandbox:
     # -- clauses --------------------------------------------------------------------------------
 
     def run_clause(self, name: str, seed: int) -> Any:
-        """Run clause ``name`` in the child; a :class:`~maskln_cli.grading.ClauseRun` whose
+        """Run clause ``name`` in the child; a :class:`~maskln_cli.clauses.ClauseRun` whose
         ``failure`` says why when the child crashed, hung or could not be (re)started."""
-        from maskln_cli.grading import ClauseRun
+        from maskln_cli.clauses import ClauseRun
 
         if self.failures_in_a_row >= GIVE_UP_AFTER:
             names = ", ".join(self.failed_clauses[-GIVE_UP_AFTER:])
@@ -341,7 +341,7 @@ def decode_run(header: dict[str, Any], data: bytes) -> Any:
     """A ClauseRun from the child's answer, checked: anything malformed fails the clause."""
     from safetensors.torch import load
 
-    from maskln_cli.grading import ClauseRun
+    from maskln_cli.clauses import ClauseRun
 
     meta, errors, failure = header.get("meta"), header.get("errors"), header.get("failure")
     well_formed = (
@@ -389,7 +389,7 @@ def child_main(argv: list[str]) -> int:
     requests = os.fdopen(request_fd, "rb")
     load = json.loads(requests.readline() or b"{}")
     try:
-        from maskln_cli import grading
+        from maskln_cli import clauses, grading
 
         fn = grading.load_target(str(load.get("target")))
     except MasklnError as error:
@@ -405,7 +405,7 @@ def child_main(argv: list[str]) -> int:
         request = json.loads(line)
         if request.get("op") != "run":
             break
-        run = grading.run_clause(fn, str(request["clause"]), int(request["seed"]), device)
+        run = clauses.run_clause(fn, str(request["clause"]), int(request["seed"]), device)
         if memory:
             for key, message in run.errors.items():
                 if message.startswith("out of memory"):
