@@ -175,3 +175,15 @@ def test_quiet_prints_the_verdict_line_only(capsys):
     result = grade(broken.contiguous_output, only=["values", "output_layout"])
     report.render_grade(result, quiet=True)
     assert capsys.readouterr().out == "FAIL: 1 of 2 clauses pass (output_layout)\n"
+
+
+def test_the_command_defaults_are_the_librarys():
+    """cli.py spells the defaults out (importing grading would import torch for --help)."""
+    import typer.main
+
+    from maskln_cli.cli import app
+
+    params = {p.name: p.default for p in typer.main.get_command(app).commands["grade"].params}
+    assert params["seed"] == grading.DEFAULT_SEED
+    assert params["timeout"] == grading.DEFAULT_TIMEOUT
+    assert params["device"] == "cpu" and params["strict"] is False
