@@ -1011,6 +1011,7 @@ def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
             "shape": list(t.shape),
             "stride": list(t.stride()),
             "data_ptr": t.data_ptr(),
+            "requires_grad": t.requires_grad,
         }
         for name, t in tensors.items()
     }
@@ -1036,6 +1037,8 @@ def _changes(
             problems.append(
                 f"{name}'s version counter changed in the {when} (an in-place operation)"
             )
+        elif t.requires_grad != old["requires_grad"]:
+            problems.append(f"{name}'s requires_grad flag changed in the {when}")
     return problems
 
 

@@ -114,6 +114,16 @@ def test_writing_into_x_fails_no_mutation():
     assert "x's values changed in the no-grad forward" in clause(result, "no_mutation").detail
 
 
+def test_flipping_an_inputs_requires_grad_fails_no_mutation():
+    def flips(x, valid, scale, bias, eps=1e-5):
+        scale.requires_grad_(True)
+        return correct.masked_layer_normalization(x, valid, scale, bias, eps)
+
+    result = grade(flips, only=["no_mutation"])
+    detail = clause(result, "no_mutation").detail
+    assert "scale's requires_grad flag changed in the no-grad forward" in detail
+
+
 def test_an_exception_fails_the_clause_with_its_message():
     def raises(x, valid, scale, bias, eps=1e-5):
         raise ValueError("scale must be positive")
