@@ -138,13 +138,19 @@ def test_a_target_that_cannot_be_loaded_is_a_one_line_usage_error(tmp_path, sour
     assert_one_line_error(result.stderr, str(path), *fragments)
 
 
-def test_a_missing_target_is_a_one_line_usage_error():
+def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
     result = invoke("grade", "no/such/solution.py")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "TARGET no/such/solution.py: no such file")
     result = invoke("grade", EXAMPLE, "--only", "nope")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "--only: no clause 'nope'")
+    result = invoke("grade", EXAMPLE, "--timeout", "0")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--timeout: must be a positive number of seconds")
+    result = invoke("grade", EXAMPLE, "--device", "nosuch")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--device: not a device: 'nosuch'")
 
 
 def test_grade_help_does_not_import_torch():
