@@ -19,6 +19,9 @@ demo: $(INSTALLED)
 	$(BIN)/maskln normalize sample_data/pair_features.safetensors demo-output/pair_features.safetensors
 	$(BIN)/maskln inspect demo-output/pair_features.safetensors
 	$(BIN)/maskln verify sample_data/pair_features.safetensors sample_data/pair_features_expected.safetensors
+	@# examples/first_attempt.py has one real mistake: its grade is a FAIL (exit 1), by design;
+	@# any other exit code (2: the grader could not run it; 0: it passed) fails the demo.
+	$(BIN)/maskln grade examples/first_attempt.py || test $$? -eq 1
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest

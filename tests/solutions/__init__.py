@@ -1,0 +1,1 @@
+"""Solutions to grade: a correct one, broken ones (one mistake each) and misbehaving ones."""

@@ -1,0 +1,195 @@
+"""maskln grade: the command's exit codes, report and JSON, and the child process: a hanging,
+crashing, raising or memory-hungry function fails its clauses with the reason, and the grader
+still finishes; a function cannot fool it. Each test starts real child processes (a few
+seconds each), so they are few; tests/test_grading.py grades in process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from maskln_cli import grading, report
+from maskln_cli.clauses import CLAUSES
+from maskln_cli.grading import GradeReport, grade
+from tests.clitools import ROOT, assert_one_line_error, invoke
+from tests.solutions import broken
+
+REQUIRED = [name for name, clause in CLAUSES.items() if clause.required]
+STRICT = [name for name, clause in CLAUSES.items() if not clause.required]
+SOLUTIONS = ROOT / "tests" / "solutions"
+EXAMPLE = ROOT / "examples" / "first_attempt.py"
+
+
+def test_maskln_grades_its_own_op_strict_included():
+    result = invoke("grade", "maskln_cli:masked_layer_normalization", "--strict", "--json")
+    assert result.exit_code == 0, result.stdout
+    document = json.loads(result.stdout)
+    assert document["passed"] is True and document["strict"] is True
+    assert [c["name"] for c in document["clauses"]] == list(CLAUSES)
+    assert all(c["passed"] and c["detail"] is None for c in document["clauses"])
+
+
+def test_the_example_first_attempt_fails_with_a_report():
+    result = invoke("grade", EXAMPLE)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"maskln grade {EXAMPLE}")
+    rows = {line.split()[1]: line.split()[0] for line in lines if line.startswith("  PASS")
+            or line.startswith("  FAIL")}  # fmt: skip
+    assert list(rows) == list(CLAUSES)
+    assert {name for name, verdict in rows.items() if verdict == "FAIL"} == {
+        "sanitized_gradients",
+        "output_layout",
+    }
+    detail = lines[lines.index(next(x for x in lines if "FAIL  sanitized_gradients" in x)) + 1]
+    assert "NaN, ±inf and 1e30 in invalid rows" in detail and "gave nan" in detail
+    assert any("sanitized_gradients: likely NaN or inf from the padding" in x for x in lines)
+    assert lines[-1] == (
+        f"FAIL: {len(REQUIRED) - 1} of {len(REQUIRED)} required clauses pass"
+        f" (sanitized_gradients); strict: {len(STRICT) - 1} of {len(STRICT)} (output_layout)"
+    )
+
+
+def test_json_document():
+    result = invoke("grade", EXAMPLE, "--json", "--only", "sanitized_gradients", "--only", "values")
+    assert result.exit_code == 1
+    document = json.loads(result.stdout)
+    assert set(document) == {"passed", "target", "strict", "clauses", "diagnosis"}
+    assert document["passed"] is False and document["target"] == str(EXAMPLE)
+    values, sanitized = document["clauses"]
+    assert set(values) == {"name", "required", "passed", "seconds", "detail", "diagnosis"}
+    assert values == {**values, "name": "values", "passed": True, "detail": None}
+    assert values["diagnosis"] is None and values["seconds"] >= 0
+    assert sanitized["passed"] is False and "gave nan" in sanitized["detail"]
+    assert [d["mistake"] for d in sanitized["diagnosis"]] == ["nan_from_padding"]
+    assert document["diagnosis"][0]["clause"] == "sanitized_gradients"
+
+
+def test_a_hanging_function_times_out_and_the_next_clause_still_runs():
+    target = f"{SOLUTIONS / 'misbehaving.py'}:hangs_on_wide_rows"
+    result = invoke("grade", target, "--timeout", "2", "--only", "dtypes", "--only", "values",
+                    "--json")  # fmt: skip
+    assert result.exit_code == 1
+    values, dtypes = json.loads(result.stdout)["clauses"]
+    assert dtypes["passed"] is False and dtypes["detail"].startswith("timed out after 2 s")
+    assert dtypes["seconds"] < 2 + 2 * 1.0 + 5  # the timeout, the kill's grace, some slack
+    assert values["passed"] is True  # a fresh child ran it
+
+
+def test_a_crashing_function_fails_its_clauses_then_the_rest_are_not_run():
+    target = f"{SOLUTIONS / 'misbehaving.py'}:crashes"
+    result = invoke("grade", target, "--only", "worked_example", "--only", "values",
+                    "--only", "dtypes")  # fmt: skip
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    details = [lines[i + 1].strip() for i, line in enumerate(lines) if line.startswith("  FAIL")]
+    assert details[0].startswith("the process crashed: SIGSEGV (a segmentation fault)")
+    assert "Fatal Python error: Segmentation fault" in details[0]  # what it printed
+    assert details[1] == "the process exited with code 3 in the middle of the clause"
+    assert details[2] == (
+        "not run: the function crashed or hung in 2 clauses in a row (worked_example, values)"
+    )
+    assert lines[-1] == "FAIL: 0 of 3 required clauses pass (worked_example, values, dtypes)"
+
+
+def test_a_raising_function_fails_every_clause_in_one_child():
+    result = invoke("grade", f"{SOLUTIONS / 'misbehaving.py'}:starter_code", "--json")
+    assert result.exit_code == 1
+    clauses = json.loads(result.stdout)["clauses"]
+    assert [c["name"] for c in clauses] == list(CLAUSES)
+    for c in clauses:
+        assert c["passed"] is False
+        assert "NotImplementedError: Implement masked_layer_normalization" in c["detail"], c
+
+
+def test_an_allocation_beyond_the_memory_cap_fails_the_clause(monkeypatch):
+    monkeypatch.setenv("MASKLN_GRADE_MEMORY_GIB", "1.5")
+    target = f"{SOLUTIONS / 'misbehaving.py'}:allocates_too_much"
+    result = invoke("grade", target, "--only", "worked_example", "--json")
+    assert result.exit_code == 1
+    (worked,) = json.loads(result.stdout)["clauses"]
+    assert worked["detail"].split(": ", 1)[1].startswith("out of memory (cap 1.5 GiB)")
+
+
+def test_patching_torch_in_the_child_cannot_change_a_verdict():
+    target = f"{SOLUTIONS / 'misbehaving.py'}:fools_comparisons"
+    result = invoke("grade", target, "--only", "values", "--only", "worked_example", "--json")
+    assert result.exit_code == 1
+    document = json.loads(result.stdout)
+    assert [c["passed"] for c in document["clauses"]] == [False, False]
+    assert document["diagnosis"][0]["mistake"] == "bias_missing"
+
+
+@pytest.mark.parametrize(
+    ("source", "fragments"),
+    [
+        ("import no_such_module_here\n", ["cannot import", "No module named"]),
+        ("import os\nos._exit(5)\n", ["cannot import", "exited with code 5"]),
+    ],
+)
+def test_a_target_that_cannot_be_loaded_is_a_one_line_usage_error(tmp_path, source, fragments):
+    path = tmp_path / "solution.py"
+    path.write_text(source)
+    result = invoke("grade", path)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, str(path), *fragments)
+
+
+def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
+    result = invoke("grade", "no/such/solution.py")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "TARGET no/such/solution.py: no such file")
+    result = invoke("grade", EXAMPLE, "--only", "nope")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--only: no clause 'nope'")
+    result = invoke("grade", EXAMPLE, "--timeout", "0")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--timeout: must be a positive number of seconds")
+    result = invoke("grade", EXAMPLE, "--device", "nosuch")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--device: not a device: 'nosuch'")
+
+
+def test_grade_help_does_not_import_torch():
+    probe = (
+        "import sys\n"
+        "from maskln_cli.cli import main\n"
+        "sys.argv = ['maskln', 'grade', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "state = 'imported' if 'torch' in sys.modules else 'not imported'\n"
+        "print('torch', state, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert result.stderr.strip().endswith("torch not imported"), result.stderr
+
+
+# --- rendering ------------------------------------------------------------------------------------
+
+
+def test_the_report_escapes_what_the_function_said(capsys):
+    hostile = "\x1b[2J[bold red]owned[/]"
+    result = GradeReport("f", False, [grading.ClauseResult("values", True, False, 0.1, hostile)])
+    report.render_grade(result)
+    out = capsys.readouterr().out
+    assert "\x1b[2J" not in out and "\\x1b[2J[bold red]owned[/]" in out
+
+
+def test_quiet_prints_the_verdict_line_only(capsys):
+    result = grade(broken.contiguous_output, only=["values", "output_layout"])
+    report.render_grade(result, quiet=True)
+    assert capsys.readouterr().out == "FAIL: 1 of 2 clauses pass (output_layout)\n"
+
+
+def test_the_command_defaults_are_the_librarys():
+    """cli.py spells the defaults out (importing grading would import torch for --help)."""
+    import typer.main
+
+    from maskln_cli.cli import app
+
+    params = {p.name: p.default for p in typer.main.get_command(app).commands["grade"].params}
+    assert params["seed"] == grading.DEFAULT_SEED
+    assert params["timeout"] == grading.DEFAULT_TIMEOUT
+    assert params["device"] == "cpu" and params["strict"] is False
