@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import struct
 import sys
 import tempfile
@@ -411,13 +412,18 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
             yield stream
         return
     check_disk(str(target), size)
+    # Ctrl-C or SIGTERM between creating the temporary file and the try below would leave it
+    # behind: they wait until the try, where a pending one is raised and the file removed.
+    deferred = _defer_signals()
     try:
         fd, temporary = tempfile.mkstemp(
             dir=target.parent, prefix=f".{target.name}.", suffix=".partial"
         )
     except OSError as error:
+        _restore_signals(deferred)
         raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
     try:
+        _restore_signals(deferred)
         with _write_errors(path):
             with os.fdopen(fd, "wb") as stream:
                 yield stream
@@ -428,6 +434,21 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
     except BaseException:
         _remove(temporary)
         raise
+
+
+_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _defer_signals() -> set[signal.Signals] | None:
+    """Block SIGINT and SIGTERM (where the platform can); returns what to restore."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+
+
+def _restore_signals(previous: set[signal.Signals] | None) -> None:
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
