@@ -309,17 +309,42 @@ def forward(
             )
             return y.copy_(y_contiguous), mean, rstd
         valid_rows = valid.reshape(-1)
-        for start, stop in row_blocks(len(x_rows), _block_rows(x)):
-            rows = slice(start, stop)
-            if keep_statistics:
-                block_mean, block_rstd = mean.view(-1, 1)[rows], rstd.view(-1, 1)[rows]
-            else:
-                block_mean, block_rstd = x.new_empty(stop - start, 1), x.new_empty(stop - start, 1)
+        blocks = list(row_blocks(len(x_rows), _block_rows(x)))
+        if mean is None or rstd is None:  # one block's worth of statistics, reused
+            largest = max(stop - start for start, stop in blocks)
+            mean_rows, rstd_rows = x.new_empty(largest, 1), x.new_empty(largest, 1)
+        else:
+            mean_rows, rstd_rows = mean.view(-1, 1), rstd.view(-1, 1)
+        for (start, stop), invalid in zip(blocks, _invalid_rows_by_block(valid_rows, blocks),
+                                          strict=True):  # fmt: skip
+            rows = slice(start, stop) if mean is not None else slice(0, stop - start)
             _forward_rows(
-                y_rows[rows], x_rows[rows], valid_rows[rows], scale, bias, eps,
-                block_mean, block_rstd,
+                y_rows[start:stop], x_rows[start:stop], valid_rows[start:stop], scale, bias, eps,
+                mean_rows[rows], rstd_rows[rows], invalid,
             )  # fmt: skip
         return y, mean, rstd
+
+
+def _invalid_rows_by_block(
+    valid_rows: torch.Tensor, blocks: list[tuple[int, int]]
+) -> list[torch.Tensor | None]:
+    """For each block, the indices (within it) of its invalid rows, or None if it has none:
+    found once for the whole tensor, where each block finding its own would cost a handful of
+    small calls and a synchronization apiece.
+
+    Example:
+        >>> _invalid_rows_by_block(torch.tensor([True, False, True, True, False]), [(0, 2), (2, 5)])
+        [tensor([1]), tensor([2])]
+    """
+    invalid = (~valid_rows).nonzero().squeeze(1)
+    if invalid.numel() == 0:
+        return [None] * len(blocks)
+    starts = torch.tensor([start for start, _ in blocks] + [blocks[-1][1]], device=invalid.device)
+    bounds = torch.searchsorted(invalid, starts).tolist()
+    return [
+        invalid[lo:hi] - start if hi > lo else None
+        for (start, _), lo, hi in zip(blocks, bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 def _as_pair(*rows: torch.Tensor) -> list[torch.Tensor]:
@@ -340,41 +365,37 @@ def _forward_rows(
     eps: float,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    invalid: torch.Tensor | None,
 ) -> None:
     """A block of rows [R, C] of the forward pass, in place in y; fills mean and rstd [R, 1].
+    ``invalid`` holds the indices of the block's invalid rows (None: there are none).
 
     Every op here streams over contiguous rows with at most one per-row factor, which torch
-    vectorizes; a broadcast mask (where, masked_fill) would not be. Invalid rows are zeroed by
-    index at the end, which costs only their own rows.
+    vectorizes; a broadcast mask (where, masked_fill) would not be. No op mixes rows, so an
+    invalid row's contents, NaN and inf included, reach nothing but its own row, which is then
+    set to +0.0 (and its statistics to 0) by index: that costs only its own rows.
     """
     channels = x.shape[-1]
-    invalid = ~valid.unsqueeze(1)
     torch.mean(x, dim=-1, keepdim=True, out=mean)
-    # An invalid row's statistics are its own and are discarded (set to 0) before use; a
-    # non-finite mean flags an invalid row holding NaN or inf, which is zeroed before any
-    # arithmetic mixes it with anything else.
-    poisoned = ~(valid | mean.isfinite().squeeze(1))
-    mean.masked_fill_(invalid, 0.0)
     xc = torch.sub(x, mean, out=y)
-    if poisoned.any():
-        xc.index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
     # Corrected two-pass (Chan, Golub & LeVeque): xc is exact, but mean was rounded; the mean
     # of xc is that rounding error, and removing it keeps offset data accurate.
     shift = xc.mean(dim=-1, keepdim=True)
     sum_of_squares = _row_sums_of_squares(xc)
-    # Valid rows whose statistics overflowed (float32 |x| from about 1e19, float64 from about
-    # 1e154) or that hold NaN or inf are redone at the end, scaled, in float64; the other rows
-    # never see them.
-    rescued = valid & ~(sum_of_squares.isfinite() & shift.isfinite()).squeeze(1)
     rstd.copy_(_rstd(sum_of_squares, shift, channels, eps))
-    rstd.masked_fill_(invalid, 0.0)
-    shift.masked_fill_(invalid, 0.0)
     xhat = xc.sub_(shift).mul_(rstd)
     torch.addcmul(bias, xhat, scale, out=y)
-    if not valid.all():  # +0.0, whatever bias, scale or the row hold
-        y.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
-    if rescued.any():
-        _forward_rows_rescued(y, x, rescued.nonzero().squeeze(1), scale, bias, eps, mean, rstd)
+    if invalid is not None:
+        for tensor in (y, mean, rstd):
+            tensor.index_fill_(0, invalid, 0.0)
+    # Non-finite statistics: an invalid row holding NaN or inf (zeroed above), or a valid row
+    # whose arithmetic overflowed (float32 |x| from about 1e19, float64 from about 1e154) or
+    # that holds NaN or inf: those are redone, scaled, in float64.
+    if not sum_of_squares.add(shift).isfinite().all():
+        rescued = valid & ~(sum_of_squares.isfinite() & shift.isfinite()).squeeze(1)
+        if rescued.any():
+            rows = rescued.nonzero().squeeze(1)
+            _forward_rows_rescued(y, x, rows, scale, bias, eps, mean, rstd)
 
 
 def _forward_rows_rescued(
@@ -516,13 +537,18 @@ def backward_in_place(
         # Per block: xhat and a scratch buffer, and dy * scale (in dx itself when dx is needed).
         workspace = x_rows.new_empty(2 if need_dx else 3, largest, channels)
         dx = torch.empty_like(x_rows) if need_dx else None
-        for start, stop in blocks:
+        # Valid rows whose rstd is too small to be exact (|x| near the dtype's limit) are redone
+        # scaled in their block; found once here, as the invalid rows are.
+        too_small = rstd_rows.squeeze(1) < _SMALLEST_EXACT_RSTD[x.dtype]
+        small_rows = bool((too_small & valid_rows).any())
+        for (start, stop), invalid in zip(blocks, _invalid_rows_by_block(valid_rows, blocks),
+                                          strict=True):  # fmt: skip
             rows = slice(start, stop)
             block_dx = dx[rows] if dx is not None else workspace[2, : stop - start]
             _backward_rows(
                 dy_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale,
                 mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2, : stop - start],
-                dscale, dbias, need_dx,
+                dscale, dbias, need_dx, invalid, too_small[rows] if small_rows else None,
             )  # fmt: skip
         sums = (None if g is None else g.to(x.dtype) for g in (dscale, dbias))
         return (dx.view(x.shape) if dx is not None else None), *sums
@@ -542,9 +568,13 @@ def _backward_rows(
     dscale: torch.Tensor | None,
     dbias: torch.Tensor | None,
     need_dx: bool,
+    invalid: torch.Tensor | None,
+    too_small: torch.Tensor | None,
 ) -> None:
     """A block of rows [R, C] of :func:`backward_in_place`: writes dx (used as workspace when
-    not needed) and adds to dscale and dbias; ``workspace`` is [2, R, C].
+    not needed) and adds to dscale and dbias; ``workspace`` is [2, R, C]. ``invalid`` holds
+    the indices of the block's invalid rows, ``too_small`` flags rows whose rstd is too small
+    to be exact (None: there are none).
 
     dx comes from row reductions only, no matrix products: a row's result must not depend on
     how many rows share its block (BLAS kernels treat row counts differently). The sums over
@@ -552,14 +582,15 @@ def _backward_rows(
     """
     xhat_buffer, scratch = workspace
     # wdy = dy * scale and c2 = mean_C(wdy); a non-finite c2 flags an invalid row whose dy
-    # holds NaN or inf, zeroed before it is used.
+    # holds NaN or inf, zeroed before the sums over rows mix it with anything else.
     wdy = torch.mul(dy, scale, out=dx)
     c2 = wdy.mean(dim=-1, keepdim=True)
-    poisoned = ~(valid | c2.isfinite().squeeze(1))
-    if poisoned.any():
-        dy = dy.clone().index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
-        wdy = torch.mul(dy, scale, out=dx)
-        c2 = wdy.mean(dim=-1, keepdim=True)
+    if not c2.isfinite().all():
+        poisoned = ~(valid | c2.isfinite().squeeze(1))
+        if poisoned.any():
+            dy = dy.clone().index_fill_(0, poisoned.nonzero().squeeze(1), 0.0)
+            wdy = torch.mul(dy, scale, out=dx)
+            c2 = wdy.mean(dim=-1, keepdim=True)
     if dbias is not None:  # outputs of invalid rows are constants: their dy counts for nothing
         dbias += torch.mv(dy.t(), weight)  # one read of dy; poisoned rows were zeroed above
     if dscale is None and not need_dx:
@@ -567,24 +598,28 @@ def _backward_rows(
     # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).
     xc = torch.sub(x, mean, out=xhat_buffer)
     shift = xc.mean(dim=-1, keepdim=True)
-    # Non-finite: an invalid row holding NaN or inf (zeroed), or a valid row whose x - mean
-    # overflowed or that holds NaN or inf. Those valid rows, and those whose rstd is too small
-    # to be exact (|x| near the dtype's limit), are zeroed here and redone, scaled, below.
-    unusable = ~shift.isfinite().squeeze(1)
-    rescued = valid & (unusable | (rstd < _SMALLEST_EXACT_RSTD[x.dtype]).squeeze(1))
-    if unusable.any() or rescued.any():
-        xc.index_fill_(0, (unusable | rescued).nonzero().squeeze(1), 0.0)
-    shift.masked_fill_((~valid | rescued).unsqueeze(1), 0.0)
-    xhat = xc.sub_(shift).mul_(rstd)  # 0 on invalid (and rescued) rows
+    rescued = None
+    if too_small is not None or not shift.isfinite().all():
+        # Non-finite: an invalid row holding NaN or inf (zeroed), or a valid row whose x - mean
+        # overflowed or that holds NaN or inf. Those valid rows, and those whose rstd is too
+        # small to be exact, are zeroed here and redone, scaled, below.
+        unusable = ~shift.isfinite().squeeze(1)
+        rescued = valid & (unusable if too_small is None else unusable | too_small)
+        zeroed = (unusable | rescued).nonzero().squeeze(1)
+        xc.index_fill_(0, zeroed, 0.0)
+        shift.index_fill_(0, zeroed, 0.0)
+    xhat = xc.sub_(shift).mul_(rstd)  # 0 on rescued rows
+    if invalid is not None:  # (xc - shift) * 0 is NaN where xc - shift overflowed
+        xhat.index_fill_(0, invalid, 0.0)
     if dscale is not None:
         dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
     if need_dx:
         c1 = torch.mul(xhat, wdy, out=scratch).mean(dim=-1, keepdim=True)
         # dx = rstd * (wdy - xhat * c1 - c2), then +0.0 on invalid rows whatever scale holds
         wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
-        if not valid.all():
-            wdy.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
-    if rescued.any():
+        if invalid is not None:
+            wdy.index_fill_(0, invalid, 0.0)
+    if rescued is not None and rescued.any():
         _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
 
 
