@@ -576,9 +576,9 @@ def _backward_rows(
     the indices of the block's invalid rows, ``too_small`` flags rows whose rstd is too small
     to be exact (None: there are none).
 
-    dx comes from row reductions only, no matrix products: a row's result must not depend on
-    how many rows share its block (BLAS kernels treat row counts differently). The sums over
-    rows (dbias) may use them: their last bits depend on the blocking anyway.
+    Only row reductions and sums over rows, no matrix products: a row's result must not depend
+    on how many rows share its block (BLAS kernels treat row counts differently), and BLAS sums
+    over rows are less accurate than torch.sum's.
     """
     xhat_buffer, scratch = workspace
     # wdy = dy * scale and c2 = mean_C(wdy); a non-finite c2 flags an invalid row whose dy
@@ -592,7 +592,10 @@ def _backward_rows(
             wdy = torch.mul(dy, scale, out=dx)
             c2 = wdy.mean(dim=-1, keepdim=True)
     if dbias is not None:  # outputs of invalid rows are constants: their dy counts for nothing
-        dbias += torch.mv(dy.t(), weight)  # one read of dy; poisoned rows were zeroed above
+        # torch.sum's cascade, not a matrix-vector product: BLAS adds a column's thousands of
+        # rows one by one in float32, and grad_bias lost digits that way.
+        masked = dy if invalid is None else torch.mul(dy, weight.unsqueeze(1), out=scratch)
+        dbias += masked.sum(dim=0)
     if dscale is None and not need_dx:
         return
     # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).

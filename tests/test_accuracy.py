@@ -222,3 +222,31 @@ def test_float64_results_do_not_depend_on_a_power_of_two_scale_of_x(exponent):
     assert scaled_x.isfinite().all()
     scaled = masked_layer_normalization(scaled_x, valid, scale, bias, 1e-300)
     torch.testing.assert_close(scaled, base, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(65536, 32), (4096, 768), (8, 2**17)])
+def test_float32_parameter_gradients_within_twice_torch_layer_norm(shape):
+    """grad_scale and grad_bias are sums over every row, up to 65,536 of them here: they must
+    stay as accurate as torch's own (within 2x its error, or an ulp of the largest sum)."""
+    rows, channels = shape
+    generator = torch.Generator().manual_seed(rows)
+    x = (1 + torch.randn(shape, generator=generator, dtype=torch.float64)).float()
+    dy = torch.randn(shape, generator=generator, dtype=torch.float64).float()
+    scale = (1 + 0.1 * torch.randn(channels, generator=generator)).requires_grad_()
+    bias = (0.1 * torch.randn(channels, generator=generator)).requires_grad_()
+    valid = torch.ones(rows, dtype=torch.bool)
+
+    def parameter_grads(fn, x, scale, bias):
+        leaves = [scale.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()]
+        return torch.autograd.grad(fn(x, leaves[0], leaves[1]), leaves, dy.to(x.dtype))
+
+    ours = parameter_grads(lambda a, s, b: masked_layer_normalization(a, valid, s, b), x, scale,
+                           bias)  # fmt: skip
+    peer = parameter_grads(lambda a, s, b: F.layer_norm(a, (channels,), s, b), x, scale, bias)
+    truth = parameter_grads(lambda a, s, b: F.layer_norm(a, (channels,), s, b), x.double(),
+                            scale.double(), bias.double())  # fmt: skip
+    for got, torch_got, want in zip(ours, peer, truth, strict=True):
+        error = float((got.double() - want).abs().max())
+        torch_error = float((torch_got.double() - want).abs().max())
+        unit = float(want.abs().max()) * FLOAT32_UNIT  # an ulp of the largest sum
+        assert error <= max(2 * torch_error, unit), (error, torch_error, unit)
