@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.keynames import missing_key_message
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +88,10 @@ class TensorFile:
         self._handle = handle
         self.name = name
         self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
-        self._keys: list[str] = _data_order(path, list(handle.keys()))  # type: ignore[attr-defined]
+        self._offsets = _data_offsets(path, list(handle.keys()))  # type: ignore[attr-defined]
+        # Data order is the order a person reading the header expects, and it is stable
+        # (safetensors' own offset_keys() leaves ties, empty tensors, in hash order).
+        self._keys = sorted(self._offsets, key=lambda key: (self._offsets[key], key))
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -96,7 +100,7 @@ class TensorFile:
         return iter(self.keys())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._offsets
 
     def info(self, key: str) -> TensorInfo:
         """The dtype and shape of ``key``, without reading its data."""
@@ -114,10 +118,8 @@ class TensorFile:
             raise MasklnError(f"{self.name}: cannot read tensor {key!r}: {error}") from None
 
     def _require(self, key: str) -> None:
-        if key not in self._keys:
-            held = ", ".join(repr(k) for k in self._keys[:8]) or "none"
-            more = f" and {len(self._keys) - 8} more" if len(self._keys) > 8 else ""
-            raise MasklnError(f"{self.name}: no tensor {key!r} (it holds {held}{more})")
+        if key not in self._offsets:
+            raise MasklnError(missing_key_message(self.name, key, self._keys))
 
 
 @contextlib.contextmanager
@@ -149,18 +151,15 @@ def open_tensor_file(path: str) -> Iterator[TensorFile]:
         yield tensor_file
 
 
-def _data_order(path: str, keys: list[str]) -> list[str]:
-    """``keys`` in the order of their data in the file, ties (empty tensors) broken by name.
-
-    This is the order a person reading the header expects, and it is stable; safetensors'
-    own ``offset_keys()`` leaves ties in hash order. The header was validated by safetensors.
-    """
+def _data_offsets(path: str, keys: list[str]) -> dict[str, tuple[int, int]]:
+    """Each key's ``(start, stop)`` byte offsets in the data, from the header that safetensors
+    has validated."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header = json.loads(file.read(length))
     wanted = set(keys)
     offsets = {key: tuple(entry["data_offsets"]) for key, entry in header.items() if key in wanted}
-    return sorted(keys, key=lambda key: (offsets.get(key, ()), key))
+    return {key: offsets[key] for key in keys}  # type: ignore[misc]
 
 
 def _check_readable_file(path: str) -> None:
