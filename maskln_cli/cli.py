@@ -228,8 +228,30 @@ Params = Annotated[
     typer.Option(
         "--params",
         metavar="FILE",
-        help="Read scale and bias from this safetensors file (e.g. a checkpoint; name them with"
-        " --scale-key and --bias-key).",
+        help="Read scale and bias from this checkpoint: a safetensors file, a model folder (with"
+        " model.safetensors or model.safetensors.index.json) or a shard index; name them with"
+        " --module, or --scale-key and --bias-key.",
+    ),
+]
+Module = Annotated[
+    str | None,
+    typer.Option(
+        "--module",
+        metavar="NAME",
+        help="The layer norm whose scale and bias to use: NAME.weight and NAME.bias, or"
+        " NAME.gamma and NAME.beta, whichever --params (else INPUT) holds.",
+        show_default=False,
+        rich_help_panel="Keys",
+    ),
+]
+Config = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        help="Read eps from a transformers config.json (layer_norm_eps, layer_norm_epsilon or"
+        " norm_eps); a folder means FOLDER/config.json.",
+        show_default=False,
     ),
 ]
 GradOutFile = Annotated[
@@ -242,7 +264,8 @@ Eps = Annotated[
     float | None,
     typer.Option(
         "--eps",
-        help="Added to the variance. (default: the input's metadata 'eps', else 1e-05)",
+        help="Added to the variance. (default: --config's, else the input's metadata 'eps' or"
+        " 'layer_norm_eps', else 1e-05)",
         show_default=False,
     ),
 ]
@@ -290,8 +313,10 @@ def normalize(
     grad_out_key: GradOutKey = None,
     out_key: OutKey = "out",
     params: Params = None,
+    module: Module = None,
     grad_out: GradOutFile = None,
     eps: Eps = None,
+    config: Config = None,
     dtype: Dtype = ComputeDtype.auto,
     chunk_rows: ChunkRows = None,
     quiet: Quiet = False,
@@ -306,9 +331,8 @@ def normalize(
     ```
     maskln normalize sample_data/pair_features.safetensors out.safetensors
     maskln normalize - - < in.safetensors | maskln diff - expected.safetensors
-    maskln normalize acts.safetensors out.safetensors \\
-        --params model.safetensors --scale-key encoder.layers.0.norm.weight \\
-        --bias-key encoder.layers.0.norm.bias
+    maskln normalize acts.safetensors out.safetensors --params checkpoint/ \\
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/config.json
     maskln normalize dumps/*.safetensors --out-dir normalized/
     ```
     """
@@ -510,8 +534,10 @@ def verify(
     grad_out_key: GradOutKey = None,
     out_key: OutKey = "out",
     params: Params = None,
+    module: Module = None,
     grad_out: GradOutFile = None,
     eps: Eps = None,
+    config: Config = None,
     dtype: Dtype = ComputeDtype.auto,
     chunk_rows: ChunkRows = None,
     rtol: Rtol = None,

@@ -124,20 +124,25 @@ class ComparisonReport:
     expected: str
     tensors: list[TensorComparison]
     notes: list[str] = field(default_factory=list)
+    eps: float | None = None
+    """verify: the eps maskln computed with, and where it came from (``eps_source``)."""
+    eps_source: str | None = None
 
     @property
     def passed(self) -> bool:
         return all(t.passed for t in self.tensors)
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        document: dict[str, object] = {
             "passed": self.passed,
             "command": self.command,
             "actual": self.actual,
             "expected": self.expected,
-            "tensors": [t.to_dict() for t in self.tensors],
-            "notes": list(self.notes),
         }
+        if self.eps is not None:
+            document.update(eps=self.eps, eps_source=self.eps_source)
+        document.update(tensors=[t.to_dict() for t in self.tensors], notes=list(self.notes))
+        return document
 
 
 class Comparison:

@@ -206,6 +206,7 @@ def render_normalize_result(result: NormalizeResult) -> None:
     note(
         f"wrote {result.output}: {keys} {list(result.shape)} {result.dtype}, "
         f"{result.valid_rows:,} of {result.rows:,} positions valid, eps {result.eps!r}"
+        f" ({result.eps_source})"
     )
 
 
@@ -289,6 +290,9 @@ def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
         actual = "maskln's result for " if report.command == "verify" else ""
         console.print(f"[bold]actual[/]    {actual}{safe(report.actual)}", soft_wrap=True)
         console.print(f"[bold]expected[/]  {safe(report.expected)}", soft_wrap=True)
+        if report.eps is not None:
+            source = f" ({safe(report.eps_source)})" if report.eps_source else ""
+            console.print(f"[bold]eps[/]       {report.eps!r}{source}", soft_wrap=True)
         compact = len(report.tensors) > COMPACT_AFTER
         if compact:
             console.print()

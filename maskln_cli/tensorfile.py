@@ -84,9 +84,10 @@ class TensorInfo:
 class TensorFile:
     """An open safetensors file; tensors come memory-mapped, read as they are used."""
 
-    def __init__(self, handle: object, name: str, path: str) -> None:
+    def __init__(self, handle: object, name: str, path: str, header_only: bool = False) -> None:
         self._handle = handle
         self.name = name
+        self.header_only = header_only
         self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
         self._offsets = _data_offsets(path, list(handle.keys()))  # type: ignore[attr-defined]
         # Data order is the order a person reading the header expects, and it is stable
@@ -109,9 +110,23 @@ class TensorFile:
         code = view.get_dtype()
         return TensorInfo(key, DTYPE_NAMES.get(code, code), tuple(view.get_shape()))
 
+    def data_size(self, key: str) -> int:
+        """Bytes of ``key``'s data, from the header (nothing is read).
+
+        Example:
+            >>> with open_tensor_file("sample_data/worked_example.safetensors", True) as f:
+            ...     f.data_size("x"), f.data_size("valid")
+            (32, 2)
+        """
+        self._require(key)
+        start, stop = self._offsets[key]
+        return stop - start
+
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``, backed by the memory-mapped file (nothing is read yet)."""
         self._require(key)
+        if self.header_only:
+            raise RuntimeError(f"{self.name} was opened for its header only")
         try:
             return self._handle.get_tensor(key)  # type: ignore[attr-defined]
         except Exception as error:  # safetensors raises several types for bad data
@@ -123,8 +138,11 @@ class TensorFile:
 
 
 @contextlib.contextmanager
-def open_tensor_file(path: str) -> Iterator[TensorFile]:
+def open_tensor_file(path: str, header_only: bool = False) -> Iterator[TensorFile]:
     """Open a safetensors file, or stdin for ``-``, checking it on the way.
+
+    With ``header_only`` the file's keys, dtypes, shapes and metadata can be read but not its
+    tensors, and torch is not imported (``maskln inspect --keys`` stays instant).
 
     Example:
         >>> with open_tensor_file("sample_data/worked_example.safetensors") as f:
@@ -142,10 +160,12 @@ def open_tensor_file(path: str) -> Iterator[TensorFile]:
             _check_readable_file(path)
             source = path
         try:
-            handle = stack.enter_context(safe_open(source, framework="pt"))
+            # framework "pt" imports torch; "numpy" reads the same header and imports numpy.
+            framework = "numpy" if header_only else "pt"
+            handle = stack.enter_context(safe_open(source, framework=framework))
         except Exception as error:
             raise MasklnError(f"{name}: not a valid safetensors file: {_reason(error)}") from None
-        tensor_file = TensorFile(handle, name, source)
+        tensor_file = TensorFile(handle, name, source, header_only)
         if path == STDIO:
             os.unlink(spool)  # the mapping keeps the data; nothing is left behind on a crash
         yield tensor_file

@@ -75,7 +75,9 @@ def verify_file(
             tensors += _compare_gradients(
                 problem, expected, gradient_keys, rtol, atol, progress, total
             )
-        return ComparisonReport("verify", problem.source, expected.name, tensors, notes)
+        report = ComparisonReport("verify", problem.source, expected.name, tensors, notes)
+        report.eps, report.eps_source = problem.eps, problem.eps_source
+        return report
 
 
 def _comparison(
