@@ -512,6 +512,16 @@ JsonOutput = Annotated[
 QuietReport = Annotated[
     bool, typer.Option("--quiet", "-q", help="Print only the PASS/FAIL verdict line.")
 ]
+ValidRows = Annotated[
+    str | None,
+    typer.Option(
+        "--valid",
+        metavar="FILE[:KEY]",
+        help="Compare only the rows this mask marks valid (KEY defaults to 'valid'; bool or"
+        " 0/1), in tensors of shape [*mask, C]; say how many rows were left out.",
+        show_default=False,
+    ),
+]
 
 
 @app.command(no_args_is_help=True)
@@ -542,6 +552,7 @@ def verify(
     chunk_rows: ChunkRows = None,
     rtol: Rtol = None,
     atol: Atol = None,
+    valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
@@ -558,6 +569,9 @@ def verify(
     maskln verify inputs.safetensors kernel_out.safetensors
     maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
+    maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/config.json \\
+        --valid-key attention_mask --valid acts.safetensors:attention_mask
     ```
     """
     from maskln_cli import report
@@ -565,7 +579,9 @@ def verify(
 
     options = _normalize_options(locals())
     with report.progress_bar(f"verify {input_path}") as progress:
-        result = verify_file(input_path, expected_path, options, rtol, atol, progress)
+        result = verify_file(
+            input_path, expected_path, options, rtol, atol, progress, valid_rows=valid_rows
+        )
     _finish_comparison(result, json_output, quiet)
 
 
@@ -584,6 +600,7 @@ def diff(
     ] = None,
     rtol: Rtol = None,
     atol: Atol = None,
+    valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
@@ -599,11 +616,12 @@ def diff(
     maskln diff kernel_out.safetensors reference.safetensors
     maskln normalize - - < in.safetensors | maskln diff - ref.safetensors -k out
     maskln diff a.safetensors b.safetensors --json --rtol 1e-3
+    maskln diff out.safetensors model_layer.safetensors --valid acts.safetensors:attention_mask
     ```
     """
     from maskln_cli.compare import diff_files
 
-    result = diff_files(actual_path, expected_path, keys or (), rtol, atol)
+    result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows)
     _finish_comparison(result, json_output, quiet)
 
 

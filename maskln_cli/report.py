@@ -322,11 +322,9 @@ def _tensor_block(tensor: TensorComparison) -> object:
     for problem in tensor.problems:
         grid.add_row("  problem", f"[red]{safe(problem)}[/]")
     if tensor.mismatched is not None:
-        share = 100 * (tensor.mismatched_fraction or 0.0)
-        mismatched = f"{tensor.mismatched:,} of {tensor.numel:,} ({share:.3g}%)"
-        if tensor.rows is not None and tensor.rows != tensor.numel:
-            mismatched += f", in {tensor.mismatched_rows:,} of {tensor.rows:,} rows"
-        grid.add_row("  mismatched", mismatched)
+        grid.add_row("  mismatched", _mismatched(tensor))
+        if tensor.rows_left_out is not None:
+            grid.add_row("  left out", f"{tensor.rows_left_out:,} rows (--valid)")
         grid.add_row("  max abs diff", _at(tensor.max_abs_diff, tensor.max_abs_index))
         grid.add_row("  max rel diff", _at(tensor.max_rel_diff, tensor.max_rel_index))
         grid.add_row("  rel L2 error", number(tensor.rel_l2) if tensor.rel_l2 is not None else "")
@@ -346,11 +344,26 @@ def _tensor_block(tensor: TensorComparison) -> object:
     return grid
 
 
+def _mismatched(tensor: TensorComparison) -> str:
+    """``N of M (p%), in R of S rows``, over the rows compared (those --valid kept)."""
+    numel, rows = tensor.numel or 0, tensor.rows
+    if tensor.rows_left_out and rows:
+        numel -= tensor.rows_left_out * (numel // rows)
+        rows -= tensor.rows_left_out
+    share = 100 * (tensor.mismatched_fraction or 0.0)
+    text = f"{tensor.mismatched:,} of {numel:,} ({share:.3g}%)"
+    if rows is not None and tensor.rows != tensor.numel:
+        text += f", in {tensor.mismatched_rows:,} of {rows:,} rows"
+    return text
+
+
 def _tensor_line(tensor: TensorComparison) -> str:
     """One line for a tensor that passed, in a long report."""
     figures = ""
     if tensor.max_abs_diff is not None:
         figures = f"  max abs diff {number(tensor.max_abs_diff)}, rel L2 {number(tensor.rel_l2)}"
+    if tensor.rows_left_out:
+        figures += f", {tensor.rows_left_out:,} rows left out"
     return f"[bold green]PASS[/] [bold]{safe(tensor.name)}[/]  {_shapes(tensor)}{figures}"
 
 
