@@ -61,11 +61,20 @@ def safe(text: object) -> str:
     """
     from rich.markup import escape
 
-    shown = "".join(
+    return escape(plain_safe(text))
+
+
+def plain_safe(text: object) -> str:
+    """``text`` with control characters escaped, for a rich ``Text`` (which reads no markup).
+
+    Example:
+        >>> plain_safe("key\\x1b[2J[bold]")
+        'key\\\\x1b[2J[bold]'
+    """
+    return "".join(
         ch if unicodedata.category(ch) not in {"Cc", "Cf", "Zl", "Zp"} else _escape_char(ch)
         for ch in str(text)
     )
-    return escape(shown)
 
 
 def _escape_char(ch: str) -> str:
@@ -144,23 +153,34 @@ def render_file_summary(summary: FileSummary) -> None:
     """The ``maskln inspect`` table: a row per tensor (what it is, then its values), metadata."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=safe(summary.file), title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("key", style="bold", no_wrap=True)  # keys stay whole, to be copied
-    table.add_column("dtype")
-    table.add_column("shape")
-    table.add_column("size", justify="right")
-    table.add_column("values")
+    # The file name is a line of its own: as the table's title it would wrap at the table's
+    # width, and a long path would be cut in two (keys stay whole, to be copied; so does it).
+    table = Table(box=box.SIMPLE_HEAD)
+    # Keys stay whole, to be copied; only the values column wraps on a narrow terminal.
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    if not summary.keys_only:
+        table.add_column("values")
     for tensor in summary.tensors:
-        table.add_row(
-            safe(tensor.name),
-            tensor.dtype,
-            "\N{MULTIPLICATION SIGN}".join(map(str, tensor.shape)) or "scalar",
-            human_bytes(tensor.bytes),
-            describe_values(tensor),
-        )
+        # Plain Text cells: a checkpoint has hundreds of rows, and markup parsing is most of
+        # what rich spends on them (the key is escaped by plain_safe instead).
+        cells = [
+            Text(plain_safe(tensor.name)),
+            Text(tensor.dtype),
+            Text("\N{MULTIPLICATION SIGN}".join(map(str, tensor.shape)) or "scalar"),
+            Text(human_bytes(tensor.bytes)),
+        ]
+        table.add_row(*cells, *([] if summary.keys_only else [describe_values(tensor)]))
     console = stdout_console()
+    console.print(safe(summary.file), soft_wrap=True)
     console.print(table)
+    if summary.keys_only or summary.patterns:
+        console.print(_key_count(summary), soft_wrap=True)
+        console.print()
     if summary.metadata:
         meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
         meta.add_column("key", style="bold", overflow="fold")
@@ -170,6 +190,15 @@ def render_file_summary(summary: FileSummary) -> None:
         console.print(meta)
     else:
         console.print("no metadata", style="dim")
+
+
+def _key_count(summary: FileSummary) -> str:
+    """``12 of 199 tensors match '*norm*', 36.0 KiB`` (or ``199 tensors, 417.7 MiB``)."""
+    size = human_bytes(sum(t.bytes for t in summary.tensors))
+    if not summary.patterns:
+        return f"{summary.keys_total:,} tensors, {size}"
+    patterns = " or ".join(repr(safe(p)) for p in summary.patterns)
+    return f"{len(summary.tensors):,} of {summary.keys_total:,} tensors match {patterns}, {size}"
 
 
 def describe_values(tensor: TensorSummary) -> str:

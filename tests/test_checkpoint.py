@@ -470,3 +470,13 @@ def test_folder_without_a_checkpoint(tmp_path):
         result.stderr, "neither model.safetensors nor model.safetensors.index.json",
         "weights.safetensors",
     )  # fmt: skip
+
+
+def test_inspect_keys_of_a_sharded_checkpoint(tmp_path):
+    params = parameters()
+    folder = write_sharded(tmp_path / "model", params)
+    document = json.loads(invoke("inspect", "--keys", "--json", folder).stdout)
+    assert sorted(t["name"] for t in document["tensors"]) == sorted(params)
+    shapes = {t["name"]: t["shape"] for t in document["tensors"]}
+    assert shapes[f"{MODULE}.weight"] == [CHANNELS]
+    assert document["metadata"] == {"total_size": "123"}

@@ -349,7 +349,7 @@ def test_a_bug_still_gives_one_line_and_exit_2(monkeypatch):
     """The backstop: an unexpected exception is one 'internal error' line, not a traceback."""
     from maskln_cli import stats
 
-    def broken(path):
+    def broken(path, *args, **kwargs):
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(stats, "summarize_file", broken)
