@@ -78,6 +78,12 @@ class ComputeDtype(str, Enum):
     float64 = "float64"
 
 
+class ValidDtype(str, Enum):
+    bool = "bool"
+    int64 = "int64"
+    uint8 = "uint8"
+
+
 class GenerateDtype(str, Enum):
     float32 = "float32"
     float64 = "float64"
@@ -478,16 +484,27 @@ def generate(
         bool, typer.Option("--grad", help="Add an upstream gradient 'grad_out'.")
     ] = False,
     eps: Annotated[float, typer.Option("--eps", help="eps stored in the metadata.")] = 1e-5,
+    offset: Annotated[
+        float, typer.Option("--offset", help="Mean of x: a large common offset tests numerics.")
+    ] = 0.0,
+    std: Annotated[float, typer.Option("--std", help="Standard deviation of x.")] = 1.0,
+    valid_dtype: Annotated[
+        ValidDtype,
+        typer.Option("--valid-dtype", help="dtype of the mask (integers hold 0 and 1)."),
+    ] = ValidDtype.bool,
     quiet: Quiet = False,
 ) -> None:
     """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
 
-    The same arguments always give the same file, byte for byte.
+    The same arguments always give the same file, byte for byte. On a terminal a progress bar
+    shows the way for a big shape.
 
     **Examples**
 
     ```
     maskln generate batch.safetensors --shape 8,512,256 --poison --grad
+    maskln generate offset.safetensors --shape 4,128,768 --offset 1e4 --std 0.1
+    maskln generate masks.safetensors --shape 2,64,32 --valid-dtype int64
     maskln generate - --shape 2,64,32 | maskln normalize - out.safetensors
     ```
     """
@@ -496,14 +513,38 @@ def generate(
     from maskln_cli.normalize import check_eps
     from maskln_cli.tensorfile import torch_dtype, write_tensors
 
-    tensors = generate_inputs(
-        parse_shape(shape), dtype.value, seed, invalid=invalid, poison=poison, grad=grad
-    )
+    parsed = parse_shape(shape)
     metadata = {
         "eps": repr(check_eps(eps, "--eps", torch_dtype(dtype.value))),
         "maskln_version": __version__,
     }
-    write_tensors(output, tensors, metadata)
+    with report.progress_bar(f"generate {output}", enabled=not quiet) as progress:
+        # Two phases on one bar: sampling x (and grad_out), then writing the file.
+        sampled = 0
+
+        def sampling(done: int, total: int) -> None:
+            nonlocal sampled
+            sampled = total
+            progress(done, 2 * total)
+
+        tensors = generate_inputs(
+            parsed,
+            dtype.value,
+            seed,
+            invalid=invalid,
+            poison=poison,
+            grad=grad,
+            offset=offset,
+            std=std,
+            valid_dtype=valid_dtype.value,
+            progress=sampling,
+        )
+        write_tensors(
+            output,
+            tensors,
+            metadata,
+            lambda done, total: progress(sampled + done, sampled + total),
+        )
     if not quiet and output != "-":
         valid = tensors["valid"]
         report.note(

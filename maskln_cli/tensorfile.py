@@ -15,7 +15,7 @@ import os
 import struct
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -350,20 +350,36 @@ class SafetensorsWriter:
             raise MasklnError(f"{self._name}: cannot write: {_os_reason(error)}") from None
 
 
+WRITE_CHUNK_BYTES = 8 * 2**20
+"""write_tensors writes this much at a time, telling ``progress`` after each."""
+
+
 def write_tensors(
-    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Write whole in-memory tensors to ``path`` (``-`` for stdout), atomically.
 
     Tensors are laid out by descending element size, then name, as safetensors does, so every
-    tensor's data is aligned to its element size.
+    tensor's data is aligned to its element size. ``progress`` is told (bytes written, total).
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     specs = {k: (dtype_name(tensors[k].dtype), tensors[k].shape) for k in order}
-    with open_output(path, data_bytes(specs)) as stream:
+    total = data_bytes(specs)
+    done = 0
+    with open_output(path, total) as stream:
         writer = SafetensorsWriter(stream, output_name(path), specs, metadata)
         for key in order:
-            writer.write(key, tensors[key])
+            flat = tensors[key].reshape(-1)
+            step = max(1, WRITE_CHUNK_BYTES // flat.element_size())
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step]
+                writer.write(key, chunk)
+                done += chunk.numel() * chunk.element_size()
+                if progress:
+                    progress(done, total)
         writer.close()
 
 

@@ -221,3 +221,10 @@ def test_inspect_shows_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
     screen.truncate()
     assert invoke("inspect", "--keys", path).exit_code == 0
     assert screen.getvalue() == ""  # nothing to wait for
+
+
+def test_generate_shows_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    screen = terminal(monkeypatch)
+    output = tmp_path / "g.safetensors"
+    assert invoke("generate", output, "--shape", "4,64,32", "--grad").exit_code == 0
+    assert f"generate {output}" in screen.getvalue() and "%" in screen.getvalue()
