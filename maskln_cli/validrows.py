@@ -104,12 +104,27 @@ def leave_out(
 
 
 def count_left_out(outcome: TensorComparison, left_out: int) -> TensorComparison:
-    """Record on ``outcome`` the rows left out; its mismatch fraction is then over the rows
-    that were compared."""
+    """Record on ``outcome`` the rows left out; its mismatch fraction, and the problem that
+    counts mismatched elements, are then over the elements that were compared.
+
+    Example:
+        >>> from maskln_cli.compare import TensorComparison
+        >>> outcome = TensorComparison("out", False, ["3 of 40 elements differ beyond tolerance"],
+        ...                            [10, 4], [10, 4], "float32", "float32", 0.0, 0.0,
+        ...                            numel=40, rows=10, mismatched=3)
+        >>> count_left_out(outcome, 5).problems, outcome.mismatched_fraction
+        (['3 of 20 compared elements differ beyond tolerance'], 0.15)
+    """
     outcome.rows_left_out = left_out
     if outcome.numel and outcome.rows and outcome.mismatched is not None:
         compared = outcome.numel - left_out * (outcome.numel // outcome.rows)
         outcome.mismatched_fraction = outcome.mismatched / compared if compared else 0.0
+        counted = f"{outcome.mismatched:,} of {outcome.numel:,} elements differ beyond tolerance"
+        recounted = f"{outcome.mismatched:,} of {compared:,} compared elements differ beyond"
+        outcome.problems = [
+            f"{recounted} tolerance" if problem == counted else problem
+            for problem in outcome.problems
+        ]
     return outcome
 
 

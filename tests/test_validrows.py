@@ -109,6 +109,8 @@ def test_diff_valid_still_finds_a_wrong_valid_row(tmp_path, files):
     out = document["tensors"][0]
     assert out["mismatched"] == 1 and out["worst"][0]["row"] == [1, 2]
     assert out["mismatched_fraction"] == pytest.approx(1 / (valid_rows * SHAPE[2]))
+    compared = valid_rows * SHAPE[2]
+    assert out["problems"] == [f"1 of {compared:,} compared elements differ beyond tolerance"]
 
 
 def test_valid_file_default_key_and_bool_mask(tmp_path, files):
