@@ -195,10 +195,12 @@ def render_file_summary(summary: FileSummary) -> None:
 def _key_count(summary: FileSummary) -> str:
     """``12 of 199 tensors match '*norm*', 36.0 KiB`` (or ``199 tensors, 417.7 MiB``)."""
     size = human_bytes(sum(t.bytes for t in summary.tensors))
+    tensors = "tensor" if summary.keys_total == 1 else "tensors"
     if not summary.patterns:
-        return f"{summary.keys_total:,} tensors, {size}"
+        return f"{summary.keys_total:,} {tensors}, {size}"
     patterns = " or ".join(repr(safe(p)) for p in summary.patterns)
-    return f"{len(summary.tensors):,} of {summary.keys_total:,} tensors match {patterns}, {size}"
+    verb = "matches" if len(summary.tensors) == 1 else "match"
+    return f"{len(summary.tensors):,} of {summary.keys_total:,} {tensors} {verb} {patterns}, {size}"
 
 
 def describe_values(tensor: TensorSummary) -> str:
