@@ -203,6 +203,13 @@ def test_progress_reaches_the_total_in_bytes(tmp_path, monkeypatch):
     assert len(calls) > len(tensors)  # per chunk, not per tensor
 
 
+def test_statistics_leave_torch_threads_as_they_were(tmp_path):
+    path, _ = checkpoint(tmp_path)
+    before = torch.get_num_threads()
+    stats.summarize_file(str(path))
+    assert torch.get_num_threads() == before
+
+
 def terminal(monkeypatch):
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=100)
