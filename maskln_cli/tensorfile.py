@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import struct
 import sys
 import tempfile
@@ -446,13 +447,18 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
             yield stream
         return
     check_disk(str(target), size)
+    temporary = ""
     try:
-        fd, temporary = tempfile.mkstemp(
-            dir=target.parent, prefix=f".{target.name}.", suffix=".partial"
-        )
-    except OSError as error:
-        raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
-    try:
+        # The name is set before the file exists, so that a Ctrl-C or SIGTERM landing while it
+        # is created (inside mkstemp, it would escape) still finds it here and removes it.
+        for _ in range(100):
+            temporary = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.partial")
+            fd = _create_new(temporary, path)
+            if fd is not None:
+                break
+        else:
+            temporary = ""  # the last name is another process's file: not ours to remove
+            raise MasklnError(f"{path}: cannot create a file beside it: no free temporary name")
         with _write_errors(path):
             with os.fdopen(fd, "wb") as stream:
                 yield stream
@@ -461,8 +467,21 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
             os.chmod(temporary, _output_mode(target))
             os.replace(temporary, target)
     except BaseException:
-        _remove(temporary)
+        if temporary:
+            _remove(temporary)
         raise
+
+
+def _create_new(name: str, path: str) -> int | None:
+    """A descriptor of the new, empty file ``name`` (mode 0o600, as mkstemp makes it), or None
+    if ``name`` exists already."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(name, flags, 0o600)
+    except FileExistsError:
+        return None
+    except OSError as error:
+        raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
 
 
 @contextlib.contextmanager
