@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint bench sample-data clean
+.PHONY: demo test lint bench sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,5 +36,8 @@ bench: $(INSTALLED)
 sample-data: $(INSTALLED)
 	$(BIN)/python scripts/make_sample_data.py
 
+checkpoint-example: $(INSTALLED)
+	$(BIN)/python scripts/make_checkpoint_example.py
+
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache .hypothesis .ruff_cache build *.egg-info
+	rm -rf $(VENV) demo-output checkpoint-example .pytest_cache .hypothesis .ruff_cache build *.egg-info

@@ -22,7 +22,9 @@ max of the per-repetition ratios. "peer" is
 6. ``maskln normalize`` of a 512 MiB x / a load_file, one-liner, save_file script
    (peer_normalize.py): wall time and peak RSS of each process (see run_measured.py).
 7. ``maskln normalize`` of 40 small files in one ``--out-dir`` call / of one small file.
-8. The op under ``torch.compile(fullgraph=True)`` / the op eager, forward + backward: the
+8. ``maskln inspect`` of a bert-base-sized checkpoint (418 MiB, 199 float32 tensors) / a
+   load_file and per-tensor min/max/mean/std script (peer_inspect.py): wall time.
+9. The op under ``torch.compile(fullgraph=True)`` / the op eager, forward + backward: the
    compiled graph holds the op as one custom-op node, so this is the cost of that path.
 
 Progress goes to stderr; the header, table and notes go to stdout.
@@ -59,7 +61,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
-GROUPS = {"core": (1, 2, 8), "memory": (3, 4), "cli": (5, 6, 7)}
+GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8)}
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 SMALL_SHAPE = "4,64,128"
@@ -82,6 +84,7 @@ class Settings:
     help_reps: int
     big_reps: int
     small_reps: int
+    inspect_reps: int
     cli_warmup: bool  # run each command once, unmeasured, before the figures 5 to 7
 
 
@@ -95,6 +98,7 @@ FULL = Settings(
     help_reps=11,
     big_reps=5,
     small_reps=7,
+    inspect_reps=9,
     cli_warmup=True,
 )
 QUICK = Settings(
@@ -107,6 +111,7 @@ QUICK = Settings(
     help_reps=3,
     big_reps=1,
     small_reps=2,
+    inspect_reps=2,
     cli_warmup=False,
 )
 
@@ -317,9 +322,9 @@ def figure_2(settings: Settings, report: Report) -> None:
     report.rows += [*rows, summary_row(figure, rows, "median <= 1.50", met)]
 
 
-def figure_8(settings: Settings, report: Report) -> None:
+def figure_9(settings: Settings, report: Report) -> None:
     """Forward + backward time, the op compiled (fullgraph) / the op eager."""
-    figure = "8 compiled / eager, fwd+bwd"
+    figure = "9 compiled / eager, fwd+bwd"
     torch._dynamo.reset()
     compiled = torch.compile(ours, fullgraph=True, dynamic=False)
 
@@ -335,7 +340,7 @@ def figure_8(settings: Settings, report: Report) -> None:
     rows = timing_rows(figure, make_calls, settings, None)
     medians = [row.median for row in rows]
     report.rows += [*rows, Row(figure, f"all {len(rows)} cases (per-case medians)", medians)]
-    report.notes.append("8: ratios are compiled / eager (both ours); compile time excluded")
+    report.notes.append("9: ratios are compiled / eager (both ours); compile time excluded")
 
 
 # Figures 3 and 4: memory ----------------------------------------------------------------------
@@ -505,6 +510,76 @@ def figure_7(settings: Settings, report: Report, workdir: Path) -> None:
     )
 
 
+def bert_base_shapes() -> dict[str, tuple[int, ...]]:
+    """The tensors of a bert-base checkpoint (110M float32 parameters): embeddings, 12 layers
+    of [768, 768] and [3072, 768] weights with their biases and layer norms, the pooler."""
+    hidden, intermediate = 768, 3072
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (30522, hidden),
+        "embeddings.position_embeddings.weight": (512, hidden),
+        "embeddings.token_type_embeddings.weight": (2, hidden),
+        "embeddings.LayerNorm.weight": (hidden,),
+        "embeddings.LayerNorm.bias": (hidden,),
+    }
+    for layer in range(12):
+        prefix = f"encoder.layer.{layer}."
+        for name in ("self.query", "self.key", "self.value", "output.dense"):
+            shapes[f"{prefix}attention.{name}.weight"] = (hidden, hidden)
+            shapes[f"{prefix}attention.{name}.bias"] = (hidden,)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            shapes[f"{prefix}{norm}.weight"] = (hidden,)
+            shapes[f"{prefix}{norm}.bias"] = (hidden,)
+        shapes[f"{prefix}intermediate.dense.weight"] = (intermediate, hidden)
+        shapes[f"{prefix}intermediate.dense.bias"] = (intermediate,)
+        shapes[f"{prefix}output.dense.weight"] = (hidden, intermediate)
+        shapes[f"{prefix}output.dense.bias"] = (hidden,)
+    shapes["pooler.dense.weight"] = (hidden, hidden)
+    shapes["pooler.dense.bias"] = (hidden,)
+    return shapes
+
+
+def write_checkpoint(path: Path) -> None:
+    """A bert-base-sized checkpoint of random weights (std 0.02, as initialized)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=generator) * 0.02
+        for name, shape in bert_base_shapes().items()
+    }
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def figure_8(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln inspect`` of a bert-base-sized checkpoint / load_file and torch statistics."""
+    figure = "8 inspect a checkpoint"
+    progress.print(f"  {figure}: writing the checkpoint")
+    checkpoint = workdir / "bert-base.safetensors"
+    write_checkpoint(checkpoint)
+    size = checkpoint.stat().st_size
+    ours_command = [MASKLN, "inspect", str(checkpoint)]
+    peer_command = [PYTHON, str(HERE / "peer_inspect.py"), str(checkpoint)]
+    keys_command = [MASKLN, "inspect", "--keys", str(checkpoint)]
+    progress.print(f"  {figure}: measuring")
+    if settings.cli_warmup:  # page cache, .pyc files
+        run_measured(ours_command), run_measured(peer_command), run_measured(keys_command)
+    ours_runs, peer_runs = interleaved(
+        lambda: run_measured(ours_command).wall_s,
+        lambda: run_measured(peer_command).wall_s,
+        settings.inspect_reps,
+    )
+    keys_runs = [run_measured(keys_command).wall_s for _ in range(settings.inspect_reps)]
+    values = ratios(ours_runs, peer_runs)
+    case = f"{size / 2**20:,.0f} MiB, {len(bert_base_shapes())} float32 tensors: wall"
+    report.rows.append(Row(figure, case, values, "<= 1.50", statistics.median(values) <= 1.5))
+    report.notes.append(
+        f"8: medians: maskln inspect {statistics.median(ours_runs):.2f} s, peer script"
+        f" {statistics.median(peer_runs):.2f} s, maskln inspect --keys"
+        f" {statistics.median(keys_runs):.2f} s (the file in the page cache, output to /dev/null)"
+    )
+    checkpoint.unlink()
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
     """Busy CPU seconds of the whole machine, and of this process and its children."""
@@ -626,10 +701,10 @@ def parse_only(text: str | None) -> set[int]:
     for token in filter(None, (t.strip() for t in text.split(","))):
         if token in GROUPS:
             chosen.update(GROUPS[token])
-        elif token.isdigit() and 1 <= int(token) <= 8:
+        elif token.isdigit() and 1 <= int(token) <= 9:
             chosen.add(int(token))
         else:
-            raise SystemExit(f"--only: unknown group or figure {token!r} (core, memory, cli, 1-8)")
+            raise SystemExit(f"--only: unknown group or figure {token!r} (core, memory, cli, 1-9)")
     return chosen
 
 
@@ -637,7 +712,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repetitions (a smoke test)")
     parser.add_argument(
-        "--only", metavar="WHAT", help="comma-separated groups (core, memory, cli) or figures 1-8"
+        "--only", metavar="WHAT", help="comma-separated groups (core, memory, cli) or figures 1-9"
     )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
@@ -656,7 +731,8 @@ def main() -> None:
             5: lambda: figure_5(settings, report),
             6: lambda: figure_6(settings, report, Path(tmp)),
             7: lambda: figure_7(settings, report, Path(tmp)),
-            8: lambda: figure_8(settings, report),
+            8: lambda: figure_8(settings, report, Path(tmp)),
+            9: lambda: figure_9(settings, report),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")

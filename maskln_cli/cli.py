@@ -79,6 +79,12 @@ class ComputeDtype(str, Enum):
     float64 = "float64"
 
 
+class ValidDtype(str, Enum):
+    bool = "bool"
+    int64 = "int64"
+    uint8 = "uint8"
+
+
 class GenerateDtype(str, Enum):
     float32 = "float32"
     float64 = "float64"
@@ -229,8 +235,30 @@ Params = Annotated[
     typer.Option(
         "--params",
         metavar="FILE",
-        help="Read scale and bias from this safetensors file (e.g. a checkpoint; name them with"
-        " --scale-key and --bias-key).",
+        help="Read scale and bias from this checkpoint: a safetensors file, a model folder (with"
+        " model.safetensors or model.safetensors.index.json) or a shard index; name them with"
+        " --module, or --scale-key and --bias-key.",
+    ),
+]
+Module = Annotated[
+    str | None,
+    typer.Option(
+        "--module",
+        metavar="NAME",
+        help="The layer norm whose scale and bias to use: NAME.weight and NAME.bias, or"
+        " NAME.gamma and NAME.beta, whichever --params (else INPUT) holds.",
+        show_default=False,
+        rich_help_panel="Keys",
+    ),
+]
+Config = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        help="Read eps from a transformers config.json (layer_norm_eps, layer_norm_epsilon or"
+        " norm_eps); a folder means FOLDER/config.json.",
+        show_default=False,
     ),
 ]
 GradOutFile = Annotated[
@@ -243,7 +271,8 @@ Eps = Annotated[
     float | None,
     typer.Option(
         "--eps",
-        help="Added to the variance. (default: the input's metadata 'eps', else 1e-05)",
+        help="Added to the variance. (default: --config's, else the input's metadata 'eps' or"
+        " 'layer_norm_eps', else 1e-05)",
         show_default=False,
     ),
 ]
@@ -291,8 +320,10 @@ def normalize(
     grad_out_key: GradOutKey = None,
     out_key: OutKey = "out",
     params: Params = None,
+    module: Module = None,
     grad_out: GradOutFile = None,
     eps: Eps = None,
+    config: Config = None,
     dtype: Dtype = ComputeDtype.auto,
     chunk_rows: ChunkRows = None,
     quiet: Quiet = False,
@@ -307,9 +338,8 @@ def normalize(
     ```
     maskln normalize sample_data/pair_features.safetensors out.safetensors
     maskln normalize - - < in.safetensors | maskln diff - expected.safetensors
-    maskln normalize acts.safetensors out.safetensors \\
-        --params model.safetensors --scale-key encoder.layers.0.norm.weight \\
-        --bias-key encoder.layers.0.norm.bias
+    maskln normalize acts.safetensors out.safetensors --params checkpoint/ \\
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/config.json
     maskln normalize dumps/*.safetensors --out-dir normalized/
     ```
     """
@@ -374,28 +404,52 @@ def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, s
 @reports_errors
 def inspect(
     path: Annotated[
-        str, typer.Argument(metavar="FILE", help="A safetensors file; '-' reads stdin.")
+        str,
+        typer.Argument(
+            metavar="FILE",
+            help="A safetensors file ('-' reads stdin), or a checkpoint: a folder holding"
+            " model.safetensors or model.safetensors.index.json, or the index itself.",
+        ),
     ],
+    keys_only: Annotated[
+        bool,
+        typer.Option(
+            "--keys", help="Only names, dtypes, shapes and sizes, from the header: instant."
+        ),
+    ] = False,
+    patterns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--match",
+            "-m",
+            metavar="GLOB",
+            help="Only keys matching this glob, case-insensitively (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")
     ] = False,
 ) -> None:
     """Show each tensor of FILE (dtype, shape, size, statistics) and its metadata.
 
-    Statistics are over finite values; NaN and inf are counted apart; masks show their count of
-    true. The file is read a chunk at a time, so large files do not need memory to match.
+    Statistics are over finite values; NaN and inf are counted apart; masks (bool, or integers
+    holding only 0 and 1) show their count of true. The file is read a chunk at a time, so
+    large files do not need memory to match; on a terminal a progress bar shows the way.
 
     **Examples**
 
     ```
     maskln inspect sample_data/pair_features.safetensors
+    maskln inspect --keys checkpoint/ --match '*LayerNorm*'
     maskln inspect --json dump.safetensors | jq '.tensors[] | {name, nan}'
     ```
     """
     from maskln_cli import report
     from maskln_cli.stats import summarize_file
 
-    summary = summarize_file(path)
+    with report.progress_bar(f"inspect {path}", enabled=not keys_only) as progress:
+        summary = summarize_file(path, patterns or (), progress, keys_only)
     if json_output:
         report.print_json(summary.to_dict())
     else:
@@ -431,16 +485,27 @@ def generate(
         bool, typer.Option("--grad", help="Add an upstream gradient 'grad_out'.")
     ] = False,
     eps: Annotated[float, typer.Option("--eps", help="eps stored in the metadata.")] = 1e-5,
+    offset: Annotated[
+        float, typer.Option("--offset", help="Mean of x: a large common offset tests numerics.")
+    ] = 0.0,
+    std: Annotated[float, typer.Option("--std", help="Standard deviation of x.")] = 1.0,
+    valid_dtype: Annotated[
+        ValidDtype,
+        typer.Option("--valid-dtype", help="dtype of the mask (integers hold 0 and 1)."),
+    ] = ValidDtype.bool,
     quiet: Quiet = False,
 ) -> None:
     """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
 
-    The same arguments always give the same file, byte for byte.
+    The same arguments always give the same file, byte for byte. On a terminal a progress bar
+    shows the way for a big shape.
 
     **Examples**
 
     ```
     maskln generate batch.safetensors --shape 8,512,256 --poison --grad
+    maskln generate offset.safetensors --shape 4,128,768 --offset 1e4 --std 0.1
+    maskln generate masks.safetensors --shape 2,64,32 --valid-dtype int64
     maskln generate - --shape 2,64,32 | maskln normalize - out.safetensors
     ```
     """
@@ -449,14 +514,38 @@ def generate(
     from maskln_cli.normalize import check_eps
     from maskln_cli.tensorfile import torch_dtype, write_tensors
 
-    tensors = generate_inputs(
-        parse_shape(shape), dtype.value, seed, invalid=invalid, poison=poison, grad=grad
-    )
+    parsed = parse_shape(shape)
     metadata = {
         "eps": repr(check_eps(eps, "--eps", torch_dtype(dtype.value))),
         "maskln_version": __version__,
     }
-    write_tensors(output, tensors, metadata)
+    with report.progress_bar(f"generate {output}", enabled=not quiet) as progress:
+        # Two phases on one bar: sampling x (and grad_out), then writing the file.
+        sampled = 0
+
+        def sampling(done: int, total: int) -> None:
+            nonlocal sampled
+            sampled = total
+            progress(done, 2 * total)
+
+        tensors = generate_inputs(
+            parsed,
+            dtype.value,
+            seed,
+            invalid=invalid,
+            poison=poison,
+            grad=grad,
+            offset=offset,
+            std=std,
+            valid_dtype=valid_dtype.value,
+            progress=sampling,
+        )
+        write_tensors(
+            output,
+            tensors,
+            metadata,
+            lambda done, total: progress(sampled + done, sampled + total),
+        )
     if not quiet and output != "-":
         valid = tensors["valid"]
         report.note(
@@ -489,6 +578,16 @@ JsonOutput = Annotated[
 QuietReport = Annotated[
     bool, typer.Option("--quiet", "-q", help="Print only the PASS/FAIL verdict line.")
 ]
+ValidRows = Annotated[
+    str | None,
+    typer.Option(
+        "--valid",
+        metavar="FILE[:KEY]",
+        help="Compare only the rows this mask marks valid (KEY defaults to 'valid'; bool or"
+        " 0/1), in tensors of shape [*mask, C]; say how many rows were left out.",
+        show_default=False,
+    ),
+]
 
 
 @app.command(no_args_is_help=True)
@@ -511,12 +610,15 @@ def verify(
     grad_out_key: GradOutKey = None,
     out_key: OutKey = "out",
     params: Params = None,
+    module: Module = None,
     grad_out: GradOutFile = None,
     eps: Eps = None,
+    config: Config = None,
     dtype: Dtype = ComputeDtype.auto,
     chunk_rows: ChunkRows = None,
     rtol: Rtol = None,
     atol: Atol = None,
+    valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
@@ -533,6 +635,9 @@ def verify(
     maskln verify inputs.safetensors kernel_out.safetensors
     maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
+    maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/config.json \\
+        --valid-key attention_mask --valid acts.safetensors:attention_mask
     ```
     """
     from maskln_cli import report
@@ -540,7 +645,9 @@ def verify(
 
     options = _normalize_options(locals())
     with report.progress_bar(f"verify {input_path}") as progress:
-        result = verify_file(input_path, expected_path, options, rtol, atol, progress)
+        result = verify_file(
+            input_path, expected_path, options, rtol, atol, progress, valid_rows=valid_rows
+        )
     _finish_comparison(result, json_output, quiet)
 
 
@@ -559,6 +666,7 @@ def diff(
     ] = None,
     rtol: Rtol = None,
     atol: Atol = None,
+    valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
@@ -574,11 +682,12 @@ def diff(
     maskln diff kernel_out.safetensors reference.safetensors
     maskln normalize - - < in.safetensors | maskln diff - ref.safetensors -k out
     maskln diff a.safetensors b.safetensors --json --rtol 1e-3
+    maskln diff out.safetensors model_layer.safetensors --valid acts.safetensors:attention_mask
     ```
     """
     from maskln_cli.compare import diff_files
 
-    result = diff_files(actual_path, expected_path, keys or (), rtol, atol)
+    result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows)
     _finish_comparison(result, json_output, quiet)
 
 

@@ -9,6 +9,7 @@ multi-GB tensors compare in bounded memory. :func:`diff_files` compares two file
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import math
@@ -22,6 +23,8 @@ from maskln_cli.tensorfile import dtype_name as _dtype_name
 
 if TYPE_CHECKING:
     import torch
+
+    from maskln_cli.validrows import RowMask
 
 # (rtol, atol) by dtype, as torch.testing.assert_close has them; other dtypes must be equal.
 DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
@@ -110,6 +113,8 @@ class TensorComparison:
     inf_mismatched: int | None = None
     invalid_rows_zero: bool | None = None
     worst: list[WorstRow] = field(default_factory=list)
+    rows_left_out: int | None = None
+    """Rows a ``--valid`` mask left out of the comparison (None: no mask applied)."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -124,20 +129,25 @@ class ComparisonReport:
     expected: str
     tensors: list[TensorComparison]
     notes: list[str] = field(default_factory=list)
+    eps: float | None = None
+    """verify: the eps maskln computed with, and where it came from (``eps_source``)."""
+    eps_source: str | None = None
 
     @property
     def passed(self) -> bool:
         return all(t.passed for t in self.tensors)
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        document: dict[str, object] = {
             "passed": self.passed,
             "command": self.command,
             "actual": self.actual,
             "expected": self.expected,
-            "tensors": [t.to_dict() for t in self.tensors],
-            "notes": list(self.notes),
         }
+        if self.eps is not None:
+            document.update(eps=self.eps, eps_source=self.eps_source)
+        document.update(tensors=[t.to_dict() for t in self.tensors], notes=list(self.notes))
+        return document
 
 
 class Comparison:
@@ -352,8 +362,12 @@ def compare_tensors(
     expected: torch.Tensor,
     rtol: float | None = None,
     atol: float | None = None,
+    keep_rows: torch.Tensor | None = None,
 ) -> TensorComparison:
     """Compare two whole tensors (which may be memory-mapped), a chunk of rows at a time.
+
+    ``keep_rows`` (bool, one per row of a ``[..., C]`` tensor) leaves the other rows out
+    (see :mod:`maskln_cli.validrows`).
 
     Example:
         >>> import torch
@@ -373,14 +387,24 @@ def compare_tensors(
     )
     if not (converts_to_float64(actual.dtype) and converts_to_float64(expected.dtype)):
         return comparison.result(_compare_bytes(actual, expected, comparison), compared=False)
+    from maskln_cli.validrows import count_left_out, leave_out
+
     if comparison.comparable and comparison.numel:
         step = comparison.chunk_rows() * comparison.row_length
         flat_actual, flat_expected = actual.reshape(-1), expected.reshape(-1)
         for start in range(0, comparison.numel, step):
-            comparison.update(
-                flat_actual[start : start + step], flat_expected[start : start + step]
-            )
-    return comparison.result()
+            chunk_actual = flat_actual[start : start + step]
+            chunk_expected = flat_expected[start : start + step]
+            if keep_rows is not None:
+                row = start // comparison.row_length
+                rows = chunk_actual.numel() // comparison.row_length
+                keep = keep_rows[row : row + rows]
+                chunk_actual, chunk_expected = leave_out(chunk_actual, chunk_expected, keep)
+            comparison.update(chunk_actual, chunk_expected)
+    outcome = comparison.result()
+    if keep_rows is not None and comparison.comparable:
+        count_left_out(outcome, int((~keep_rows).sum()))
+    return outcome
 
 
 def _compare_bytes(
@@ -423,10 +447,13 @@ def diff_files(
     keys: Sequence[str] = (),
     rtol: float | None = None,
     atol: float | None = None,
+    valid: str | None = None,
 ) -> ComparisonReport:
     """Compare two safetensors files key by key (``-`` for stdin, on one side at most).
 
-    With ``keys``, only those keys are compared (each must exist on at least one side).
+    With ``keys``, only those keys are compared (each must exist on at least one side). With
+    ``valid`` (``FILE[:KEY]``, a mask), tensors of shape ``[*mask.shape, C]`` are compared on
+    the mask's valid rows only.
 
     Example:
         >>> report = diff_files("sample_data/worked_example.safetensors",
@@ -434,11 +461,18 @@ def diff_files(
         >>> report.passed, [t.name for t in report.tensors]
         (True, ['bias', 'scale', 'x', 'valid'])
     """
-    if actual_path == "-" and expected_path == "-":
+    if [actual_path, expected_path].count("-") > 1:
         raise MasklnError("ACTUAL and EXPECTED cannot both be '-' (stdin)")
+    if valid is not None and "-" in (actual_path, expected_path):
+        from maskln_cli.validrows import parse_mask_spec
+
+        if parse_mask_spec(valid)[0] == "-":
+            raise MasklnError("--valid cannot read stdin when ACTUAL or EXPECTED does")
     check_tolerance(rtol, "--rtol")
     check_tolerance(atol, "--atol")
-    with open_tensor_file(actual_path) as actual, open_tensor_file(expected_path) as expected:
+    with contextlib.ExitStack() as stack:
+        actual = stack.enter_context(open_tensor_file(actual_path))
+        expected = stack.enter_context(open_tensor_file(expected_path))
         names = _key_union(actual, expected)
         if keys:
             unknown = [k for k in keys if k not in names]
@@ -447,8 +481,19 @@ def diff_files(
                     f"--key: {unknown[0]!r} is in neither {actual.name} nor {expected.name}"
                 )
             names = [k for k in names if k in set(keys)]
-        tensors = list(_compare_keys(actual, expected, names, rtol, atol))
-        return ComparisonReport("diff", actual.name, expected.name, tensors)
+        notes: list[str] = []
+        mask = None
+        if valid is not None:
+            from maskln_cli.validrows import open_row_mask, row_mask_notes
+
+            mask = stack.enter_context(open_row_mask(valid))
+            notes += row_mask_notes(mask, {n: _shape(actual, expected, n) for n in names})
+        tensors = list(_compare_keys(actual, expected, names, rtol, atol, mask))
+        return ComparisonReport("diff", actual.name, expected.name, tensors, notes)
+
+
+def _shape(actual: TensorFile, expected: TensorFile, name: str) -> tuple[int, ...]:
+    return (actual if name in actual else expected).info(name).shape
 
 
 def _compare_keys(
@@ -457,6 +502,7 @@ def _compare_keys(
     names: Sequence[str],
     rtol: float | None,
     atol: float | None,
+    mask: RowMask | None = None,
 ) -> Iterator[TensorComparison]:
     for name in names:
         if name not in actual:
@@ -466,7 +512,10 @@ def _compare_keys(
             info = actual.info(name)
             yield missing(name, "expected", info.shape, info.dtype)
         else:
-            yield compare_tensors(name, actual.tensor(name), expected.tensor(name), rtol, atol)
+            keep = mask.keep if mask and mask.applies_to(actual.info(name).shape) else None
+            yield compare_tensors(
+                name, actual.tensor(name), expected.tensor(name), rtol, atol, keep
+            )
 
 
 def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:

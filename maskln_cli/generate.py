@@ -8,15 +8,24 @@ give the same tensors (a seeded generator), and so the same file, byte for byte.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.resources import check_memory
+from maskln_cli.tensorfile import dtype_name
 
 if TYPE_CHECKING:
     import torch
 
 GENERATE_DTYPES = ("float32", "float64", "float16", "bfloat16")
+VALID_DTYPES = ("bool", "int64", "uint8")
+"""dtypes of the mask: real attention masks come as integers."""
+SAMPLE_CHUNK = 1 << 20
+"""Elements sampled at a time (a multiple of 16: see :func:`sample_normal`)."""
+
+Progress = Callable[[int, int], None]
+"""Called with (work done, total work), in bytes."""
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -77,6 +86,49 @@ def padding_mask(
     return (positions < lengths[:, None]).reshape(leading)
 
 
+def sample_normal(
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    offset: float = 0.0,
+    std: float = 1.0,
+    advance: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """``offset + std * torch.randn(shape)``, sampled :data:`SAMPLE_CHUNK` elements at a time so
+    that progress can be shown; ``advance`` is told the elements of each chunk done.
+
+    The values are those of one whole ``torch.randn`` call, bit for bit: torch draws uniforms in
+    order and transforms them 16 at a time, redoing the last 16 of a size that is not a
+    multiple of 16, so chunks of a multiple of 16 with a last chunk of at least 16 elements
+    draw the same numbers (tests check it). ``offset + std * z`` is computed in float64 and
+    rounded once to ``dtype``.
+
+    Example:
+        >>> import torch
+        >>> whole = torch.randn(100, generator=torch.Generator().manual_seed(3))
+        >>> chunked = sample_normal((100,), torch.Generator().manual_seed(3), torch.float32)
+        >>> torch.equal(whole, chunked)
+        True
+    """
+    import torch
+
+    numel = math.prod(shape)
+    flat = torch.empty(numel, dtype=dtype)
+    start = 0
+    while start < numel:
+        stop = min(numel, start + SAMPLE_CHUNK)
+        if numel - stop < 16:  # a last chunk under 16 would be drawn differently: fold it in
+            stop = numel
+        chunk = torch.randn(stop - start, generator=generator, dtype=dtype)
+        if offset != 0.0 or std != 1.0:  # skipped by default: the same bits as ever
+            chunk = (chunk.double() * std + offset).to(dtype)
+        flat[start:stop] = chunk
+        if advance:
+            advance(stop - start)
+        start = stop
+    return flat.reshape(shape)
+
+
 def generate_inputs(
     shape: tuple[int, ...],
     dtype: str = "float32",
@@ -84,11 +136,17 @@ def generate_inputs(
     invalid: float = 0.25,
     poison: bool = False,
     grad: bool = False,
+    offset: float = 0.0,
+    std: float = 1.0,
+    valid_dtype: str = "bool",
+    progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random ``x``, ``valid``, ``scale``, ``bias`` (and ``grad_out`` with ``grad``).
 
-    With ``poison``, padded positions of x hold NaN, +inf and -inf in turn; otherwise they hold
-    random values like the rest.
+    x is ``offset + std * N(0, 1)`` on every position (a large common offset is where float32
+    kernels and one-pass variances part ways). With ``poison``, padded positions of x hold NaN,
+    +inf and -inf in turn; otherwise they hold random values like the rest. ``valid`` is bool,
+    int64 or uint8 (0/1). ``progress`` is told the bytes of x and grad_out sampled so far.
 
     Example:
         >>> tensors = generate_inputs((2, 5, 3), seed=1)
@@ -99,25 +157,57 @@ def generate_inputs(
 
     if dtype not in GENERATE_DTYPES:
         raise MasklnError(f"--dtype: must be one of {', '.join(GENERATE_DTYPES)}, got {dtype!r}")
+    if valid_dtype not in VALID_DTYPES:
+        raise MasklnError(
+            f"--valid-dtype: must be one of {', '.join(VALID_DTYPES)}, got {valid_dtype!r}"
+        )
+    if not math.isfinite(offset):
+        raise MasklnError(f"--offset: must be a finite number, got {offset}")
+    if not (math.isfinite(std) and std >= 0):
+        raise MasklnError(f"--std: must be a finite number >= 0, got {std}")
     target = getattr(torch, dtype)
     sample_dtype = torch.float64 if target == torch.float64 else torch.float32
     # x is sampled, possibly poisoned (a copy) and cast (a copy); grad_out sampled and cast.
     per_element = (2 + grad) * (sample_dtype.itemsize + target.itemsize)
     check_memory(math.prod(shape) * per_element, f"--shape {','.join(map(str, shape))}")
+    total = math.prod(shape) * target.itemsize * (1 + grad)
+    done = 0
+
+    def advance(elements: int) -> None:
+        nonlocal done
+        done += elements * target.itemsize
+        if progress:
+            progress(done, total)
+
     generator = torch.Generator().manual_seed(seed)
     channels = shape[-1]
     valid = padding_mask(shape[:-1], invalid, generator)
-    x = torch.randn(shape, generator=generator, dtype=sample_dtype)
+    x = sample_normal(shape, generator, sample_dtype, offset, std, advance)
     if poison:
         junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=sample_dtype)
         filler = junk.repeat(math.ceil(x.numel() / 3) if x.numel() else 0)[: x.numel()]
         x = torch.where(valid[..., None], x, filler.reshape(shape))
+    x = x.to(target)
+    if offset != 0.0 or std != 1.0:
+        _check_no_overflow(x, valid if poison else None, f"--offset {offset:g} --std {std:g}")
     tensors = {
-        "x": x.to(target),
-        "valid": valid,
+        "x": x,
+        "valid": valid.to(getattr(torch, valid_dtype)),
         "scale": (1.0 + 0.1 * torch.randn(channels, generator=generator)).to(target),
         "bias": (0.1 * torch.randn(channels, generator=generator)).to(target),
     }
     if grad:
-        tensors["grad_out"] = torch.randn(shape, generator=generator, dtype=sample_dtype).to(target)
+        tensors["grad_out"] = sample_normal(shape, generator, sample_dtype, advance=advance).to(
+            target
+        )
     return tensors
+
+
+def _check_no_overflow(x: torch.Tensor, valid: torch.Tensor | None, options: str) -> None:
+    """x, cast to its dtype, is finite (on the valid rows, when padding holds poison)."""
+    import torch
+
+    values = x if valid is None else torch.where(valid[..., None], x, 0)
+    if not bool(values.isfinite().all()):
+        largest = torch.finfo(x.dtype).max
+        raise MasklnError(f"{options}: x overflows {dtype_name(x.dtype)} (largest {largest:g})")

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from maskln_cli import __version__
+from maskln_cli.checkpoint import (
+    CONFIG_NAME,
+    Tensors,
+    config_eps,
+    describe_norm_modules,
+    module_keys,
+    open_checkpoint,
+)
 from maskln_cli.errors import MasklnError
 from maskln_cli.resources import check_memory
 from maskln_cli.tensorfile import (
@@ -31,6 +40,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_EPS = 1e-5
+METADATA_EPS_KEYS = ("eps", "layer_norm_eps")
+"""Metadata keys of INPUT that give eps, in the order they are looked up."""
 DTYPE_CHOICES = ("auto", "float32", "float64")
 FLOATING = ("float16", "bfloat16", "float32", "float64")
 NUMERIC = (*FLOATING, "int8", "int16", "int32", "int64", "uint8")
@@ -52,6 +63,9 @@ class NormalizeOptions:
 
     A key given explicitly must exist; a default key that is absent falls back to a default
     (valid: every position; scale: ones; bias: zeros; grad_out: no gradients), with a note.
+    ``module`` names a layer norm whose scale and bias are ``MODULE.weight``/``MODULE.bias``
+    or ``MODULE.gamma``/``MODULE.beta``; ``params`` may be a checkpoint folder or index; eps is
+    ``eps``, else ``config``'s (a config.json), else INPUT's metadata, else 1e-5.
     """
 
     x_key: str = "x"
@@ -65,6 +79,8 @@ class NormalizeOptions:
     eps: float | None = None
     dtype: str = "auto"
     chunk_rows: int | None = None
+    module: str | None = None
+    config: str | None = None
 
 
 @dataclass
@@ -82,6 +98,8 @@ class Problem:
     dtype: torch.dtype
     chunk_rows: int
     notes: list[str] = field(default_factory=list)
+    eps_source: str = "default"
+    """Where eps came from: '--eps', 'PATH: layer_norm_eps', "metadata 'eps'", 'default'."""
 
     @property
     def rows(self) -> int:
@@ -109,6 +127,7 @@ class NormalizeResult:
     rows: int
     keys: tuple[str, ...]
     notes: tuple[str, ...]
+    eps_source: str = "default"
 
 
 @contextlib.contextmanager
@@ -125,7 +144,7 @@ def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
         raise MasklnError("only one of INPUT, --params and --grad-out can be '-' (stdin)")
     with contextlib.ExitStack() as stack:
         data = stack.enter_context(open_tensor_file(path))
-        params = stack.enter_context(open_tensor_file(options.params)) if options.params else data
+        params = stack.enter_context(open_checkpoint(options.params)) if options.params else data
         grads = (
             stack.enter_context(open_tensor_file(options.grad_out)) if options.grad_out else data
         )
@@ -133,7 +152,7 @@ def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
 
 
 def _prepare(
-    data: TensorFile, params: TensorFile, grads: TensorFile, options: NormalizeOptions
+    data: TensorFile, params: Tensors, grads: TensorFile, options: NormalizeOptions
 ) -> Problem:
     import torch
 
@@ -161,21 +180,24 @@ def _prepare(
     valid = _optional(data, options.valid_key, "valid", notes, "every position is valid")
     if valid is None:
         valid = torch.ones(leading, dtype=torch.bool)
-    valid = _as_mask(valid, data.name, options.valid_key or "valid", leading)
+    valid = as_mask(valid, data.name, options.valid_key or "valid", leading)
 
-    if options.params and not any(
-        k in params for k in (options.scale_key or "scale", options.bias_key or "bias")
-    ):
-        raise MasklnError(
-            f"{params.name}: holds neither {options.scale_key or 'scale'!r} nor"
-            f" {options.bias_key or 'bias'!r}; name them with --scale-key and --bias-key"
-        )
-    scale = _optional(params, options.scale_key, "scale", notes, "using ones")
-    bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
+    scale_key, bias_key = options.scale_key or "scale", options.bias_key or "bias"
+    if options.module is not None:
+        scale_key, module_bias = _module_keys(params, options.module, options)
+        scale = params.tensor(scale_key)
+        bias = params.tensor(module_bias) if module_bias else None
+        if module_bias is None:
+            notes.append(f"{params.name}: module {options.module!r} has no bias: using zeros")
+        bias_key = module_bias or bias_key
+    else:
+        _check_params_hold_some(params, options)
+        scale = _optional(params, options.scale_key, "scale", notes, "using ones")
+        bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
     scale = torch.ones(channels) if scale is None else scale
     bias = torch.zeros(channels) if bias is None else bias
-    scale = _as_parameter(scale, params.name, options.scale_key or "scale", channels).to(dtype)
-    bias = _as_parameter(bias, params.name, options.bias_key or "bias", channels).to(dtype)
+    scale = _as_parameter(scale, params.name, scale_key, channels).to(dtype)
+    bias = _as_parameter(bias, params.name, bias_key, channels).to(dtype)
 
     grad_key = options.grad_out_key or ("grad_out" if options.grad_out else None)
     grad_out = _optional(grads, grad_key, "grad_out", None, "")
@@ -199,6 +221,7 @@ def _prepare(
     compute_itemsize = max(dtype.itemsize, 4)  # float16 and bfloat16 are computed in float32
     chunk_bytes = min(rows_per_chunk, x.shape[0]) * channels * compute_itemsize * copies
     check_memory(chunk_bytes, f"--chunk-rows {rows_per_chunk} ({channels} channels)")
+    eps, eps_source = _resolve_eps(options, data, dtype, notes)
     return Problem(
         source=data.name,
         shape=x_info.shape,
@@ -207,10 +230,36 @@ def _prepare(
         scale=scale,
         bias=bias,
         grad_out=grad_out,
-        eps=_resolve_eps(options.eps, data, dtype),
+        eps=eps,
         dtype=dtype,
         chunk_rows=rows_per_chunk,
         notes=notes,
+        eps_source=eps_source,
+    )
+
+
+def _module_keys(params: Tensors, module: str, options: NormalizeOptions) -> tuple[str, str | None]:
+    """--module's scale and bias keys; naming the same tensors twice is refused."""
+    for option, key in (("--scale-key", options.scale_key), ("--bias-key", options.bias_key)):
+        if key is not None:
+            raise MasklnError(f"--module and {option} both name a parameter; give one of them")
+    return module_keys(params, module)
+
+
+def _check_params_hold_some(params: Tensors, options: NormalizeOptions) -> None:
+    """A --params checkpoint with neither default key was meant to be read by name: say how.
+
+    Keys the user named are left to fail on their own, with the closest names.
+    """
+    if not options.params or options.scale_key is not None or options.bias_key is not None:
+        return
+    if "scale" in params or "bias" in params:
+        return
+    norms = describe_norm_modules(params.keys())
+    held = f" (it holds {norms})" if norms else ""
+    raise MasklnError(
+        f"{params.name}: holds neither 'scale' nor 'bias'; name the layer norm with --module"
+        f" NAME{held}, or its tensors with --scale-key and --bias-key"
     )
 
 
@@ -227,7 +276,7 @@ def _optional(
     return None
 
 
-def _as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...]) -> torch.Tensor:
+def as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...]) -> torch.Tensor:
     """valid as bool: bool as is; integer or floating only if it holds nothing but 0 and 1."""
     import torch
 
@@ -262,18 +311,43 @@ def _as_parameter(param: torch.Tensor, source: str, key: str, channels: int) -> 
     return param
 
 
-def _resolve_eps(eps: float | None, data: TensorFile, dtype: torch.dtype) -> float:
-    """--eps when given, else the input's metadata 'eps', else 1e-5; checked for ``dtype``."""
-    if eps is not None:
-        return check_eps(eps, "--eps", dtype)
-    if "eps" not in data.metadata:
-        return DEFAULT_EPS
-    text = data.metadata["eps"]
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    return check_eps(value, f"{data.name}: metadata 'eps' ({text!r})", dtype)
+def _resolve_eps(
+    options: NormalizeOptions, data: TensorFile, dtype: torch.dtype, notes: list[str]
+) -> tuple[float, str]:
+    """``(eps, where it came from)``: --eps, else --config's, else INPUT's metadata 'eps' or
+    'layer_norm_eps', else 1e-5 with a note; checked for ``dtype``."""
+    from_config = config_eps(options.config) if options.config is not None else None
+    if options.eps is not None:
+        if from_config is not None and from_config.value != options.eps:
+            notes.append(
+                f"--eps {options.eps!r} overrides {from_config.source} {from_config.value!r}"
+            )
+        return check_eps(options.eps, "--eps", dtype), "--eps"
+    if from_config is not None:
+        return check_eps(from_config.value, from_config.source, dtype), from_config.source
+    for key in METADATA_EPS_KEYS:
+        if key in data.metadata:
+            text = data.metadata[key]
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            where = f"{data.name}: metadata {key!r} ({text!r})"
+            return check_eps(value, where, dtype), f"metadata {key!r}"
+    notes.append(
+        f"no eps given (--eps, --config, or metadata 'eps' in {data.name}): using the default"
+        f" {DEFAULT_EPS!r}{_config_hint(options.params)}"
+    )
+    return DEFAULT_EPS, "default"
+
+
+def _config_hint(params: str | None) -> str:
+    """When --params is a model folder (or a file in one) that has a config.json, say so."""
+    if not params or params == STDIO:
+        return ""
+    folder = params if os.path.isdir(params) else os.path.dirname(params)
+    config = os.path.join(folder, CONFIG_NAME)
+    return f"; {config} is there: --config {config} reads its eps" if os.path.isfile(config) else ""
 
 
 def check_eps(eps: float, where: str, dtype: torch.dtype | None = None) -> float:
@@ -370,6 +444,7 @@ def normalize_file(
             specs["grad_scale"] = specs["grad_bias"] = (problem.dtype_name, (problem.channels,))
         metadata = {
             "eps": repr(problem.eps),
+            "eps_source": problem.eps_source,
             "dtype": problem.dtype_name,
             "maskln_version": __version__,
         }
@@ -401,4 +476,5 @@ def normalize_file(
             rows=problem.rows,
             keys=tuple(keys),
             notes=tuple(problem.notes),
+            eps_source=problem.eps_source,
         )

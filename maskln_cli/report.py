@@ -62,11 +62,20 @@ def safe(text: object) -> str:
     """
     from rich.markup import escape
 
-    shown = "".join(
+    return escape(plain_safe(text))
+
+
+def plain_safe(text: object) -> str:
+    """``text`` with control characters escaped, for a rich ``Text`` (which reads no markup).
+
+    Example:
+        >>> plain_safe("key\\x1b[2J[bold]")
+        'key\\\\x1b[2J[bold]'
+    """
+    return "".join(
         ch if unicodedata.category(ch) not in {"Cc", "Cf", "Zl", "Zp"} else _escape_char(ch)
         for ch in str(text)
     )
-    return escape(shown)
 
 
 def _escape_char(ch: str) -> str:
@@ -145,23 +154,34 @@ def render_file_summary(summary: FileSummary) -> None:
     """The ``maskln inspect`` table: a row per tensor (what it is, then its values), metadata."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=safe(summary.file), title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("key", style="bold", no_wrap=True)  # keys stay whole, to be copied
-    table.add_column("dtype")
-    table.add_column("shape")
-    table.add_column("size", justify="right")
-    table.add_column("values")
+    # The file name is a line of its own: as the table's title it would wrap at the table's
+    # width, and a long path would be cut in two (keys stay whole, to be copied; so does it).
+    table = Table(box=box.SIMPLE_HEAD)
+    # Keys stay whole, to be copied; only the values column wraps on a narrow terminal.
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    if not summary.keys_only:
+        table.add_column("values")
     for tensor in summary.tensors:
-        table.add_row(
-            safe(tensor.name),
-            tensor.dtype,
-            "\N{MULTIPLICATION SIGN}".join(map(str, tensor.shape)) or "scalar",
-            human_bytes(tensor.bytes),
-            describe_values(tensor),
-        )
+        # Plain Text cells: a checkpoint has hundreds of rows, and markup parsing is most of
+        # what rich spends on them (the key is escaped by plain_safe instead).
+        cells = [
+            Text(plain_safe(tensor.name)),
+            Text(tensor.dtype),
+            Text("\N{MULTIPLICATION SIGN}".join(map(str, tensor.shape)) or "scalar"),
+            Text(human_bytes(tensor.bytes)),
+        ]
+        table.add_row(*cells, *([] if summary.keys_only else [describe_values(tensor)]))
     console = stdout_console()
+    console.print(safe(summary.file), soft_wrap=True)
     console.print(table)
+    if summary.keys_only or summary.patterns:
+        console.print(_key_count(summary), soft_wrap=True)
+        console.print()
     if summary.metadata:
         meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
         meta.add_column("key", style="bold", overflow="fold")
@@ -171,6 +191,17 @@ def render_file_summary(summary: FileSummary) -> None:
         console.print(meta)
     else:
         console.print("no metadata", style="dim")
+
+
+def _key_count(summary: FileSummary) -> str:
+    """``12 of 199 tensors match '*norm*', 36.0 KiB`` (or ``199 tensors, 417.7 MiB``)."""
+    size = human_bytes(sum(t.bytes for t in summary.tensors))
+    tensors = "tensor" if summary.keys_total == 1 else "tensors"
+    if not summary.patterns:
+        return f"{summary.keys_total:,} {tensors}, {size}"
+    patterns = " or ".join(repr(safe(p)) for p in summary.patterns)
+    verb = "matches" if len(summary.tensors) == 1 else "match"
+    return f"{len(summary.tensors):,} of {summary.keys_total:,} {tensors} {verb} {patterns}, {size}"
 
 
 def describe_values(tensor: TensorSummary) -> str:
@@ -207,6 +238,7 @@ def render_normalize_result(result: NormalizeResult) -> None:
     note(
         f"wrote {result.output}: {keys} {list(result.shape)} {result.dtype}, "
         f"{result.valid_rows:,} of {result.rows:,} positions valid, eps {result.eps!r}"
+        f" ({result.eps_source})"
     )
 
 
@@ -290,6 +322,9 @@ def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
         actual = "maskln's result for " if report.command == "verify" else ""
         console.print(f"[bold]actual[/]    {actual}{safe(report.actual)}", soft_wrap=True)
         console.print(f"[bold]expected[/]  {safe(report.expected)}", soft_wrap=True)
+        if report.eps is not None:
+            source = f" ({safe(report.eps_source)})" if report.eps_source else ""
+            console.print(f"[bold]eps[/]       {report.eps!r}{source}", soft_wrap=True)
         compact = len(report.tensors) > COMPACT_AFTER
         if compact:
             console.print()
@@ -319,11 +354,9 @@ def _tensor_block(tensor: TensorComparison) -> object:
     for problem in tensor.problems:
         grid.add_row("  problem", f"[red]{safe(problem)}[/]")
     if tensor.mismatched is not None:
-        share = 100 * (tensor.mismatched_fraction or 0.0)
-        mismatched = f"{tensor.mismatched:,} of {tensor.numel:,} ({share:.3g}%)"
-        if tensor.rows is not None and tensor.rows != tensor.numel:
-            mismatched += f", in {tensor.mismatched_rows:,} of {tensor.rows:,} rows"
-        grid.add_row("  mismatched", mismatched)
+        grid.add_row("  mismatched", _mismatched(tensor))
+        if tensor.rows_left_out is not None:
+            grid.add_row("  left out", f"{tensor.rows_left_out:,} rows (--valid)")
         grid.add_row("  max abs diff", _at(tensor.max_abs_diff, tensor.max_abs_index))
         grid.add_row("  max rel diff", _at(tensor.max_rel_diff, tensor.max_rel_index))
         grid.add_row("  rel L2 error", number(tensor.rel_l2) if tensor.rel_l2 is not None else "")
@@ -343,11 +376,26 @@ def _tensor_block(tensor: TensorComparison) -> object:
     return grid
 
 
+def _mismatched(tensor: TensorComparison) -> str:
+    """``N of M (p%), in R of S rows``, over the rows compared (those --valid kept)."""
+    numel, rows = tensor.numel or 0, tensor.rows
+    if tensor.rows_left_out and rows:
+        numel -= tensor.rows_left_out * (numel // rows)
+        rows -= tensor.rows_left_out
+    share = 100 * (tensor.mismatched_fraction or 0.0)
+    text = f"{tensor.mismatched:,} of {numel:,} ({share:.3g}%)"
+    if rows is not None and tensor.rows != tensor.numel:
+        text += f", in {tensor.mismatched_rows:,} of {rows:,} rows"
+    return text
+
+
 def _tensor_line(tensor: TensorComparison) -> str:
     """One line for a tensor that passed, in a long report."""
     figures = ""
     if tensor.max_abs_diff is not None:
         figures = f"  max abs diff {number(tensor.max_abs_diff)}, rel L2 {number(tensor.rel_l2)}"
+    if tensor.rows_left_out:
+        figures += f", {tensor.rows_left_out:,} rows left out"
     return f"[bold green]PASS[/] [bold]{safe(tensor.name)}[/]  {_shapes(tensor)}{figures}"
 
 

@@ -12,16 +12,17 @@ import contextlib
 import json
 import math
 import os
-import signal
+import secrets
 import struct
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.keynames import missing_key_message
 
 if TYPE_CHECKING:
     import torch
@@ -84,11 +85,15 @@ class TensorInfo:
 class TensorFile:
     """An open safetensors file; tensors come memory-mapped, read as they are used."""
 
-    def __init__(self, handle: object, name: str, path: str) -> None:
+    def __init__(self, handle: object, name: str, path: str, header_only: bool = False) -> None:
         self._handle = handle
         self.name = name
+        self.header_only = header_only
         self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
-        self._keys: list[str] = _data_order(path, list(handle.keys()))  # type: ignore[attr-defined]
+        self._offsets = _data_offsets(path, list(handle.keys()))  # type: ignore[attr-defined]
+        # Data order is the order a person reading the header expects, and it is stable
+        # (safetensors' own offset_keys() leaves ties, empty tensors, in hash order).
+        self._keys = sorted(self._offsets, key=lambda key: (self._offsets[key], key))
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -97,7 +102,7 @@ class TensorFile:
         return iter(self.keys())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._offsets
 
     def info(self, key: str) -> TensorInfo:
         """The dtype and shape of ``key``, without reading its data."""
@@ -106,24 +111,39 @@ class TensorFile:
         code = view.get_dtype()
         return TensorInfo(key, DTYPE_NAMES.get(code, code), tuple(view.get_shape()))
 
+    def data_size(self, key: str) -> int:
+        """Bytes of ``key``'s data, from the header (nothing is read).
+
+        Example:
+            >>> with open_tensor_file("sample_data/worked_example.safetensors", True) as f:
+            ...     f.data_size("x"), f.data_size("valid")
+            (32, 2)
+        """
+        self._require(key)
+        start, stop = self._offsets[key]
+        return stop - start
+
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``, backed by the memory-mapped file (nothing is read yet)."""
         self._require(key)
+        if self.header_only:
+            raise RuntimeError(f"{self.name} was opened for its header only")
         try:
             return self._handle.get_tensor(key)  # type: ignore[attr-defined]
         except Exception as error:  # safetensors raises several types for bad data
             raise MasklnError(f"{self.name}: cannot read tensor {key!r}: {error}") from None
 
     def _require(self, key: str) -> None:
-        if key not in self._keys:
-            held = ", ".join(repr(k) for k in self._keys[:8]) or "none"
-            more = f" and {len(self._keys) - 8} more" if len(self._keys) > 8 else ""
-            raise MasklnError(f"{self.name}: no tensor {key!r} (it holds {held}{more})")
+        if key not in self._offsets:
+            raise MasklnError(missing_key_message(self.name, key, self._keys))
 
 
 @contextlib.contextmanager
-def open_tensor_file(path: str) -> Iterator[TensorFile]:
+def open_tensor_file(path: str, header_only: bool = False) -> Iterator[TensorFile]:
     """Open a safetensors file, or stdin for ``-``, checking it on the way.
+
+    With ``header_only`` the file's keys, dtypes, shapes and metadata can be read but not its
+    tensors, and torch is not imported (``maskln inspect --keys`` stays instant).
 
     Example:
         >>> with open_tensor_file("sample_data/worked_example.safetensors") as f:
@@ -141,27 +161,26 @@ def open_tensor_file(path: str) -> Iterator[TensorFile]:
             _check_readable_file(path)
             source = path
         try:
-            handle = stack.enter_context(safe_open(source, framework="pt"))
+            # framework "pt" imports torch; "numpy" reads the same header and imports numpy.
+            framework = "numpy" if header_only else "pt"
+            handle = stack.enter_context(safe_open(source, framework=framework))
         except Exception as error:
             raise MasklnError(f"{name}: not a valid safetensors file: {_reason(error)}") from None
-        tensor_file = TensorFile(handle, name, source)
+        tensor_file = TensorFile(handle, name, source, header_only)
         if path == STDIO:
             os.unlink(spool)  # the mapping keeps the data; nothing is left behind on a crash
         yield tensor_file
 
 
-def _data_order(path: str, keys: list[str]) -> list[str]:
-    """``keys`` in the order of their data in the file, ties (empty tensors) broken by name.
-
-    This is the order a person reading the header expects, and it is stable; safetensors'
-    own ``offset_keys()`` leaves ties in hash order. The header was validated by safetensors.
-    """
+def _data_offsets(path: str, keys: list[str]) -> dict[str, tuple[int, int]]:
+    """Each key's ``(start, stop)`` byte offsets in the data, from the header that safetensors
+    has validated."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header = json.loads(file.read(length))
     wanted = set(keys)
     offsets = {key: tuple(entry["data_offsets"]) for key, entry in header.items() if key in wanted}
-    return sorted(keys, key=lambda key: (offsets.get(key, ()), key))
+    return {key: offsets[key] for key in keys}  # type: ignore[misc]
 
 
 def _check_readable_file(path: str) -> None:
@@ -332,20 +351,36 @@ class SafetensorsWriter:
             raise MasklnError(f"{self._name}: cannot write: {_os_reason(error)}") from None
 
 
+WRITE_CHUNK_BYTES = 8 * 2**20
+"""write_tensors writes this much at a time, telling ``progress`` after each."""
+
+
 def write_tensors(
-    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Write whole in-memory tensors to ``path`` (``-`` for stdout), atomically.
 
     Tensors are laid out by descending element size, then name, as safetensors does, so every
-    tensor's data is aligned to its element size.
+    tensor's data is aligned to its element size. ``progress`` is told (bytes written, total).
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     specs = {k: (dtype_name(tensors[k].dtype), tensors[k].shape) for k in order}
-    with open_output(path, data_bytes(specs)) as stream:
+    total = data_bytes(specs)
+    done = 0
+    with open_output(path, total) as stream:
         writer = SafetensorsWriter(stream, output_name(path), specs, metadata)
         for key in order:
-            writer.write(key, tensors[key])
+            flat = tensors[key].reshape(-1)
+            step = max(1, WRITE_CHUNK_BYTES // flat.element_size())
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step]
+                writer.write(key, chunk)
+                done += chunk.numel() * chunk.element_size()
+                if progress:
+                    progress(done, total)
         writer.close()
 
 
@@ -412,18 +447,18 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
             yield stream
         return
     check_disk(str(target), size)
-    # Ctrl-C or SIGTERM between creating the temporary file and the try below would leave it
-    # behind: they wait until the try, where a pending one is raised and the file removed.
-    deferred = _defer_signals()
+    temporary = ""
     try:
-        fd, temporary = tempfile.mkstemp(
-            dir=target.parent, prefix=f".{target.name}.", suffix=".partial"
-        )
-    except OSError as error:
-        _restore_signals(deferred)
-        raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
-    try:
-        _restore_signals(deferred)
+        # The name is set before the file exists, so that a Ctrl-C or SIGTERM landing while it
+        # is created (inside mkstemp, it would escape) still finds it here and removes it.
+        for _ in range(100):
+            temporary = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.partial")
+            fd = _create_new(temporary, path)
+            if fd is not None:
+                break
+        else:
+            temporary = ""  # the last name is another process's file: not ours to remove
+            raise MasklnError(f"{path}: cannot create a file beside it: no free temporary name")
         with _write_errors(path):
             with os.fdopen(fd, "wb") as stream:
                 yield stream
@@ -432,23 +467,21 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
             os.chmod(temporary, _output_mode(target))
             os.replace(temporary, target)
     except BaseException:
-        _remove(temporary)
+        if temporary:
+            _remove(temporary)
         raise
 
 
-_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def _defer_signals() -> set[signal.Signals] | None:
-    """Block SIGINT and SIGTERM (where the platform can); returns what to restore."""
-    if not hasattr(signal, "pthread_sigmask"):
+def _create_new(name: str, path: str) -> int | None:
+    """A descriptor of the new, empty file ``name`` (mode 0o600, as mkstemp makes it), or None
+    if ``name`` exists already."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(name, flags, 0o600)
+    except FileExistsError:
         return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
-
-
-def _restore_signals(previous: set[signal.Signals] | None) -> None:
-    if previous is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    except OSError as error:
+        raise MasklnError(f"{path}: cannot create a file beside it: {_os_reason(error)}") from None
 
 
 @contextlib.contextmanager

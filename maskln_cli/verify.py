@@ -9,6 +9,7 @@ kernel's output): the tolerance is relative to EXPECTED's values, and EXPECTED's
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from maskln_cli.compare import (
     Comparison,
@@ -29,6 +30,10 @@ from maskln_cli.normalize import (
     load_problem,
 )
 from maskln_cli.tensorfile import STDIO, TensorFile, open_tensor_file
+from maskln_cli.validrows import RowMask, count_left_out, leave_out, open_row_mask, parse_mask_spec
+
+if TYPE_CHECKING:
+    import torch
 
 
 def verify_file(
@@ -38,9 +43,11 @@ def verify_file(
     rtol: float | None = None,
     atol: float | None = None,
     progress: Progress | None = None,
+    valid_rows: str | None = None,
 ) -> ComparisonReport:
     """Compare maskln's result for INPUT with EXPECTED: ``out``, and the gradients that
-    EXPECTED holds when INPUT holds ``grad_out``.
+    EXPECTED holds when INPUT holds ``grad_out``. With ``valid_rows`` (``FILE[:KEY]``, a mask
+    of x's leading shape) only the rows it marks valid are compared.
 
     Example:
         >>> report = verify_file("sample_data/pair_features.safetensors",
@@ -53,10 +60,18 @@ def verify_file(
     check_tolerance(atol, "--atol")
     if input_path == STDIO and expected_path == STDIO:
         raise MasklnError("INPUT and EXPECTED cannot both be '-' (stdin)")
+    if valid_rows is not None and parse_mask_spec(valid_rows)[0] == STDIO:
+        raise MasklnError("--valid: give a file (stdin carries INPUT or EXPECTED)")
     with contextlib.ExitStack() as stack:
         problem = stack.enter_context(load_problem(input_path, options))
         expected = stack.enter_context(open_tensor_file(expected_path))
         notes = list(problem.notes)
+        mask = stack.enter_context(open_row_mask(valid_rows)) if valid_rows else None
+        if mask is not None and not mask.applies_to(problem.shape):
+            raise MasklnError(
+                f"--valid: {mask.source} has shape {list(mask.shape)}; expected x's leading"
+                f" shape {list(problem.shape[:-1])}"
+            )
         gradient_keys = [k for k in GRADIENT_KEYS if k in expected]
         check_gradients = problem.grad_out is not None and bool(gradient_keys)
         if problem.grad_out is None and gradient_keys:
@@ -70,12 +85,32 @@ def verify_file(
                 f" {options.out_key!r} was checked"
             )
         total = problem.rows * (2 if check_gradients else 1)
-        tensors = [_compare_out(problem, expected, options.out_key, rtol, atol, progress, total)]
+        out_key = options.out_key
+        tensors = [_compare_out(problem, expected, out_key, rtol, atol, progress, total, mask)]
         if check_gradients:
             tensors += _compare_gradients(
-                problem, expected, gradient_keys, rtol, atol, progress, total
+                problem, expected, gradient_keys, rtol, atol, progress, total, mask
             )
-        return ComparisonReport("verify", problem.source, expected.name, tensors, notes)
+        if mask is not None:
+            compared = ", ".join(t.name for t in tensors if t.rows_left_out is not None)
+            notes.append(
+                f"--valid {mask.source}: compared {mask.rows - mask.left_out:,} of"
+                f" {mask.rows:,} rows of {compared or 'nothing'}"
+            )
+        report = ComparisonReport("verify", problem.source, expected.name, tensors, notes)
+        report.eps, report.eps_source = problem.eps, problem.eps_source
+        return report
+
+
+def _chunk(
+    out: torch.Tensor, expected: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's two sides and its invalid rows, with the rows ``keep`` (``--valid``) leaves
+    out set to 0 on both sides and not counted as invalid."""
+    if keep is None:
+        return out, expected, ~valid
+    out, expected = leave_out(out, expected, keep)
+    return out, expected, ~valid & keep
 
 
 def _comparison(
@@ -99,6 +134,7 @@ def _compare_out(
     atol: float | None,
     progress: Progress | None,
     total: int,
+    mask: RowMask | None = None,
 ) -> TensorComparison:
     if key not in expected:
         held = ", ".join(repr(k) for k in expected.keys()[:5]) or "nothing"
@@ -108,10 +144,14 @@ def _compare_out(
     if comparison.comparable:
         rows = expected.tensor(key).reshape(-1, problem.channels)
         for start, stop, out in iter_outputs(problem):
-            comparison.update(out, rows[start:stop], invalid_rows=~problem.valid[start:stop])
+            keep = mask.keep[start:stop] if mask else None
+            a, e, invalid = _chunk(out, rows[start:stop], problem.valid[start:stop], keep)
+            comparison.update(a, e, invalid_rows=invalid)
             if progress:
                 progress(stop, total)
     outcome = comparison.result()
+    if mask is not None and comparison.comparable:
+        count_left_out(outcome, mask.left_out)
     if outcome.expected_dtype in ("float32", "float64") and outcome.dtype != outcome.expected_dtype:
         outcome.problems = [
             f"{p} (--dtype {outcome.expected_dtype} computes in it)" if p.startswith("dtype") else p
@@ -128,6 +168,7 @@ def _compare_gradients(
     atol: float | None,
     progress: Progress | None,
     total: int,
+    mask: RowMask | None = None,
 ) -> list[TensorComparison]:
     """Compare the gradients EXPECTED holds (``keys``); one pass computes all three."""
     grad_x = None
@@ -139,10 +180,14 @@ def _compare_gradients(
     sums = GradientSums(problem)
     for start, stop, chunk in iter_gradients(problem, sums):
         if grad_x is not None and rows is not None:
-            grad_x.update(chunk, rows[start:stop], invalid_rows=~problem.valid[start:stop])
+            keep = mask.keep[start:stop] if mask else None
+            a, e, invalid = _chunk(chunk, rows[start:stop], problem.valid[start:stop], keep)
+            grad_x.update(a, e, invalid_rows=invalid)
         if progress:
             progress(problem.rows + stop, total)
     outcomes = [grad_x.result()] if grad_x is not None else []
+    if outcomes and mask is not None and rows is not None:
+        count_left_out(outcomes[0], mask.left_out)
     for key, total_sum in (("grad_scale", sums.scale), ("grad_bias", sums.bias)):
         if key in keys:
             comparison = _comparison(problem, expected, key, (problem.channels,), rtol, atol)

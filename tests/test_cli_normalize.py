@@ -65,6 +65,7 @@ def test_worked_example_file(tmp_path):
     assert torch.equal(out["out"], torch.tensor([[[-0.5, 0.5], [0.0, 0.0]]], dtype=torch.float64))
     assert metadata(tmp_path / "out.safetensors") == {
         "eps": "3.0",
+        "eps_source": "metadata 'eps'",
         "dtype": "float64",
         "maskln_version": __version__,
     }

@@ -17,7 +17,7 @@ REPORT_KEYS = {
     "name", "passed", "problems", "shape", "expected_shape", "dtype", "expected_dtype", "rtol",
     "atol", "numel", "rows", "mismatched", "mismatched_fraction", "mismatched_rows",
     "max_abs_diff", "max_abs_index", "max_rel_diff", "max_rel_index", "rel_l2", "nan_mismatched",
-    "inf_mismatched", "invalid_rows_zero", "worst",
+    "inf_mismatched", "invalid_rows_zero", "worst", "rows_left_out",
 }  # fmt: skip
 
 

@@ -237,6 +237,24 @@ def test_signal_during_a_large_write_leaves_output_untouched(tmp_path, large_inp
     assert leftovers(tmp_path) == []
 
 
+def test_interrupt_as_the_temporary_file_is_created_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C landing just after the temporary file exists (the C call has returned, its result
+    not yet assigned) still removes it: its name is known before it is created."""
+    from maskln_cli import tensorfile
+
+    real_open = os.open
+
+    def open_then_interrupt(name, flags, mode=0o777):
+        os.close(real_open(name, flags, mode))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tensorfile.os, "open", open_then_interrupt)
+    output = tmp_path / "out.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        tensorfile.write_tensors(str(output), {"x": torch.ones(3)})
+    assert leftovers(tmp_path) == [] and not output.exists()
+
+
 def test_two_writers_of_one_output_leave_one_whole_file(tmp_path):
     output = tmp_path / "out.safetensors"
     commands = [
@@ -358,7 +376,7 @@ def test_a_bug_still_gives_one_line_and_exit_2(monkeypatch):
     """The backstop: an unexpected exception is one 'internal error' line, not a traceback."""
     from maskln_cli import stats
 
-    def broken(path):
+    def broken(path, *args, **kwargs):
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(stats, "summarize_file", broken)
