@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.keynames import closest_keys, missing_key_message
-from maskln_cli.tensorfile import STDIO, TensorFile, TensorInfo, open_tensor_file
+from maskln_cli.tensorfile import (
+    STDIO,
+    TensorFile,
+    TensorInfo,
+    check_regular_file,
+    open_tensor_file,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -105,10 +111,7 @@ def _eps_in(section: dict[str, object]) -> bool:
 
 def read_json(path: str) -> object:
     """A small JSON file's contents; every failure names the file."""
-    if not os.path.exists(path):
-        raise MasklnError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise MasklnError(f"{path}: is a folder without {CONFIG_NAME}")
+    check_regular_file(path, f"without {CONFIG_NAME}")
     try:
         with open(path, "rb") as file:
             data = file.read(JSON_LIMIT + 1)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import secrets
+import stat
 import struct
 import sys
 import tempfile
@@ -184,10 +185,43 @@ def _data_offsets(path: str, keys: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def _check_readable_file(path: str) -> None:
-    if not os.path.exists(path):
-        raise MasklnError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise MasklnError(f"{path}: is a folder, not a safetensors file")
+    check_regular_file(path, "not a safetensors file")
+
+
+_SPECIAL_FILES = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_regular_file(path: str, folder_message: str) -> None:
+    """Raise, naming ``path``, unless it is a readable regular file (symlinks followed).
+
+    A FIFO, device or socket is refused before it is opened: opening a FIFO with no writer
+    blocks in the kernel, deaf to Ctrl-C and SIGTERM, and inputs are memory-mapped, which
+    needs a regular file. Such data can come through stdin instead (``-``).
+
+    Example:
+        >>> check_regular_file("/dev/null", "not a file")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        maskln_cli.errors.MasklnError: /dev/null: is a character device, not a regular file; ...
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise MasklnError(f"{path}: no such file") from None
+    except OSError as error:
+        raise MasklnError(f"{path}: cannot read: {_os_reason(error)}") from None
+    if stat.S_ISDIR(mode):
+        raise MasklnError(f"{path}: is a folder, {folder_message}")
+    for is_kind, kind in _SPECIAL_FILES:
+        if is_kind(mode):
+            raise MasklnError(
+                f"{path}: is {kind}, not a regular file; pipe it in as '-' instead (... - < {path})"
+            )
     if not os.access(path, os.R_OK):
         raise MasklnError(f"{path}: permission denied")
 
@@ -394,6 +428,11 @@ def check_output_path(path: str, inputs: Sequence[str | None] = ()) -> None:
                 "<stdout>: refusing to write binary data to a terminal; redirect it, or give"
                 " an OUTPUT path"
             )
+        for source in inputs:
+            if source and source != STDIO and _same_as_stdio(sys.stdout, source):
+                raise MasklnError(
+                    f"<stdout>: is redirected into the input {source}; write the output elsewhere"
+                )
         return
     target = os.path.realpath(path)  # a symlink is followed: its target is what gets written
     parent = os.path.dirname(target)
@@ -404,8 +443,23 @@ def check_output_path(path: str, inputs: Sequence[str | None] = ()) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise MasklnError(f"{path}: folder {os.path.dirname(path) or '.'!r} is not writable")
     for source in inputs:
-        if source and source != STDIO and os.path.exists(target) and _same_file(source, target):
+        if not source or not os.path.exists(target):
+            continue
+        if source == STDIO:  # stdin redirected from a file: that file is the input
+            if _same_as_stdio(sys.stdin, target):
+                raise MasklnError(f"{path}: is the input (<stdin>); write the output elsewhere")
+        elif _same_file(source, target):
             raise MasklnError(f"{path}: is the input {source}; write the output elsewhere")
+
+
+def _same_as_stdio(stream: object, path: str) -> bool:
+    """Whether ``stream`` (sys.stdin or sys.stdout) is the regular file at ``path``."""
+    try:
+        opened = os.fstat(stream.fileno())  # type: ignore[attr-defined]
+        named = os.stat(path)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return stat.S_ISREG(opened.st_mode) and os.path.samestat(opened, named)
 
 
 def _same_file(a: str, b: str) -> bool:
