@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -287,17 +288,54 @@ def as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...]
         )
     if valid.dtype == torch.bool:
         return valid
-    if _dtype_name(valid.dtype) not in NUMERIC:
-        raise MasklnError(f"{where} has dtype {_dtype_name(valid.dtype)}; expected bool or 0/1")
-    is_zero, is_one = valid == 0, valid == 1
+    values = _exact_values(valid)
+    if values is None:
+        raise MasklnError(
+            f"{where} has dtype {_dtype_name(valid.dtype)}; a mask is bool, or an integer or"
+            " floating dtype holding only 0 and 1"
+        )
+    is_zero, is_one = values == 0, values == 1
     bad = ~(is_zero | is_one)
     if bad.any():
         index = [int(i) for i in bad.nonzero()[0]]
         raise MasklnError(
-            f"{where} must hold only 0 and 1 (or be bool); found {valid[tuple(index)].item()!r}"
+            f"{where} must hold only 0 and 1 (or be bool); found {values[tuple(index)].item()!r}"
             f" at index {index}"
         )
     return is_one
+
+
+_SIGNED_OF_UNSIGNED = {"uint16": "int16", "uint32": "int32", "uint64": "int64"}
+
+
+def _exact_values(mask: torch.Tensor) -> torch.Tensor | None:
+    """A mask's values in a dtype torch compares in (0 and 1 stay exactly 0 and 1), or None
+    for dtypes with no such form (complex, float4).
+
+    torch barely computes with uint16 to uint64: their bits are read as the signed integer
+    of the same size, where 0 and 1 are the same bits (anything else stays neither). float8
+    formats are converted to float32, exactly.
+
+    Example:
+        >>> import torch
+        >>> _exact_values(torch.tensor([0, 1, 70000], dtype=torch.uint32)).tolist()
+        [0, 1, 70000]
+    """
+    import torch
+
+    name = _dtype_name(mask.dtype)
+    if name in _SIGNED_OF_UNSIGNED:
+        return mask.view(getattr(torch, _SIGNED_OF_UNSIGNED[name]))
+    if mask.dtype.is_complex:
+        return None
+    if mask.dtype.is_floating_point and mask.dtype.itemsize == 1:
+        try:
+            return mask.float()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+    if mask.dtype.is_floating_point or name in NUMERIC:
+        return mask
+    return None
 
 
 def _as_parameter(param: torch.Tensor, source: str, key: str, channels: int) -> torch.Tensor:
@@ -328,17 +366,33 @@ def _resolve_eps(
     for key in METADATA_EPS_KEYS:
         if key in data.metadata:
             text = data.metadata[key]
-            try:
-                value = float(text)
-            except ValueError:
-                value = math.nan
             where = f"{data.name}: metadata {key!r} ({text!r})"
+            value = parse_number(text)
+            if value is None:
+                raise MasklnError(f"{where}: not a number such as 1e-05 or 0.00001")
             return check_eps(value, where, dtype), f"metadata {key!r}"
     notes.append(
         f"no eps given (--eps, --config, or metadata 'eps' in {data.name}): using the default"
         f" {DEFAULT_EPS!r}{_config_hint(options.params)}"
     )
     return DEFAULT_EPS, "default"
+
+
+_NUMBER = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
+"""A number as people write one: ASCII digits, an optional point and exponent, spaces around.
+(Python's float() also takes '1_0', Arabic-Indic digits, 'infinity' and 'nan'.)"""
+
+
+def parse_number(text: str) -> float | None:
+    """``text`` as a float if it is written as a plain decimal number, else None.
+
+    Example:
+        >>> parse_number(" 1E-5 "), parse_number("0.00001")
+        (1e-05, 1e-05)
+        >>> parse_number("1_0"), parse_number("\u0661"), parse_number("nan")
+        (None, None, None)
+    """
+    return float(text) if _NUMBER.fullmatch(text) else None
 
 
 def _config_hint(params: str | None) -> str:
