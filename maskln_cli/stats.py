@@ -53,8 +53,8 @@ class TensorSummary:
     shape: list[int]
     numel: int
     bytes: int
-    min: float | None = None
-    max: float | None = None
+    min: float | int | None = None
+    max: float | int | None = None
     mean: float | None = None
     std: float | None = None
     nan: int | None = None
@@ -183,26 +183,119 @@ def add_statistics(
         if advance:
             advance(summary.bytes)
         return summary
-    floating = flat.is_floating_point()
+    if not flat.is_floating_point():
+        return _add_integer_statistics(summary, flat, advance)
     moments = _Moments()
-    nan = inf = ones = 0
+    nan = inf = 0
     for chunk in _chunks(flat, advance):
-        if not floating:
-            ones += int(chunk.sum())  # exact; it is the count of true if this is a 0/1 mask
         if moments.add_finite(chunk):
             continue
         values = chunk.double()
         nan += int(values.isnan().sum())
         inf += int(values.isinf().sum())
         moments.add(values[values.isfinite()])
-    if floating:
-        summary.nan, summary.inf = nan, inf
+    summary.nan, summary.inf = nan, inf
     if moments.count:
         summary.min, summary.max = moments.min, moments.max
-        summary.mean, summary.std = moments.mean, math.sqrt(moments.m2 / moments.count)
-        if not floating and moments.min >= 0 and moments.max <= 1:
-            summary.true = ones
+        summary.mean, summary.std = moments.result()
     return summary
+
+
+def _add_integer_statistics(
+    summary: TensorSummary, flat: torch.Tensor, advance: Callable[[int], None] | None
+) -> TensorSummary:
+    """Integer statistics, exact where float64 would round: min and max as Python ints, the
+    mean from an exact sum, the std from deviations from the first value, taken in integers.
+
+    int64 values above 2**53 are not all float64 numbers: [2**62, 2**62 + 1] as float64 has a
+    std of 0. The sum is exact through 32-bit halves (no int64 overflow in a chunk), and the
+    deviations from a fixed reference are exact in int64 unless the values span 2**63 or more,
+    where float64's relative precision is enough for the spread.
+    """
+    count = 0
+    total = 0  # exact
+    deviation_total = 0  # exact, from the reference
+    square_total = 0.0  # of the deviations, in float64
+    low = high = reference = None
+    exact_deviations = True
+    for chunk in _chunks(flat, advance):
+        if chunk.numel() == 0:
+            continue
+        bits = _Int64Bits(chunk)
+        chunk_low, chunk_high = bits.extremes()
+        low = chunk_low if low is None else min(low, chunk_low)
+        high = chunk_high if high is None else max(high, chunk_high)
+        if reference is None:
+            reference = bits.value(0)
+        count += chunk.numel()
+        total += bits.exact_sum()
+        if exact_deviations and low - reference >= -(2**63) and high - reference < 2**63:
+            # int64 arithmetic wraps modulo 2**64: within int64's range, the result is exact
+            deviations = bits.bits - _wrapped(reference)
+            deviation_total += _Int64Bits(deviations).exact_sum()
+            square_total += float(deviations.double().square().sum())
+        else:
+            exact_deviations = False
+    if count == 0 or low is None or high is None or reference is None:
+        return summary
+    summary.min, summary.max = low, high
+    summary.mean = total / count  # Python rounds the exact quotient once
+    if exact_deviations:
+        m2 = max(0.0, square_total - deviation_total * deviation_total / count)
+        summary.std = math.sqrt(m2 / count)
+    else:
+        moments = _Moments()
+        for chunk in _chunks(flat, None):
+            moments.add(_Int64Bits(chunk).as_float64())
+        summary.std = moments.result()[1]
+    if low >= 0 and high <= 1:  # a 0/1 mask: its count of true
+        summary.true = total
+    return summary
+
+
+def _wrapped(value: int) -> int:
+    """``value`` modulo 2**64, as a signed 64-bit integer."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+class _Int64Bits:
+    """An integer chunk as int64 bits; uint64 values of 2**63 and up read as negative bits,
+    and are put right wherever a value is needed (torch barely computes with uint64)."""
+
+    def __init__(self, chunk: torch.Tensor) -> None:
+        import torch
+
+        self.unsigned64 = chunk.dtype == torch.uint64
+        self.bits = chunk.view(torch.int64) if self.unsigned64 else chunk.long()
+
+    def value(self, index: int) -> int:
+        bits = int(self.bits[index])
+        return bits + 2**64 if self.unsigned64 and bits < 0 else bits
+
+    def extremes(self) -> tuple[int, int]:
+        import torch
+
+        if not self.unsigned64:
+            low, high = torch.aminmax(self.bits)
+            return int(low), int(high)
+        flipped = self.bits ^ -(2**63)  # unsigned order as signed order
+        low, high = torch.aminmax(flipped)
+        return int(low) + 2**63, int(high) + 2**63
+
+    def exact_sum(self) -> int:
+        """The exact sum (at most 2**22 values): 32-bit halves summed apart cannot overflow."""
+        high = self.bits >> 32  # arithmetic: bits = high * 2**32 + low, 0 <= low < 2**32
+        low = self.bits - (high << 32)
+        total = int(high.sum()) * 2**32 + int(low.sum())
+        if self.unsigned64:
+            total += 2**64 * int((self.bits < 0).sum())
+        return total
+
+    def as_float64(self) -> torch.Tensor:
+        import torch
+
+        values = self.bits.double()
+        return torch.where(self.bits < 0, values + 2.0**64, values) if self.unsigned64 else values
 
 
 def _chunks(flat: torch.Tensor, advance: Callable[[int], None] | None) -> Iterator[torch.Tensor]:
@@ -214,33 +307,40 @@ def _chunks(flat: torch.Tensor, advance: Callable[[int], None] | None) -> Iterat
 
 
 class _Moments:
-    """Count, min, max, mean and sum of squared deviations, merged over chunks (Chan et al.)."""
+    """Count, min, max, mean and sum of squared deviations, merged over chunks (Chan et al.).
+
+    mean and m2 are kept in units of 2**exponent (and 4**exponent): chunks of values near
+    float64's limit are summarized scaled by a power of two (exact), whose sums and squares
+    cannot overflow, and the result is scaled back at the end.
+    """
 
     def __init__(self) -> None:
         self.count = 0
+        self.exponent = 0
         self.mean = 0.0
         self.m2 = 0.0
         self.min = math.inf
         self.max = -math.inf
 
+    def result(self) -> tuple[float, float]:
+        """``(mean, std)`` (population), finite for finite values of any magnitude."""
+        mean = math.ldexp(self.mean, self.exponent)
+        return mean, math.ldexp(math.sqrt(self.m2 / self.count), self.exponent)
+
     def add_finite(self, chunk: torch.Tensor) -> bool:
-        """Merge in ``chunk`` if all its values are finite; else add nothing and return False.
+        """Merge in ``chunk`` if all its values are finite and its sums cannot overflow; else
+        add nothing and return False.
 
         float32 and float64 are summarized in their own dtype (float16, bfloat16 and float8 in
-        float32, integers in float64), which is as accurate as float64 arithmetic here: torch
-        sums with cascade summation (error about 1e-7 of the sum of magnitudes, in float32),
-        the deviations are taken from the chunk's mean rounded to the dtype, so they are exact
-        (Sterbenz) even under a large common offset, and what that rounding shifts is corrected
-        with their sum (the shifted two-pass formula). Chunk results merge in float64.
+        float32), which is as accurate as float64 arithmetic here: torch sums with cascade
+        summation (error about 1e-7 of the sum of magnitudes, in float32), the deviations are
+        taken from the chunk's mean rounded to the dtype, so they are exact (Sterbenz) even
+        under a large common offset, and what that rounding shifts is corrected with their sum
+        (the shifted two-pass formula). Chunk results merge in float64.
         """
         import torch
 
-        if chunk.dtype in (torch.float32, torch.float64):
-            values = chunk
-        elif chunk.is_floating_point():  # float16, bfloat16, float8: exact in float32
-            values = chunk.float()
-        else:
-            values = chunk.double()
+        values = chunk if chunk.dtype in (torch.float32, torch.float64) else chunk.float()
         count = values.numel()
         if count == 0:
             return True
@@ -254,23 +354,42 @@ class _Moments:
         deviations = values - shift
         deviation_sum = float(deviations.sum())
         squares = float(deviations.square_().sum())
-        if not math.isfinite(squares) and values.dtype != torch.float64:
-            return self.add_finite(values.double())  # squares overflowed float32
+        if not math.isfinite(squares):  # squares overflowed: the scaled float64 path
+            return False
         mean = float(shift) + deviation_sum / count
         m2 = max(0.0, squares - deviation_sum * deviation_sum / count)
-        self._merge(count, mean, m2, low, high)
+        # Merged in units of the chunk's magnitude: chunks near float64's limit merge too.
+        exponent = math.frexp(max(abs(low), abs(high)))[1]
+        self._merge(count, math.ldexp(mean, -exponent), math.ldexp(m2, -2 * exponent), low, high,
+                    exponent)  # fmt: skip
         return True
 
     def add(self, values: torch.Tensor) -> None:
-        """Merge in float64 ``values`` (finite ones), whatever their magnitude."""
+        """Merge in float64 ``values`` (finite ones) of any magnitude, scaled by a power of two
+        so that nothing overflows."""
+        import torch
+
         count = values.numel()
         if count == 0:
             return
-        mean = float(values.mean())
-        m2 = float(((values - mean) ** 2).sum())
-        self._merge(count, mean, m2, float(values.min()), float(values.max()))
+        low, high = (float(v) for v in torch.aminmax(values))
+        exponent = math.frexp(max(abs(low), abs(high)))[1]
+        scaled = torch.ldexp(values, values.new_tensor(float(-exponent)))
+        mean = float(scaled.mean())
+        m2 = float((scaled - mean).square().sum())
+        self._merge(count, mean, m2, low, high, exponent)
 
-    def _merge(self, count: int, mean: float, m2: float, low: float, high: float) -> None:
+    def _merge(
+        self, count: int, mean: float, m2: float, low: float, high: float, exponent: int
+    ) -> None:
+        """Merge a chunk's moments, ``mean`` and ``m2`` in units of 2**exponent (4**...)."""
+        common = max(self.exponent, exponent)
+        # to the common unit (exact but for tiny values, which then do not matter)
+        self.mean = math.ldexp(self.mean, self.exponent - common)
+        self.m2 = math.ldexp(self.m2, 2 * (self.exponent - common))
+        mean = math.ldexp(mean, exponent - common)
+        m2 = math.ldexp(m2, 2 * (exponent - common))
+        self.exponent = common
         total = self.count + count
         delta = mean - self.mean
         self.mean += delta * count / total
