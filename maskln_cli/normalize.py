@@ -82,6 +82,10 @@ class Problem:
     dtype: torch.dtype
     chunk_rows: int
     notes: list[str] = field(default_factory=list)
+    eps_source: str = "default"
+    """Where eps came from: ``--eps``, ``metadata 'eps'`` (INPUT's), or ``default``."""
+    param_dtype: torch.dtype | None = None
+    """The finest dtype scale and bias were stored in (None: both are defaults)."""
 
     @property
     def rows(self) -> int:
@@ -117,8 +121,8 @@ def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
 
     Example:
         >>> with load_problem("sample_data/worked_example.safetensors", NormalizeOptions()) as p:
-        ...     p.shape, p.eps, p.dtype, p.valid.tolist()
-        ((1, 2, 2), 3.0, torch.float64, [True, False])
+        ...     p.shape, p.eps, p.eps_source, p.dtype, p.param_dtype, p.valid.tolist()
+        ((1, 2, 2), 3.0, "metadata 'eps'", torch.float64, torch.float64, [True, False])
     """
     sources = [s for s in (path, options.params, options.grad_out) if s is not None]
     if sources.count(STDIO) > 1:
@@ -172,6 +176,8 @@ def _prepare(
         )
     scale = _optional(params, options.scale_key, "scale", notes, "using ones")
     bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
+    stored = [t.dtype for t in (scale, bias) if t is not None and _dtype_name(t.dtype) in FLOATING]
+    param_dtype = min(stored, key=lambda d: torch.finfo(d).eps) if stored else None
     scale = torch.ones(channels) if scale is None else scale
     bias = torch.zeros(channels) if bias is None else bias
     scale = _as_parameter(scale, params.name, options.scale_key or "scale", channels).to(dtype)
@@ -211,6 +217,8 @@ def _prepare(
         dtype=dtype,
         chunk_rows=rows_per_chunk,
         notes=notes,
+        eps_source=_eps_source(options.eps, data),
+        param_dtype=param_dtype,
     )
 
 
@@ -274,6 +282,13 @@ def _resolve_eps(eps: float | None, data: TensorFile, dtype: torch.dtype) -> flo
     except ValueError:
         value = math.nan
     return check_eps(value, f"{data.name}: metadata 'eps' ({text!r})", dtype)
+
+
+def _eps_source(eps: float | None, data: TensorFile) -> str:
+    """Where :func:`_resolve_eps` takes eps from, as reports name it."""
+    if eps is not None:
+        return "--eps"
+    return "metadata 'eps'" if "eps" in data.metadata else "default"
 
 
 def check_eps(eps: float, where: str, dtype: torch.dtype | None = None) -> float:
