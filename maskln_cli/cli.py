@@ -490,56 +490,148 @@ QuietReport = Annotated[
 ]
 
 
+class JudgeDtype(str, Enum):
+    auto = "auto"
+    float64 = "float64"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class ToleranceMode(str, Enum):
+    budget = "budget"
+    fixed = "fixed"
+
+
 @app.command(no_args_is_help=True)
 @reports_errors
 def verify(
     input_path: Annotated[
         str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
     ],
-    expected_path: Annotated[
+    result_path: Annotated[
         str,
-        typer.Argument(
-            metavar="EXPECTED",
-            help="The result to check (e.g. a kernel's output); '-' reads stdin.",
-        ),
+        typer.Argument(metavar="RESULT", help="The kernel's result to judge; '-' reads stdin."),
     ],
     x_key: XKey = "x",
     valid_key: ValidKey = None,
     scale_key: ScaleKey = None,
     bias_key: BiasKey = None,
     grad_out_key: GradOutKey = None,
-    out_key: OutKey = "out",
+    out_key: Annotated[
+        str,
+        typer.Option(
+            "--out-key",
+            metavar="KEY",
+            help="RESULT's key of out (as --result-key out=KEY).",
+            rich_help_panel="Keys",
+        ),
+    ] = "out",
+    result_keys: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--result-key",
+            metavar="NAME=KEY",
+            help="RESULT's KEY holds NAME (out, grad_x, grad_scale or grad_bias), e.g."
+            " grad_x=dx. Repeatable.",
+            show_default=False,
+            rich_help_panel="Keys",
+        ),
+    ] = None,
+    check: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--check",
+            metavar="NAMES",
+            help="Check only these, e.g. out,grad_x. (default: out, and grad_x, grad_scale and"
+            " grad_bias when INPUT holds grad_out)",
+            show_default=False,
+        ),
+    ] = None,
     params: Params = None,
     grad_out: GradOutFile = None,
     eps: Eps = None,
-    dtype: Dtype = ComputeDtype.auto,
-    chunk_rows: ChunkRows = None,
+    dtype: Annotated[
+        JudgeDtype,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="The dtype the kernel computed in, whose error budget applies: auto (RESULT's"
+            " dtype), float64, float32, float16 or bfloat16.",
+            show_default=False,
+            rich_help_panel="Tolerance",
+        ),
+    ] = JudgeDtype.auto,
+    tolerance: Annotated[
+        ToleranceMode | None,
+        typer.Option(
+            "--tolerance",
+            metavar="MODE",
+            help="budget: within --factor times the rounding of a correct kernel in its dtype,"
+            " calibrated against PyTorch's F.layer_norm; fixed: within --rtol and --atol."
+            " (default: budget, fixed when --rtol or --atol is given)",
+            show_default=False,
+            rich_help_panel="Tolerance",
+        ),
+    ] = None,
+    factor: Annotated[
+        float | None,
+        typer.Option(
+            "--factor",
+            metavar="F",
+            help="How many times the modelled rounding a kernel may err. (default: 3)",
+            show_default=False,
+            rich_help_panel="Tolerance",
+        ),
+    ] = None,
     rtol: Rtol = None,
     atol: Atol = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Also fail -0.0 in the padding, and any key of RESULT that was not compared.",
+            rich_help_panel="Tolerance",
+        ),
+    ] = False,
+    chunk_rows: ChunkRows = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
-    """Recompute from INPUT exactly as normalize would, and compare with EXPECTED.
+    """Judge RESULT, a kernel's output, against maskln's float64 result for INPUT.
 
-    Compares 'out', and grad_x, grad_scale and grad_bias when EXPECTED holds them and INPUT holds
-    'grad_out'. An element passes when |actual - expected| <= atol + rtol * |expected|; NaN
-    matches only NaN, inf only the same inf. EXPECTED's out and grad_x must be exactly 0 at every
-    invalid position. Exit code 0 when everything matches, 1 on any mismatch, 2 on an error.
+    RESULT's out (and grad_x, grad_scale and grad_bias when INPUT holds grad_out) must each be
+    as close to the float64 truth as a correct kernel in RESULT's dtype can be: within --factor
+    times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm on the
+    same data. A tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at
+    every invalid position. A failing tensor is described and diagnosed. Exit code 0 when all
+    pass, 1 on any failure, 2 on an error.
 
     **Examples**
 
     ```
     maskln verify inputs.safetensors kernel_out.safetensors
+    maskln verify in.safetensors kernel.safetensors --result-key grad_x=dx --check out,grad_x
     maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
     ```
     """
     from maskln_cli import report
-    from maskln_cli.verify import verify_file
+    from maskln_cli.verify import VerifyOptions, parse_check, parse_result_keys, verify_file
 
-    options = _normalize_options(locals())
+    options = _normalize_options({**locals(), "dtype": ComputeDtype.auto})
+    judged = VerifyOptions(
+        check=parse_check(check) if check else None,
+        result_keys=parse_result_keys(result_keys or ()),
+        tolerance=tolerance.value if tolerance is not None else None,
+        factor=factor,
+        rtol=rtol,
+        atol=atol,
+        strict=strict,
+        dtype=dtype.value,
+    )
     with report.progress_bar(f"verify {input_path}") as progress:
-        result = verify_file(input_path, expected_path, options, rtol, atol, progress)
+        result = verify_file(input_path, result_path, options, judged, progress)
     _finish_comparison(result, json_output, quiet)
 
 
