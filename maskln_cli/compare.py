@@ -483,7 +483,10 @@ class Comparison:
         """
         problems = list(extra_problems)
         if self.shape != self.expected_shape:
-            problems.append(f"shape {self.shape} vs expected {self.expected_shape}")
+            problem = f"shape {self.shape} vs expected {self.expected_shape}"
+            if math.prod(self.expected_shape) == self.numel:
+                problem += ": the same number of elements in another shape; values not compared"
+            problems.append(problem)
         if self.same_dtype and self.dtype != self.expected_dtype:
             problems.append(f"dtype {self.dtype} vs expected {self.expected_dtype}")
         outcome = TensorComparison(

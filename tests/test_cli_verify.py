@@ -382,6 +382,18 @@ def test_a_result_that_is_not_floating_point_fails(tmp_path, dtype):
     ]
 
 
+def test_same_size_in_another_shape_is_said_not_compared(tmp_path):
+    inputs = batch(grad=False)
+    out = kernels.run(kernels.two_pass, inputs)["out"]
+    source, target = files(tmp_path, inputs, {"out": out.transpose(1, 2).contiguous()})
+    figures = tensors(verify_json(source, target))["out"]
+    assert figures["problems"] == [
+        "shape [4, 32, 16] vs expected [4, 16, 32]: the same number of elements in another"
+        " shape; values not compared"
+    ]
+    assert figures["mismatched"] is None
+
+
 # --- errors and streams -------------------------------------------------------------------------
 
 

@@ -110,7 +110,13 @@ def test_float32_default_tolerance_in_use():
 def test_shape_and_dtype_differences_are_mismatches():
     shape = compare_tensors("t", torch.zeros(2, 3), torch.zeros(3, 2))
     assert not shape.passed and shape.mismatched is None
-    assert shape.problems == ["shape [2, 3] vs expected [3, 2]"]
+    # Same size, another shape: said, since no values were compared.
+    assert shape.problems == [
+        "shape [2, 3] vs expected [3, 2]: the same number of elements in another shape;"
+        " values not compared"
+    ]
+    other_size = compare_tensors("t", torch.zeros(2, 3), torch.zeros(2, 2))
+    assert other_size.problems == ["shape [2, 3] vs expected [2, 2]"]
     dtype = compare_tensors("t", torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64))
     assert not dtype.passed and dtype.mismatched == 0  # values still compared, and equal
     assert dtype.problems == ["dtype float32 vs expected float64"]
