@@ -549,11 +549,16 @@ class Comparison:
         return 0.0 if squares == 0 else math.inf
 
     def _worst_rows(self) -> list[WorstRow]:
-        """The worst rows, worst first."""
-        return [
+        """The worst rows, worst first, then the row of the greatest absolute difference when
+        it is not among them (it may be within its allowance: the table then says so)."""
+        worst = [
             self._worst_row(-negative_flat, actual, expected, allowed)
             for _, negative_flat, actual, expected, allowed in sorted(self._worst, reverse=True)
         ]
+        value, flat, actual, expected, allowed = self._max_abs
+        if worst and value > 0 and all(w.index != self._unravel(flat) for w in worst):
+            worst.append(self._worst_row(flat, actual, expected, allowed))
+        return worst
 
     def _worst_row(self, flat: int, actual: float, expected: float, allowed: float) -> WorstRow:
         index = self._unravel(flat)

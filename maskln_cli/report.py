@@ -499,7 +499,13 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
     table.add_column("expected", justify="right")
     table.add_column("abs diff", justify="right")
     table.add_column(f"{allowed}", justify="right")
-    for worst in tensor.worst:
+    table.add_column("")
+    for position, worst in enumerate(tensor.worst):
+        # The last row may be the max abs diff's, added when not among the worst.
+        label = ""
+        if position == len(tensor.worst) - 1 and worst.index == tensor.max_abs_index:
+            within = worst.allowed is not None and worst.abs_diff <= worst.allowed
+            label = f"max abs diff{f', within its {allowed}' if within else ''}"
         table.add_row(
             str(worst.row),
             "" if worst.row == worst.index else str(worst.index[-1]),
@@ -507,5 +513,6 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
             f"{worst.expected:.7g}",
             f"{worst.abs_diff:.3g}" if math.isfinite(worst.abs_diff) else "not finite",
             "" if worst.allowed is None else f"{worst.allowed:.3g}",
+            label,
         )
     return table

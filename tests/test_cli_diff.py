@@ -85,6 +85,21 @@ def test_diff_json_document(tmp_path):
     assert tensors["only_e"]["shape"] is None and tensors["only_e"]["expected_shape"] == [2]
 
 
+def test_diff_worst_rows_show_the_max_abs_element_within_tolerance(tmp_path):
+    expected = torch.tensor([[100.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    actual = expected.clone()
+    actual[0, 0] = 100.5  # within rtol 0.01 of 100: the greatest difference, and no mismatch
+    actual[1, 1] = 0.1  # beyond atol 0.01: the mismatch
+    paths = pair(tmp_path, {"t": actual}, {"t": expected})
+    result = invoke("diff", *paths, "--rtol", "0.01", "--atol", "0.01")
+    assert result.exit_code == 1
+    table = result.stdout.split("worst rows of t")[1]
+    lines = [line for line in table.splitlines() if line.strip().startswith("[")]
+    assert lines[0].split()[:2] == ["[1]", "1"]
+    assert lines[1].split()[:2] == ["[0]", "0"]
+    assert lines[1].rstrip().endswith("max abs diff, within its tolerance")
+
+
 def test_diff_key_option_limits_the_comparison(tmp_path):
     paths = pair(
         tmp_path,

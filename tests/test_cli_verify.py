@@ -394,6 +394,26 @@ def test_same_size_in_another_shape_is_said_not_compared(tmp_path):
     assert figures["mismatched"] is None
 
 
+def test_worst_rows_show_the_max_abs_element_even_within_its_budget(tmp_path):
+    # Sequence 0 carries an offset of 1e3: a correct float32 kernel errs most there, within
+    # its (large) budget. One row without offset is wrong by 5e-5: the only failure.
+    inputs = batch(grad=False)
+    valid = inputs["valid"]
+    inputs["x"][0] = torch.where(valid[0][..., None], inputs["x"][0] + 1e3, inputs["x"][0])
+    result = kernels.run(kernels.two_pass, inputs)
+    wrong = tuple(valid[1].nonzero()[0].tolist())
+    result["out"][1][wrong][3] += 5e-5
+    source, target = files(tmp_path, inputs, result)
+    figures = tensors(verify_json(source, target))["out"]
+    assert not figures["passed"] and figures["mismatched"] == 1
+    first, last = figures["worst"][0], figures["worst"][-1]
+    assert first["index"] == [1, *wrong, 3] and first["abs_diff"] > first["allowed"]
+    assert last["index"] == figures["max_abs_index"] and last["index"][0] == 0
+    assert last["abs_diff"] <= last["allowed"]
+    text = invoke("verify", source, target).stdout
+    assert "max abs diff, within its budget" in text
+
+
 # --- errors and streams -------------------------------------------------------------------------
 
 

@@ -172,8 +172,9 @@ def test_allowance_replaces_the_tolerance_and_ranks_worst_rows_by_ratio():
     result = comparison.result()
     # Row 0 errs by 0.5 within 1.0; row 1 by 0.25 against 0.1: only it fails, at 2.5x.
     assert (result.mismatched, result.budget_ratio) == (1, pytest.approx(2.5))
-    assert [w.index for w in result.worst] == [[1, 1]]
+    assert [w.index for w in result.worst] == [[1, 1], [0, 0]]  # then the max abs element
     assert result.worst[0].abs_diff > result.worst[0].allowed == pytest.approx(0.1)
+    assert result.worst[1].abs_diff <= result.worst[1].allowed
     assert result.problems == ["1 of 6 elements differ beyond tolerance"]  # dtypes may differ
 
 
