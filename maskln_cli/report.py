@@ -163,17 +163,17 @@ def render_file_summary(summary: FileSummary) -> None:
             human_bytes(tensor.bytes),
             describe_values(tensor),
         )
-    console = stdout_console()
-    console.print(table)
-    if summary.metadata:
-        meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
-        meta.add_column("key", style="bold", overflow="fold")
-        meta.add_column("value", overflow="fold")
-        for key in sorted(summary.metadata):
-            meta.add_row(safe(key), safe(summary.metadata[key]))
-        console.print(meta)
-    else:
-        console.print("no metadata", style="dim")
+    with plain_when_piped() as console:
+        console.print(table)
+        if summary.metadata:
+            meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
+            meta.add_column("key", style="bold", overflow="fold")
+            meta.add_column("value", overflow="fold")
+            for key in sorted(summary.metadata):
+                meta.add_row(safe(key), safe(summary.metadata[key]))
+            console.print(meta)
+        else:
+            console.print("no metadata", style="dim")
 
 
 def describe_values(tensor: TensorSummary) -> str:
@@ -295,25 +295,41 @@ COMPACT_AFTER = 8
 def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
     """The human report of ``maskln diff`` and ``maskln verify``: a header, a block per tensor,
     the worst rows of each mismatched tensor, notes, and the verdict line last."""
-    console = stdout_console()
-    if not quiet:
-        _render_header(console, report)
-        compact = len(report.tensors) > COMPACT_AFTER
-        if compact:
-            console.print()
-        for tensor in report.tensors:
-            if compact and tensor.passed:
-                console.print(_tensor_line(tensor), soft_wrap=True)
-                continue
-            console.print()
-            console.print(_tensor_block(tensor, report))
-            if tensor.worst and not tensor.passed:
+    with plain_when_piped() as console:
+        if not quiet:
+            _render_header(console, report)
+            compact = len(report.tensors) > COMPACT_AFTER
+            if compact:
                 console.print()
-                console.print(_worst_rows_table(tensor, report))
-        for message in report.notes:
-            console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
-        console.print()
-    console.print(verdict_line(report), soft_wrap=True)
+            for tensor in report.tensors:
+                if compact and tensor.passed:
+                    console.print(_tensor_line(tensor), soft_wrap=True)
+                    continue
+                console.print()
+                console.print(_tensor_block(tensor, report))
+                if tensor.worst and not tensor.passed:
+                    console.print()
+                    console.print(_worst_rows_table(tensor, report))
+            for message in report.notes:
+                console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
+            console.print()
+        console.print(verdict_line(report), soft_wrap=True)
+
+
+@contextlib.contextmanager
+def plain_when_piped() -> Iterator[Console]:
+    """The stdout console; off a terminal what is printed is captured and written with the
+    spaces that pad table cells stripped from line ends (a terminal hides them; a file, a
+    pager or ``diff`` would not)."""
+    console = stdout_console()
+    if console.is_terminal:
+        yield console
+        return
+    with console.capture() as capture:
+        yield console
+    text = "\n".join(line.rstrip() for line in capture.get().split("\n"))
+    console.file.write(text)
+    console.file.flush()
 
 
 def _render_header(console: Console, report: ComparisonReport) -> None:

@@ -100,6 +100,14 @@ def test_diff_worst_rows_show_the_max_abs_element_within_tolerance(tmp_path):
     assert lines[1].rstrip().endswith("max abs diff, within its tolerance")
 
 
+@pytest.mark.parametrize("command", [["diff", PAIRS, EXPECTED_PAIRS], ["inspect", PAIRS]])
+def test_piped_reports_have_no_trailing_spaces(command):
+    """Table cells are padded to their column's width; a terminal hides it, a file does not."""
+    result = run(*command)
+    lines = result.stdout.decode().splitlines()
+    assert len(lines) > 5 and all(line == line.rstrip() for line in lines), result.stdout
+
+
 def test_diff_key_option_limits_the_comparison(tmp_path):
     paths = pair(
         tmp_path,

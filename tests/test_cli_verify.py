@@ -216,6 +216,7 @@ def test_report_puts_the_kernels_error_beside_pytorchs(tmp_path):
         "PASS: out, grad_x, grad_scale, grad_bias within the float32 error budget",
     ):
         assert fragment in text, fragment
+    assert not any(line != line.rstrip() for line in text.splitlines())  # piped: no padding
 
 
 # --- what must be checked -----------------------------------------------------------------------
