@@ -395,10 +395,11 @@ def inspect(
     from maskln_cli.stats import summarize_file
 
     summary = summarize_file(path)
-    if json_output:
-        report.print_json(summary.to_dict())
-    else:
-        report.render_file_summary(summary)
+    with _quiet_when_stdout_closes(0):
+        if json_output:
+            report.print_json(summary.to_dict())
+        else:
+            report.render_file_summary(summary)
 
 
 @app.command(no_args_is_help=True)
@@ -676,12 +677,27 @@ def diff(
 def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
     from maskln_cli import report
 
-    if json_output:
-        report.print_json(result.to_dict())
-    else:
-        report.render_comparison(result, quiet=quiet)
-    if not result.passed:
-        raise typer.Exit(EXIT_MISMATCH)
+    code = 0 if result.passed else EXIT_MISMATCH
+    with _quiet_when_stdout_closes(code):
+        if json_output:
+            report.print_json(result.to_dict())
+        else:
+            report.render_comparison(result, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _quiet_when_stdout_closes(code: int) -> Any:
+    """A report's reader closed the pipe (``| head``): stop writing, say nothing, and exit with
+    the command's own code (the verdict's), as git and grep do."""
+    from maskln_cli.errors import StdoutClosed
+
+    try:
+        yield
+    except StdoutClosed:
+        _detach_broken_stdout()
+        raise typer.Exit(code) from None
 
 
 def main() -> None:

@@ -35,12 +35,12 @@ PROGRESS_DELAY = 0.5
 def stdout_console() -> Console:
     from rich.console import Console
 
-    from maskln_cli.errors import MasklnError
+    from maskln_cli.errors import MasklnError, StdoutClosed
 
     class StdoutConsole(Console):
         def on_broken_pipe(self) -> None:  # rich would exit 1: that means "mismatch" here
             self.quiet = True
-            raise MasklnError("<stdout>: cannot write: Broken pipe")
+            raise StdoutClosed
 
     if sys.stdout is None:
         raise MasklnError("<stdout>: is closed")
@@ -89,8 +89,19 @@ def note(message: str) -> None:
 
 def print_json(data: object) -> None:
     """A JSON document on stdout (plain, never styled, NaN and inf as null)."""
-    sys.stdout.write(to_json(data) + "\n")
-    sys.stdout.flush()
+    with _closed_pipe_ends_quietly():
+        sys.stdout.write(to_json(data) + "\n")
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _closed_pipe_ends_quietly() -> Iterator[None]:
+    from maskln_cli.errors import StdoutClosed
+
+    try:
+        yield
+    except BrokenPipeError:
+        raise StdoutClosed from None
 
 
 def to_json(data: object) -> str:
@@ -328,8 +339,9 @@ def plain_when_piped() -> Iterator[Console]:
     with console.capture() as capture:
         yield console
     text = "\n".join(line.rstrip() for line in capture.get().split("\n"))
-    console.file.write(text)
-    console.file.flush()
+    with _closed_pipe_ends_quietly():
+        console.file.write(text)
+        console.file.flush()
 
 
 def _render_header(console: Console, report: ComparisonReport) -> None:
