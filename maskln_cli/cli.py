@@ -96,8 +96,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
 Command = TypeVar("Command", bound=Callable[..., Any])
 
 
-def reports_errors(command: Command) -> Command:
-    """Turn library errors into one line on stderr and exit code 2; Ctrl-C/SIGTERM into 130/143."""
+def reports_errors(command: Command | None = None, *, writes: bool = True) -> Any:
+    """Turn library errors into one line on stderr and exit code 2; Ctrl-C/SIGTERM into 130/143.
+
+    ``writes``: the command writes an output file, which Ctrl-C discards (and says so).
+    """
+    if command is None:
+        return functools.partial(reports_errors, writes=writes)
+    discarded = "; the output being written was discarded" if writes else ""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -114,10 +120,10 @@ def reports_errors(command: Command) -> Command:
         except MasklnError as failure:
             message = str(failure)
         except KeyboardInterrupt:
-            _report(report, "interrupted; the output being written was discarded")
+            _report(report, f"interrupted{discarded}")
             raise typer.Exit(130) from None
         except Terminated:
-            _report(report, "terminated; the output being written was discarded")
+            _report(report, f"terminated{discarded}")
             raise typer.Exit(143) from None
         except MemoryError:
             message = "out of memory; try a smaller --chunk-rows"
@@ -370,7 +376,7 @@ def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, s
 
 
 @app.command(no_args_is_help=True)
-@reports_errors
+@reports_errors(writes=False)
 def inspect(
     path: Annotated[
         str, typer.Argument(metavar="FILE", help="A safetensors file; '-' reads stdin.")
@@ -505,7 +511,7 @@ class ToleranceMode(str, Enum):
 
 
 @app.command(no_args_is_help=True)
-@reports_errors
+@reports_errors(writes=False)
 def verify(
     input_path: Annotated[
         str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
@@ -637,7 +643,7 @@ def verify(
 
 
 @app.command(no_args_is_help=True)
-@reports_errors
+@reports_errors(writes=False)
 def diff(
     actual_path: Annotated[
         str, typer.Argument(metavar="ACTUAL", help="A safetensors file; '-' reads stdin.")

@@ -6,6 +6,7 @@ resource limits, signals and concurrent writers, and the security promises.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -401,6 +402,26 @@ def test_a_report_piped_into_head_ends_quietly_with_its_verdict(tmp_path, other,
     )
     assert pipeline.stdout.strip() == code, pipeline.stderr
     assert pipeline.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [(["verify", PAIRS, PAIRS], "maskln_cli.verify.verify_file"),
+     (["inspect", PAIRS], "maskln_cli.stats.summarize_file"),
+     (["diff", PAIRS, PAIRS], "maskln_cli.compare.diff_files")],
+)  # fmt: skip
+def test_ctrl_c_in_a_command_that_writes_nothing_says_only_interrupted(
+    monkeypatch, command, target
+):
+    module, name = target.rsplit(".", 1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    result = invoke(*command)
+    assert result.exit_code == 130
+    assert result.stderr.strip() == "maskln: error: interrupted"
 
 
 def test_closed_stdin_and_stdout(tmp_path):
