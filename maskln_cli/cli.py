@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from maskln_cli import __version__
 from maskln_cli.errors import MasklnError
@@ -33,8 +33,51 @@ EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 
 
+class _PlainArgument(TyperArgument):
+    """An argument shown by its metavar alone: ``INPUT``, not ``{INPUT}`` and ``<str>``."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        return None
+
+    def _usage_display_name(self) -> str:
+        name = self.display_name_raw
+        return name if self.required else f"[{name}]"
+
+
+class _PlainOption(TyperOption):
+    """An option shown by its metavar (``FILE``, ``KEY``), a flag by its name alone: typer
+    would add ``<bool>``, ``<str>``, ``<int range> [x>=1]`` and split long choice lists."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        if self.is_flag or self.count:
+            return None
+        return self.metavar or str(getattr(self.type, "name", "value")).upper()
+
+    def _get_number_range_help_str(self) -> str | None:
+        return None  # each help text says its range in words
+
+
+def _plain(params: list[Any]) -> list[Any]:
+    for param in params:
+        if type(param) is TyperArgument:
+            param.__class__ = _PlainArgument
+        elif type(param) is TyperOption:
+            param.__class__ = _PlainOption
+    return params
+
+
+class PlainHelp(TyperCommand):
+    """A command whose help shows metavars as written (see :class:`_PlainOption`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain(super().get_params(ctx))
+
+
 class OneLineErrors(TyperGroup):
     """Usage errors (a bad option value, a missing argument) as one line, like every error."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain(super().get_params(ctx))
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -187,11 +230,15 @@ def _main(
 
 
 # Options shared by normalize and verify.
-XKey = Annotated[str, typer.Option("--x-key", help="Key of x, [..., C].", rich_help_panel="Keys")]
+XKey = Annotated[
+    str,
+    typer.Option("--x-key", metavar="KEY", help="Key of x, [..., C].", rich_help_panel="Keys"),
+]
 ValidKey = Annotated[
     str | None,
     typer.Option(
         "--valid-key",
+        metavar="KEY",
         help="Key of the mask [...]: bool, or 0/1 numbers."
         " (default: valid; when absent, all positions are valid)",
         show_default=False,
@@ -202,6 +249,7 @@ ScaleKey = Annotated[
     str | None,
     typer.Option(
         "--scale-key",
+        metavar="KEY",
         help="Key of scale [C]. (default: scale; when absent, ones)",
         show_default=False,
         rich_help_panel="Keys",
@@ -211,6 +259,7 @@ BiasKey = Annotated[
     str | None,
     typer.Option(
         "--bias-key",
+        metavar="KEY",
         help="Key of bias [C]. (default: bias; when absent, zeros)",
         show_default=False,
         rich_help_panel="Keys",
@@ -220,6 +269,7 @@ GradOutKey = Annotated[
     str | None,
     typer.Option(
         "--grad-out-key",
+        metavar="KEY",
         help="Key of the upstream gradient [..., C]."
         " (default: grad_out; when absent, no gradients)",
         show_default=False,
@@ -227,7 +277,8 @@ GradOutKey = Annotated[
     ),
 ]
 OutKey = Annotated[
-    str, typer.Option("--out-key", help="Key of the result.", rich_help_panel="Keys")
+    str,
+    typer.Option("--out-key", metavar="KEY", help="Key of the result.", rich_help_panel="Keys"),
 ]
 Params = Annotated[
     str | None,
@@ -248,27 +299,34 @@ Eps = Annotated[
     float | None,
     typer.Option(
         "--eps",
+        metavar="EPS",
         help="Added to the variance. (default: the input's metadata 'eps', else 1e-05)",
         show_default=False,
     ),
 ]
 Dtype = Annotated[
     ComputeDtype,
-    typer.Option("--dtype", help="Compute and output dtype; auto keeps x's dtype."),
+    typer.Option(
+        "--dtype",
+        metavar="DTYPE",
+        help="Compute and output dtype: auto (x's), float32 or float64. [default: auto]",
+        show_default=False,
+    ),
 ]
 ChunkRows = Annotated[
     int | None,
     typer.Option(
         "--chunk-rows",
         min=1,
-        help="Positions per chunk (bounds memory). (default: about 8 MiB of x)",
+        metavar="ROWS",
+        help="Positions per chunk, at least 1 (bounds memory). (default: a few MiB of x)",
         show_default=False,
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors on stderr.")]
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors
 def normalize(
     paths: Annotated[
@@ -284,6 +342,7 @@ def normalize(
         typer.Option(
             "--out-dir",
             "-o",
+            metavar="DIR",
             help="Normalize every INPUT into DIR/NAME, NAME being the input's file name,"
             " in one process.",
             file_okay=False,
@@ -375,7 +434,7 @@ def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, s
     return [(path, str(out_dir / Path(path).name)) for path in paths]
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors(writes=False)
 def inspect(
     path: Annotated[
@@ -408,26 +467,38 @@ def inspect(
             report.render_file_summary(summary)
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors
 def generate(
     output: Annotated[
         str, typer.Argument(metavar="OUTPUT", help="File to write; '-' writes stdout.")
     ],
     shape: Annotated[
-        str, typer.Option("--shape", help="Shape of x, comma-separated; the last axis is C.")
+        str,
+        typer.Option(
+            "--shape", metavar="SIZES", help="Shape of x, comma-separated; the last axis is C."
+        ),
     ],
-    dtype: Annotated[GenerateDtype, typer.Option("--dtype", help="dtype of x, scale, bias.")] = (
-        GenerateDtype.float32
-    ),
-    seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
+    dtype: Annotated[
+        GenerateDtype,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="dtype of x, scale, bias: float32, float64, float16 or bfloat16."
+            " [default: float32]",
+            show_default=False,
+        ),
+    ] = GenerateDtype.float32,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Random seed.")] = 0,
     invalid: Annotated[
         float,
         typer.Option(
             "--invalid",
             min=0.0,
             max=1.0,
-            help="Fraction of positions that are padding (trailing, along the last leading axis).",
+            metavar="FRACTION",
+            help="Fraction of positions that are padding, from 0 to 1 (trailing, along the last"
+            " leading axis).",
         ),
     ] = 0.25,
     poison: Annotated[
@@ -436,7 +507,9 @@ def generate(
     grad: Annotated[
         bool, typer.Option("--grad", help="Add an upstream gradient 'grad_out'.")
     ] = False,
-    eps: Annotated[float, typer.Option("--eps", help="eps stored in the metadata.")] = 1e-5,
+    eps: Annotated[
+        float, typer.Option("--eps", metavar="EPS", help="eps stored in the metadata.")
+    ] = 1e-5,
     quiet: Quiet = False,
 ) -> None:
     """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
@@ -475,6 +548,7 @@ Rtol = Annotated[
     float | None,
     typer.Option(
         "--rtol",
+        metavar="RTOL",
         help="Relative tolerance. (default: by dtype, as torch.testing.assert_close)",
         show_default=False,
         rich_help_panel="Tolerance",
@@ -484,6 +558,7 @@ Atol = Annotated[
     float | None,
     typer.Option(
         "--atol",
+        metavar="ATOL",
         help="Absolute tolerance. (default: by dtype, as torch.testing.assert_close)",
         show_default=False,
         rich_help_panel="Tolerance",
@@ -510,7 +585,7 @@ class ToleranceMode(str, Enum):
     fixed = "fixed"
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors(writes=False)
 def verify(
     input_path: Annotated[
@@ -642,7 +717,7 @@ def verify(
     _finish_comparison(result, json_output, quiet)
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors(writes=False)
 def diff(
     actual_path: Annotated[
@@ -653,7 +728,13 @@ def diff(
     ],
     keys: Annotated[
         list[str] | None,
-        typer.Option("--key", "-k", help="Compare only this key (repeatable).", show_default=False),
+        typer.Option(
+            "--key",
+            "-k",
+            metavar="KEY",
+            help="Compare only this key (repeatable).",
+            show_default=False,
+        ),
     ] = None,
     rtol: Rtol = None,
     atol: Atol = None,
