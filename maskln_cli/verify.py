@@ -48,7 +48,7 @@ from maskln_cli.tensorfile import dtype_name as _dtype_name
 if TYPE_CHECKING:
     import torch
 
-    from maskln_cli.budget import Precision
+    from maskln_cli.budget import Precision, SumBudget, Yardstick
 
 TENSORS = ("out", *GRADIENT_KEYS)
 """What RESULT may hold, by the names the report uses."""
@@ -273,21 +273,20 @@ class _Job:
         if self.verify.dtype != "auto":
             return getattr(torch, self.verify.dtype)
         x_dtype = self.problem.x.dtype
-        for name in self.names:
-            key = self.keys[name]
-            if key in self.result:
-                dtype = getattr(torch, self.result.info(key).dtype, None)
-                if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-                    if dtype.itemsize > 1 and torch.finfo(dtype).eps < torch.finfo(x_dtype).eps:
-                        self.notes.append(
-                            f"RESULT's {name} is {_dtype_name(dtype)} while x is"
-                            f" {_dtype_name(x_dtype)}: judged as a {_dtype_name(dtype)} kernel"
-                            f" (--dtype {_dtype_name(x_dtype)} judges it by"
-                            f" {_dtype_name(x_dtype)}'s budget)"
-                        )
-                    if dtype.itemsize > 1:
-                        return dtype
-        return x_dtype
+        # The first tensor of RESULT checked, of a dtype verify judges.
+        keys = [self.keys[n] for n in self.names if self.keys[n] in self.result]
+        stored = (self.result.info(key).dtype for key in keys)
+        found = next((d for d in stored if d in FLOATING), None)
+        if found is None:
+            return x_dtype
+        dtype = getattr(torch, found)
+        if torch.finfo(dtype).eps < torch.finfo(x_dtype).eps:
+            self.notes.append(
+                f"RESULT is {found} while x is {_dtype_name(x_dtype)}: judged as a {found}"
+                f" kernel (--dtype {_dtype_name(x_dtype)} judges it by"
+                f" {_dtype_name(x_dtype)}'s budget)"
+            )
+        return dtype
 
     def _eps_where(self) -> str:
         source = self.problem.eps_source
@@ -357,10 +356,12 @@ class _Job:
         problem = self.problem
         comparing = {c.name: c for c in self.checked if c.comparison is not None}
         live = {n: c for n, c in comparing.items() if c.comparison.comparable}  # type: ignore[union-attr]
-        gradients = problem.grad_out is not None and any(n != "out" for n in self.names)
-        sums = _Sums(problem.channels, self.torch) if gradients else None
+        # Gradients are computed only when RESULT holds one to compare, values only when
+        # RESULT holds anything to compare.
+        gradients = problem.grad_out is not None and any(n in live for n in GRADIENT_KEYS)
+        sums = _Sums(problem.channels) if gradients else None
         sum_budget = SumBudget(problem.channels, self.precision) if gradients else None
-        for start, stop in row_blocks(problem.rows, self.chunk_rows):
+        for start, stop in row_blocks(problem.rows, self.chunk_rows) if live else ():
             self._chunk(start, stop, live, sums, sum_budget)
             if progress:
                 progress(stop, problem.rows)
@@ -383,7 +384,7 @@ class _Job:
         stop: int,
         live: dict[str, _Checked],
         sums: _Sums | None,
-        sum_budget: object,
+        sum_budget: SumBudget | None,
     ) -> None:
         from maskln_cli.budget import RowBudget, yardstick
         from maskln_cli.core import masked_layer_normalization
@@ -429,9 +430,9 @@ class _Job:
                 allowed = reference.abs().mul_(comparison.rtol).add_(comparison.atol)
                 pieces = {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
             comparison.update(actual, reference, ~valid, yardstick=guess, **pieces)
-        if sums is not None and dy64 is not None:
+        if sums is not None and sum_budget is not None and dy64 is not None:
             sums.add(truth["grad_scale"], truth["grad_bias"], judge)
-            rows.add_to(sum_budget, dy64)  # type: ignore[arg-type]
+            rows.add_to(sum_budget, dy64)
 
     def _note_poison(
         self, start: int, x: torch.Tensor, valid: torch.Tensor, grad_out: torch.Tensor | None
@@ -446,7 +447,7 @@ class _Job:
         rows = (bad & ~valid).nonzero().squeeze(1)[: 64 - len(self.poisoned)]
         self.poisoned += (rows + start).tolist()
 
-    def _compare_sums(self, live: dict[str, _Checked], sums: _Sums, sum_budget: object) -> None:
+    def _compare_sums(self, live: dict[str, _Checked], sums: _Sums, sum_budget: SumBudget) -> None:
         for name, total, guess in (
             ("grad_scale", sums.scale, sums.judge_scale),
             ("grad_bias", sums.bias, sums.judge_bias),
@@ -476,6 +477,8 @@ class _Job:
     ) -> dict[str, torch.Tensor]:
         """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
         pieces it is made of, as :meth:`Comparison.update` takes them."""
+        import torch
+
         from maskln_cli import budget
 
         comparison = checked.comparison
@@ -484,7 +487,7 @@ class _Job:
         error = (guess.double() - reference).abs_() if YARDSTICK_RAISES else None
         unit = budget.unit(model, error)
         always = budget.floor(reference, dtype, comparison.rtol, comparison.atol)
-        allowed = torch_maximum(unit * self.factor, always)
+        allowed = torch.maximum(unit * self.factor, always)
         if valid is not None:
             allowed.masked_fill_(~valid, 0.0)
             always = always.masked_fill(~valid, math.inf)  # the padding is another matter
@@ -772,24 +775,19 @@ class _Sums:
     """grad_scale and grad_bias accumulated over chunks in float64: the truth's and the
     yardstick's (each chunk's share, in the judged dtype, added in float64)."""
 
-    def __init__(self, channels: int, torch: object) -> None:
-        import torch as torch_
+    def __init__(self, channels: int) -> None:
+        import torch
 
-        zeros = torch_.zeros(channels, dtype=torch_.float64)
+        zeros = torch.zeros(channels, dtype=torch.float64)
         self.scale, self.bias = zeros.clone(), zeros.clone()
         self.judge_scale, self.judge_bias = zeros.clone(), zeros.clone()
 
-    def add(self, scale: torch.Tensor, bias: torch.Tensor, judge: object) -> None:
+    def add(self, scale: torch.Tensor, bias: torch.Tensor, judge: Yardstick) -> None:
+        assert judge.grad_scale is not None and judge.grad_bias is not None
         self.scale += scale
         self.bias += bias
-        self.judge_scale += judge.grad_scale.double()  # type: ignore[attr-defined]
-        self.judge_bias += judge.grad_bias.double()  # type: ignore[attr-defined]
-
-
-def torch_maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.maximum(a, b)
+        self.judge_scale += judge.grad_scale.double()
+        self.judge_bias += judge.grad_bias.double()
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:
