@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from maskln_cli import __version__
 from maskln_cli.errors import MasklnError
@@ -33,8 +33,51 @@ EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 
 
+class _PlainArgument(TyperArgument):
+    """An argument shown by its metavar alone: ``INPUT``, not ``{INPUT}`` and ``<str>``."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        return None
+
+    def _usage_display_name(self) -> str:
+        name = self.display_name_raw
+        return name if self.required else f"[{name}]"
+
+
+class _PlainOption(TyperOption):
+    """An option shown by its metavar (``FILE``, ``KEY``), a flag by its name alone: typer
+    would add ``<bool>``, ``<str>``, ``<int range> [x>=1]`` and split long choice lists."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        if self.is_flag or self.count:
+            return None
+        return self.metavar or str(getattr(getattr(self, "type", None), "name", "value")).upper()
+
+    def _get_number_range_help_str(self) -> str | None:
+        return None  # each help text says its range in words
+
+
+def _plain(params: list[Any]) -> list[Any]:
+    for param in params:
+        if type(param) is TyperArgument:
+            param.__class__ = _PlainArgument
+        elif type(param) is TyperOption:
+            param.__class__ = _PlainOption
+    return params
+
+
+class PlainHelp(TyperCommand):
+    """A command whose help shows metavars as written (see :class:`_PlainOption`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain(super().get_params(ctx))
+
+
 class OneLineErrors(TyperGroup):
     """Usage errors (a bad option value, a missing argument) as one line, like every error."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain(super().get_params(ctx))
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -103,8 +146,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
 Command = TypeVar("Command", bound=Callable[..., Any])
 
 
-def reports_errors(command: Command) -> Command:
-    """Turn library errors into one line on stderr and exit code 2; Ctrl-C/SIGTERM into 130/143."""
+def reports_errors(command: Command | None = None, *, writes: bool = True) -> Any:
+    """Turn library errors into one line on stderr and exit code 2; Ctrl-C/SIGTERM into 130/143.
+
+    ``writes``: the command writes an output file, which Ctrl-C discards (and says so).
+    """
+    if command is None:
+        return functools.partial(reports_errors, writes=writes)
+    discarded = "; the output being written was discarded" if writes else ""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -121,10 +170,10 @@ def reports_errors(command: Command) -> Command:
         except MasklnError as failure:
             message = str(failure)
         except KeyboardInterrupt:
-            _report(report, "interrupted; the output being written was discarded")
+            _report(report, f"interrupted{discarded}")
             raise typer.Exit(130) from None
         except Terminated:
-            _report(report, "terminated; the output being written was discarded")
+            _report(report, f"terminated{discarded}")
             raise typer.Exit(143) from None
         except MemoryError:
             message = "out of memory; try a smaller --chunk-rows"
@@ -188,11 +237,15 @@ def _main(
 
 
 # Options shared by normalize and verify.
-XKey = Annotated[str, typer.Option("--x-key", help="Key of x, [..., C].", rich_help_panel="Keys")]
+XKey = Annotated[
+    str,
+    typer.Option("--x-key", metavar="KEY", help="Key of x, [..., C].", rich_help_panel="Keys"),
+]
 ValidKey = Annotated[
     str | None,
     typer.Option(
         "--valid-key",
+        metavar="KEY",
         help="Key of the mask [...]: bool, or 0/1 numbers."
         " (default: valid; when absent, all positions are valid)",
         show_default=False,
@@ -203,6 +256,7 @@ ScaleKey = Annotated[
     str | None,
     typer.Option(
         "--scale-key",
+        metavar="KEY",
         help="Key of scale [C]. (default: scale; when absent, ones)",
         show_default=False,
         rich_help_panel="Keys",
@@ -212,6 +266,7 @@ BiasKey = Annotated[
     str | None,
     typer.Option(
         "--bias-key",
+        metavar="KEY",
         help="Key of bias [C]. (default: bias; when absent, zeros)",
         show_default=False,
         rich_help_panel="Keys",
@@ -221,6 +276,7 @@ GradOutKey = Annotated[
     str | None,
     typer.Option(
         "--grad-out-key",
+        metavar="KEY",
         help="Key of the upstream gradient [..., C]."
         " (default: grad_out; when absent, no gradients)",
         show_default=False,
@@ -228,7 +284,8 @@ GradOutKey = Annotated[
     ),
 ]
 OutKey = Annotated[
-    str, typer.Option("--out-key", help="Key of the result.", rich_help_panel="Keys")
+    str,
+    typer.Option("--out-key", metavar="KEY", help="Key of the result.", rich_help_panel="Keys"),
 ]
 Params = Annotated[
     str | None,
@@ -271,6 +328,7 @@ Eps = Annotated[
     float | None,
     typer.Option(
         "--eps",
+        metavar="EPS",
         help="Added to the variance. (default: --config's, else the input's metadata 'eps' or"
         " 'layer_norm_eps', else 1e-05)",
         show_default=False,
@@ -278,21 +336,27 @@ Eps = Annotated[
 ]
 Dtype = Annotated[
     ComputeDtype,
-    typer.Option("--dtype", help="Compute and output dtype; auto keeps x's dtype."),
+    typer.Option(
+        "--dtype",
+        metavar="DTYPE",
+        help="Compute and output dtype: auto (x's), float32 or float64. [default: auto]",
+        show_default=False,
+    ),
 ]
 ChunkRows = Annotated[
     int | None,
     typer.Option(
         "--chunk-rows",
         min=1,
-        help="Positions per chunk (bounds memory). (default: about 8 MiB of x)",
+        metavar="ROWS",
+        help="Positions per chunk, at least 1 (bounds memory). (default: a few MiB of x)",
         show_default=False,
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors on stderr.")]
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors
 def normalize(
     paths: Annotated[
@@ -308,6 +372,7 @@ def normalize(
         typer.Option(
             "--out-dir",
             "-o",
+            metavar="DIR",
             help="Normalize every INPUT into DIR/NAME, NAME being the input's file name,"
             " in one process.",
             file_okay=False,
@@ -400,8 +465,8 @@ def _normalize_jobs(paths: list[str], out_dir: Path | None) -> list[tuple[str, s
     return [(path, str(out_dir / Path(path).name)) for path in paths]
 
 
-@app.command(no_args_is_help=True)
-@reports_errors
+@app.command(cls=PlainHelp, no_args_is_help=True)
+@reports_errors(writes=False)
 def inspect(
     path: Annotated[
         str,
@@ -450,32 +515,45 @@ def inspect(
 
     with report.progress_bar(f"inspect {path}", enabled=not keys_only) as progress:
         summary = summarize_file(path, patterns or (), progress, keys_only)
-    if json_output:
-        report.print_json(summary.to_dict())
-    else:
-        report.render_file_summary(summary)
+    with _quiet_when_stdout_closes(0):
+        if json_output:
+            report.print_json(summary.to_dict())
+        else:
+            report.render_file_summary(summary)
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors
 def generate(
     output: Annotated[
         str, typer.Argument(metavar="OUTPUT", help="File to write; '-' writes stdout.")
     ],
     shape: Annotated[
-        str, typer.Option("--shape", help="Shape of x, comma-separated; the last axis is C.")
+        str,
+        typer.Option(
+            "--shape", metavar="SIZES", help="Shape of x, comma-separated; the last axis is C."
+        ),
     ],
-    dtype: Annotated[GenerateDtype, typer.Option("--dtype", help="dtype of x, scale, bias.")] = (
-        GenerateDtype.float32
-    ),
-    seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
+    dtype: Annotated[
+        GenerateDtype,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="dtype of x, scale, bias: float32, float64, float16 or bfloat16."
+            " [default: float32]",
+            show_default=False,
+        ),
+    ] = GenerateDtype.float32,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Random seed.")] = 0,
     invalid: Annotated[
         float,
         typer.Option(
             "--invalid",
             min=0.0,
             max=1.0,
-            help="Fraction of positions that are padding (trailing, along the last leading axis).",
+            metavar="FRACTION",
+            help="Fraction of positions that are padding, from 0 to 1 (trailing, along the last"
+            " leading axis).",
         ),
     ] = 0.25,
     poison: Annotated[
@@ -484,14 +562,25 @@ def generate(
     grad: Annotated[
         bool, typer.Option("--grad", help="Add an upstream gradient 'grad_out'.")
     ] = False,
-    eps: Annotated[float, typer.Option("--eps", help="eps stored in the metadata.")] = 1e-5,
+    eps: Annotated[
+        float, typer.Option("--eps", metavar="EPS", help="eps stored in the metadata.")
+    ] = 1e-5,
     offset: Annotated[
-        float, typer.Option("--offset", help="Mean of x: a large common offset tests numerics.")
+        float,
+        typer.Option(
+            "--offset", metavar="MEAN", help="Mean of x: a large common offset tests numerics."
+        ),
     ] = 0.0,
-    std: Annotated[float, typer.Option("--std", help="Standard deviation of x.")] = 1.0,
+    std: Annotated[
+        float, typer.Option("--std", metavar="STD", help="Standard deviation of x.")
+    ] = 1.0,
     valid_dtype: Annotated[
         ValidDtype,
-        typer.Option("--valid-dtype", help="dtype of the mask (integers hold 0 and 1)."),
+        typer.Option(
+            "--valid-dtype",
+            metavar="DTYPE",
+            help="dtype of the mask: bool, int64 or uint8 (integers hold 0 and 1).",
+        ),
     ] = ValidDtype.bool,
     quiet: Quiet = False,
 ) -> None:
@@ -558,6 +647,7 @@ Rtol = Annotated[
     float | None,
     typer.Option(
         "--rtol",
+        metavar="RTOL",
         help="Relative tolerance. (default: by dtype, as torch.testing.assert_close)",
         show_default=False,
         rich_help_panel="Tolerance",
@@ -567,6 +657,7 @@ Atol = Annotated[
     float | None,
     typer.Option(
         "--atol",
+        metavar="ATOL",
         help="Absolute tolerance. (default: by dtype, as torch.testing.assert_close)",
         show_default=False,
         rich_help_panel="Tolerance",
@@ -590,49 +681,131 @@ ValidRows = Annotated[
 ]
 
 
-@app.command(no_args_is_help=True)
-@reports_errors
+class JudgeDtype(str, Enum):
+    auto = "auto"
+    float64 = "float64"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class ToleranceMode(str, Enum):
+    budget = "budget"
+    fixed = "fixed"
+
+
+@app.command(cls=PlainHelp, no_args_is_help=True)
+@reports_errors(writes=False)
 def verify(
     input_path: Annotated[
         str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
     ],
-    expected_path: Annotated[
+    result_path: Annotated[
         str,
-        typer.Argument(
-            metavar="EXPECTED",
-            help="The result to check (e.g. a kernel's output); '-' reads stdin.",
-        ),
+        typer.Argument(metavar="RESULT", help="The kernel's result to judge; '-' reads stdin."),
     ],
     x_key: XKey = "x",
     valid_key: ValidKey = None,
     scale_key: ScaleKey = None,
     bias_key: BiasKey = None,
     grad_out_key: GradOutKey = None,
-    out_key: OutKey = "out",
+    out_key: Annotated[
+        str,
+        typer.Option(
+            "--out-key",
+            metavar="KEY",
+            help="RESULT's key of out (as --result-key out=KEY).",
+            rich_help_panel="Keys",
+        ),
+    ] = "out",
+    result_keys: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--result-key",
+            metavar="NAME=KEY",
+            help="RESULT's KEY holds NAME (out, grad_x, grad_scale or grad_bias), e.g."
+            " grad_x=dx. Repeatable.",
+            show_default=False,
+            rich_help_panel="Keys",
+        ),
+    ] = None,
+    check: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--check",
+            metavar="NAMES",
+            help="Check only these, e.g. out,grad_x. (default: out, and grad_x, grad_scale and"
+            " grad_bias when INPUT holds grad_out)",
+            show_default=False,
+        ),
+    ] = None,
     params: Params = None,
     module: Module = None,
     grad_out: GradOutFile = None,
     eps: Eps = None,
     config: Config = None,
-    dtype: Dtype = ComputeDtype.auto,
-    chunk_rows: ChunkRows = None,
+    dtype: Annotated[
+        JudgeDtype,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="The dtype the kernel computed in, whose error budget applies: auto (RESULT's"
+            " dtype), float64, float32, float16 or bfloat16.",
+            show_default=False,
+            rich_help_panel="Tolerance",
+        ),
+    ] = JudgeDtype.auto,
+    tolerance: Annotated[
+        ToleranceMode | None,
+        typer.Option(
+            "--tolerance",
+            metavar="MODE",
+            help="budget: within --factor times the rounding of a correct kernel in its dtype,"
+            " calibrated against PyTorch's F.layer_norm; fixed: within --rtol and --atol."
+            " (default: budget, fixed when --rtol or --atol is given)",
+            show_default=False,
+            rich_help_panel="Tolerance",
+        ),
+    ] = None,
+    factor: Annotated[
+        float | None,
+        typer.Option(
+            "--factor",
+            metavar="F",
+            help="How many times the modelled rounding a kernel may err. (default: 3)",
+            show_default=False,
+            rich_help_panel="Tolerance",
+        ),
+    ] = None,
     rtol: Rtol = None,
     atol: Atol = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Also fail -0.0 in the padding, and any key of RESULT that was not compared.",
+            rich_help_panel="Tolerance",
+        ),
+    ] = False,
+    chunk_rows: ChunkRows = None,
     valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
-    """Recompute from INPUT exactly as normalize would, and compare with EXPECTED.
+    """Judge RESULT, a kernel's output, against maskln's float64 result for INPUT.
 
-    Compares 'out', and grad_x, grad_scale and grad_bias when EXPECTED holds them and INPUT holds
-    'grad_out'. An element passes when |actual - expected| <= atol + rtol * |expected|; NaN
-    matches only NaN, inf only the same inf. EXPECTED's out and grad_x must be exactly 0 at every
-    invalid position. Exit code 0 when everything matches, 1 on any mismatch, 2 on an error.
+    RESULT's out (and grad_x, grad_scale and grad_bias when INPUT holds grad_out) must each be
+    as close to the float64 truth as a correct kernel in RESULT's dtype can be: within --factor
+    times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm on the
+    same data. A tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at
+    every invalid position. A failing tensor is described and diagnosed. Exit code 0 when all
+    pass, 1 on any failure, 2 on an error.
 
     **Examples**
 
     ```
     maskln verify inputs.safetensors kernel_out.safetensors
+    maskln verify in.safetensors kernel.safetensors --result-key grad_x=dx --check out,grad_x
     maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
@@ -641,18 +814,27 @@ def verify(
     ```
     """
     from maskln_cli import report
-    from maskln_cli.verify import verify_file
+    from maskln_cli.verify import VerifyOptions, parse_check, parse_result_keys, verify_file
 
-    options = _normalize_options(locals())
+    options = _normalize_options({**locals(), "dtype": ComputeDtype.auto})
+    judged = VerifyOptions(
+        check=parse_check(check) if check else None,
+        result_keys=parse_result_keys(result_keys or ()),
+        tolerance=tolerance.value if tolerance is not None else None,
+        factor=factor,
+        rtol=rtol,
+        atol=atol,
+        strict=strict,
+        dtype=dtype.value,
+        valid=valid_rows,
+    )
     with report.progress_bar(f"verify {input_path}") as progress:
-        result = verify_file(
-            input_path, expected_path, options, rtol, atol, progress, valid_rows=valid_rows
-        )
+        result = verify_file(input_path, result_path, options, judged, progress)
     _finish_comparison(result, json_output, quiet)
 
 
-@app.command(no_args_is_help=True)
-@reports_errors
+@app.command(cls=PlainHelp, no_args_is_help=True)
+@reports_errors(writes=False)
 def diff(
     actual_path: Annotated[
         str, typer.Argument(metavar="ACTUAL", help="A safetensors file; '-' reads stdin.")
@@ -662,7 +844,13 @@ def diff(
     ],
     keys: Annotated[
         list[str] | None,
-        typer.Option("--key", "-k", help="Compare only this key (repeatable).", show_default=False),
+        typer.Option(
+            "--key",
+            "-k",
+            metavar="KEY",
+            help="Compare only this key (repeatable).",
+            show_default=False,
+        ),
     ] = None,
     rtol: Rtol = None,
     atol: Atol = None,
@@ -761,12 +949,27 @@ def grade(
 def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
     from maskln_cli import report
 
-    if json_output:
-        report.print_json(result.to_dict())
-    else:
-        report.render_comparison(result, quiet=quiet)
-    if not result.passed:
-        raise typer.Exit(EXIT_MISMATCH)
+    code = 0 if result.passed else EXIT_MISMATCH
+    with _quiet_when_stdout_closes(code):
+        if json_output:
+            report.print_json(result.to_dict())
+        else:
+            report.render_comparison(result, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _quiet_when_stdout_closes(code: int) -> Any:
+    """A report's reader closed the pipe (``| head``): stop writing, say nothing, and exit with
+    the command's own code (the verdict's), as git and grep do."""
+    from maskln_cli.errors import StdoutClosed
+
+    try:
+        yield
+    except StdoutClosed:
+        _detach_broken_stdout()
+        raise typer.Exit(code) from None
 
 
 def main() -> None:

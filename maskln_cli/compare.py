@@ -70,15 +70,34 @@ def default_tolerance(*dtypes: str) -> tuple[float, float]:
     return max(r for r, _ in pairs), max(a for _, a in pairs)
 
 
+RECORDED_ROWS = 4096
+"""How many failing rows a comparison remembers (by index), for a diagnosis afterwards."""
+
+
 @dataclass
 class WorstRow:
-    """A mismatched row: its leading index, the channel of its worst element, both values."""
+    """A mismatched row: its leading index, the channel of its worst element, both values, and
+    what that element was allowed to differ by (``allowed``: the tolerance or the budget)."""
 
     row: list[int]
     index: list[int]
     actual: float
     expected: float
     abs_diff: float
+    allowed: float | None = None
+
+
+@dataclass
+class RowErrors:
+    """The relative error ``||a - e|| / ||e||`` of each valid row (rows whose expected values
+    are finite and not all 0): how many, their mean and spread, the smallest and the largest.
+    A formula mistake errs about the same on every row; rounding does not."""
+
+    rows: int
+    mean: float
+    std: float
+    min: float
+    max: float
 
 
 @dataclass
@@ -115,6 +134,16 @@ class TensorComparison:
     worst: list[WorstRow] = field(default_factory=list)
     rows_left_out: int | None = None
     """Rows a ``--valid`` mask left out of the comparison (None: no mask applied)."""
+    budget_ratio: float | None = None
+    yardstick_max_abs_diff: float | None = None
+    yardstick_rel_l2: float | None = None
+    nan_where_finite: int | None = None
+    inf_where_finite: int | None = None
+    mismatched_invalid_rows: int | None = None
+    negative_zeros: int | None = None
+    row_rel_error: RowErrors | None = None
+    factor_needed: float | None = None
+    diagnosis: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -129,9 +158,9 @@ class ComparisonReport:
     expected: str
     tensors: list[TensorComparison]
     notes: list[str] = field(default_factory=list)
-    eps: float | None = None
-    """verify: the eps maskln computed with, and where it came from (``eps_source``)."""
-    eps_source: str | None = None
+    context: dict[str, object] = field(default_factory=dict)
+    """What the comparison was made with, for ``verify``: eps and its source, rows, dtypes,
+    the tolerance mode (see :mod:`maskln_cli.verify`); JSON carries it at the top level."""
 
     @property
     def passed(self) -> bool:
@@ -143,15 +172,20 @@ class ComparisonReport:
             "command": self.command,
             "actual": self.actual,
             "expected": self.expected,
+            **self.context,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "notes": list(self.notes),
         }
-        if self.eps is not None:
-            document.update(eps=self.eps, eps_source=self.eps_source)
-        document.update(tensors=[t.to_dict() for t in self.tensors], notes=list(self.notes))
         return document
 
 
 class Comparison:
     """Running comparison of one tensor, fed consecutive chunks of whole rows.
+
+    By default an element passes within ``atol + rtol * |expected|`` (``maskln diff``);
+    :meth:`update` can instead be given each element's allowance (``maskln verify``'s error
+    budget), a yardstick to measure against the same expected values, and the rows whose
+    actual values must be exactly 0.
 
     Example:
         >>> import torch
@@ -172,6 +206,8 @@ class Comparison:
         expected_dtype: str,
         rtol: float | None = None,
         atol: float | None = None,
+        rank_by_ratio: bool = False,
+        same_dtype: bool = True,
     ) -> None:
         default_rtol, default_atol = default_tolerance(dtype, expected_dtype)
         self.name = name
@@ -184,6 +220,11 @@ class Comparison:
         )
         self.rtol = default_rtol if rtol is None else rtol
         self.atol = default_atol if atol is None else atol
+        # Worst rows by how far beyond their allowance (verify's budgets differ by element),
+        # or by absolute difference (one tolerance for every element).
+        self.rank_by_ratio = rank_by_ratio
+        # A dtype difference is a problem (diff), or by design (verify: float64 reference).
+        self.same_dtype = same_dtype
         # Rows are the leading index; a tensor of rank 0 or 1 has one element per row.
         self.row_length = self.shape[-1] if len(self.shape) >= 2 else 1
         self.numel = math.prod(self.shape)
@@ -192,13 +233,31 @@ class Comparison:
         self._mismatched_rows = 0
         self._nan_mismatched = 0
         self._inf_mismatched = 0
-        self._max_abs = (-1.0, -1)
+        self._nan_where_finite = 0
+        self._inf_where_finite = 0
+        self._max_abs = (-1.0, -1, math.nan, math.nan, math.nan)
         self._max_rel = (-1.0, -1)
+        self._max_ratio = -1.0
+        self._factor_needed = 0.0
         self._diff_squares = 0.0
         self._expected_squares = 0.0
+        self._yardstick_max = -1.0
+        self._yardstick_squares = 0.0
         self._invalid_rows_zero: bool | None = None
-        # Heap of (score, -flat index, actual, expected): the worst rows seen so far.
-        self._worst: list[tuple[float, int, float, float]] = []
+        self._mismatched_invalid_rows: int | None = None
+        self._negative_zeros: int | None = None
+        # Per valid row, the relative error: count, sum, sum of squares, min, max.
+        self._row_errors = [0, 0.0, 0.0, math.inf, 0.0]
+        self.yardstick_row_error_sum = 0.0
+        self.failing_rows: list[int] = []
+        """Indices of the first :data:`RECORDED_ROWS` failing rows (for a diagnosis)."""
+        self.beyond = 0
+        """Mismatched elements with finite values on both sides (beyond their allowance)."""
+        self.beyond_in_invalid_rows = 0
+        self.nonfinite_in_invalid_rows = 0
+        """Mismatched elements in the rows marked invalid: finite, and NaN or inf."""
+        # Heap of (score, -flat index, actual, expected, allowed): the worst rows so far.
+        self._worst: list[tuple[float, int, float, float, float]] = []
 
     @property
     def same_shape(self) -> bool:
@@ -219,66 +278,208 @@ class Comparison:
         actual: torch.Tensor,
         expected: torch.Tensor,
         invalid_rows: torch.Tensor | None = None,
+        allowance: torch.Tensor | None = None,
+        yardstick: torch.Tensor | None = None,
+        budget_unit: torch.Tensor | None = None,
+        always: torch.Tensor | None = None,
     ) -> None:
-        """Compare the next chunk of rows; ``invalid_rows`` (bool, one per row) marks rows whose
-        expected values must be exactly zero (masked layer-norm outputs)."""
+        """Compare the next chunk of rows.
+
+        ``invalid_rows`` (bool, one per row) marks rows whose actual values must be exactly 0
+        (masked layer-norm outputs); they are counted apart, and so are the -0.0 in them.
+        ``allowance`` (one per element) replaces ``atol + rtol * |expected|``; ``yardstick``
+        (one per element) is another result measured against the same expected values. With
+        either, an actual inf where expected is beyond the actual dtype's range (so rounds to
+        that inf) passes. ``budget_unit`` and ``always`` (one per element) are how the
+        allowance was made, ``max(factor * unit, always)``: the factor each element needed is
+        tracked (see :meth:`factor_needed`).
+        """
         import torch
 
         a = actual.detach().reshape(-1).double()
         e = expected.detach().reshape(-1).double()
         if a.numel() != e.numel() or a.numel() % self.row_length:
             raise ValueError("chunks must hold the same whole rows of both tensors")
-        a_nan, e_nan = a.isnan(), e.isnan()
-        finite = a.isfinite() & e.isfinite()
-        diff = torch.where(finite, (a - e).abs(), 0.0)
-        bound = self.atol + self.rtol * e.abs()
-        same = (a == e) | (a_nan & e_nan)  # covers equal infs, and NaN at the same place
-        ok = same | (finite & (diff <= bound))
-        bad = ~ok
-        self._mismatched += int(bad.sum())
-        self._nan_mismatched += int((a_nan != e_nan).sum())
-        self._inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
+        length = self.row_length
+        a_finite, e_finite = a.isfinite(), e.isfinite()
+        finite = a_finite & e_finite
+        clean = bool(finite.all())  # the usual case: no NaN or inf to account for
+        diff = (a - e).abs_()
+        if allowance is None:
+            bound = e.abs().mul_(self.rtol).add_(self.atol)
+        else:
+            bound = allowance.detach().reshape(-1).double()
+        if clean:
+            bad = diff > bound
+        else:
+            diff = torch.where(finite, diff, 0.0)
+            a_nan, e_nan = a.isnan(), e.isnan()
+            same = (a == e) | (a_nan & e_nan)  # covers equal infs, and NaN at the same place
+            overflowed = a.isinf() & e_finite
+            if allowance is not None and bool(overflowed.any()):
+                rounded = e.to(torch_dtype(self.dtype) or torch.float64).double()
+                same |= overflowed & (rounded == a)
+            bad = ~(same | (finite & (diff <= bound)))
+            self._nan_mismatched += int((a_nan != e_nan).sum())
+            self._inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
+            self._nan_where_finite += int((a_nan & e_finite).sum())
+            self._inf_where_finite += int((overflowed & ~same).sum())
+        chunk_bad = int(bad.sum())
+        self._mismatched += chunk_bad
+        self.beyond += chunk_bad if clean else int((bad & finite).sum())
 
-        self._track_max("_max_abs", diff)
-        relative = torch.where(
-            finite & (e != 0), diff / e.abs(), torch.where(finite & (diff > 0), math.inf, 0.0)
-        )
-        self._track_max("_max_rel", relative)
-        self._diff_squares += float((diff * diff).sum())
-        self._expected_squares += float(torch.where(finite, e * e, 0.0).sum())
+        self._track_max_abs(diff, a, e, bound)
+        # |a - e| / |e|: inf at an expected 0 with a difference, 0 where both are 0
+        relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
+        if relative.numel():
+            value, index = relative.max(dim=0)
+            if float(value) > self._max_rel[0]:
+                self._max_rel = (float(value), self._offset + int(index))
+        # How far beyond its allowance each element is (inf where nothing was allowed); the
+        # maximum is over elements allowed something: the padding is counted apart.
+        ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
+        if ratio.numel():
+            some = torch.where(bound > 0, ratio, 0.0)
+            self._max_ratio = max(self._max_ratio, float(some.max()))
+        if budget_unit is not None and always is not None:
+            beyond = (diff > always.reshape(-1)) & finite
+            if bool(beyond.any()):
+                needed = torch.where(beyond, diff / budget_unit.reshape(-1), 0.0)
+                self._factor_needed = max(self._factor_needed, float(needed.max()))
+        row_squares = diff.view(-1, length).square().sum(dim=1)
+        self._diff_squares += float(row_squares.sum())
+        clean_e = e if clean or bool(e_finite.all()) else torch.where(e_finite, e, 0.0)
+        row_norms = clean_e.view(-1, length).square().sum(dim=1)
+        self._expected_squares += float(row_norms.sum())
 
-        rows_bad = bad.view(-1, self.row_length)
-        self._mismatched_rows += int(rows_bad.any(dim=1).sum())
-        # Worst rows: score each mismatched element (non-finite disagreements first).
-        score = torch.where(bad, torch.where(finite, diff, math.inf), -1.0).view(
-            -1, self.row_length
-        )
-        row_score, row_channel = score.max(dim=1)
-        bad_rows = (row_score >= 0).nonzero().squeeze(1)
-        if bad_rows.numel():
-            # Stable sort: among equal scores the earliest rows win, whatever the chunking.
-            order = row_score[bad_rows].sort(descending=True, stable=True).indices[:WORST_ROWS]
-            for row in bad_rows[order].tolist():
-                value = float(row_score[row])
-                flat = row * self.row_length + int(row_channel[row])
-                entry = (value, -(self._offset + flat), float(a[flat]), float(e[flat]))
-                if len(self._worst) < WORST_ROWS:
-                    heapq.heappush(self._worst, entry)
-                else:
-                    heapq.heappushpop(self._worst, entry)
+        first_row = self._offset // length
+        rows_bad = bad.view(-1, length).any(dim=1) if chunk_bad else None
+        if rows_bad is not None:
+            self._mismatched_rows += int(rows_bad.sum())
+            if len(self.failing_rows) < RECORDED_ROWS:
+                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
+                self.failing_rows += (more + first_row).tolist()
+            self._track_worst(bad, finite, diff, ratio, a, e, bound)
 
-        if invalid_rows is not None and bool(invalid_rows.any()):
-            expected_rows = e.view(-1, self.row_length)[invalid_rows.reshape(-1)]
-            zero = bool((expected_rows == 0).all())
-            self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
+        yardstick_rows = None
+        if yardstick is not None:
+            y = yardstick.detach().reshape(-1).double()
+            y_diff = (y - e).abs_()
+            if not clean or not bool(y_diff.isfinite().all()):
+                y_diff = torch.where(y.isfinite() & e_finite, y_diff, 0.0)
+            if y_diff.numel():
+                self._yardstick_max = max(self._yardstick_max, float(y_diff.max()))
+            yardstick_rows = y_diff.view(-1, length).square().sum(dim=1)
+            self._yardstick_squares += float(yardstick_rows.sum())
+        if invalid_rows is not None:
+            invalid = invalid_rows.reshape(-1)
+            self._track_rows(
+                invalid, rows_bad, bad, a, finite, row_squares, row_norms, yardstick_rows, clean
+            )
         self._offset += a.numel()
 
-    def _track_max(self, attribute: str, values: torch.Tensor) -> None:
-        if values.numel() == 0:
+    def factor_needed(self) -> float:
+        """The smallest factor by which the budget units fed to :meth:`update` would let every
+        finite element pass (elements within what is always allowed count for nothing)."""
+        return self._factor_needed
+
+    def _track_max_abs(
+        self, diff: torch.Tensor, a: torch.Tensor, e: torch.Tensor, bound: torch.Tensor
+    ) -> None:
+        if diff.numel() == 0:
             return
-        value, index = values.max(dim=0)
-        if float(value) > getattr(self, attribute)[0]:
-            setattr(self, attribute, (float(value), self._offset + int(index)))
+        value, index = diff.max(dim=0)
+        if float(value) > self._max_abs[0]:
+            i = int(index)
+            self._max_abs = (
+                float(value),
+                self._offset + i,
+                float(a[i]),
+                float(e[i]),
+                float(bound[i]),
+            )
+
+    def _track_worst(
+        self,
+        bad: torch.Tensor,
+        finite: torch.Tensor,
+        diff: torch.Tensor,
+        ratio: torch.Tensor,
+        a: torch.Tensor,
+        e: torch.Tensor,
+        bound: torch.Tensor,
+    ) -> None:
+        """Keep the worst rows: each mismatched row's worst element, non-finite ones first."""
+        import torch
+
+        measure = ratio if self.rank_by_ratio else diff
+        score = torch.where(bad, torch.where(finite, measure, math.inf), -1.0)
+        row_score, row_channel = score.view(-1, self.row_length).max(dim=1)
+        bad_rows = (row_score >= 0).nonzero().squeeze(1)
+        if not bad_rows.numel():
+            return
+        # Stable sort: among equal scores the earliest rows win, whatever the chunking.
+        order = row_score[bad_rows].sort(descending=True, stable=True).indices[:WORST_ROWS]
+        for row in bad_rows[order].tolist():
+            flat = row * self.row_length + int(row_channel[row])
+            entry = (
+                float(row_score[row]), -(self._offset + flat), float(a[flat]), float(e[flat]),
+                float(bound[flat]),
+            )  # fmt: skip
+            if len(self._worst) < WORST_ROWS:
+                heapq.heappush(self._worst, entry)
+            else:
+                heapq.heappushpop(self._worst, entry)
+
+    def _track_rows(
+        self,
+        invalid: torch.Tensor,
+        rows_bad: torch.Tensor | None,
+        bad: torch.Tensor,
+        a: torch.Tensor,
+        finite: torch.Tensor,
+        row_squares: torch.Tensor,
+        row_norms: torch.Tensor,
+        yardstick_rows: torch.Tensor | None,
+        clean: bool,
+    ) -> None:
+        """Invalid rows: exactly 0 (and which are -0.0); valid rows: each one's relative error."""
+        length = self.row_length
+        any_invalid = bool(invalid.any())
+        if rows_bad is not None:
+            self._mismatched_invalid_rows = (self._mismatched_invalid_rows or 0) + int(
+                (rows_bad & invalid).sum()
+            )
+            if any_invalid:
+                padded_bad = bad.view(-1, length)[invalid]
+                padded_finite = finite.view(-1, length)[invalid]
+                self.beyond_in_invalid_rows += int((padded_bad & padded_finite).sum())
+                self.nonfinite_in_invalid_rows += int((padded_bad & ~padded_finite).sum())
+        elif self._mismatched_invalid_rows is None:
+            self._mismatched_invalid_rows = 0
+        if any_invalid:
+            padded = a.view(-1, length)[invalid]
+            zero = bool((padded == 0).all())
+            self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
+            negative = int(((padded == 0) & padded.signbit()).sum())
+            self._negative_zeros = (self._negative_zeros or 0) + negative
+        elif self._negative_zeros is None:
+            self._negative_zeros = 0
+        usable = ~invalid & (row_norms > 0)
+        if not clean:
+            usable &= finite.view(-1, length).all(dim=1)
+        if not bool(usable.any()):
+            return
+        norms = row_norms[usable]
+        errors = (row_squares[usable] / norms).sqrt_()
+        count, total, total_squares, low, high = self._row_errors
+        self._row_errors = [
+            count + errors.numel(), total + float(errors.sum()),
+            total_squares + float(errors.square().sum()), min(low, float(errors.min())),
+            max(high, float(errors.max())),
+        ]  # fmt: skip
+        if yardstick_rows is not None:
+            self.yardstick_row_error_sum += float((yardstick_rows[usable] / norms).sqrt_().sum())
 
     def result(self, extra_problems: Iterable[str] = (), compared: bool = True) -> TensorComparison:
         """The outcome, once every chunk has been fed.
@@ -288,8 +489,11 @@ class Comparison:
         """
         problems = list(extra_problems)
         if self.shape != self.expected_shape:
-            problems.append(f"shape {self.shape} vs expected {self.expected_shape}")
-        if self.dtype != self.expected_dtype:
+            problem = f"shape {self.shape} vs expected {self.expected_shape}"
+            if math.prod(self.expected_shape) == self.numel:
+                problem += ": the same number of elements in another shape; values not compared"
+            problems.append(problem)
+        if self.same_dtype and self.dtype != self.expected_dtype:
             problems.append(f"dtype {self.dtype} vs expected {self.expected_dtype}")
         outcome = TensorComparison(
             name=self.name,
@@ -315,37 +519,63 @@ class Comparison:
         outcome.mismatched_rows = self._mismatched_rows
         outcome.nan_mismatched = self._nan_mismatched
         outcome.inf_mismatched = self._inf_mismatched
+        outcome.nan_where_finite = self._nan_where_finite
+        outcome.inf_where_finite = self._inf_where_finite
         if self._max_abs[1] >= 0:
             outcome.max_abs_diff = self._max_abs[0]
             outcome.max_abs_index = self._unravel(self._max_abs[1])
             outcome.max_rel_diff = self._max_rel[0]
             outcome.max_rel_index = self._unravel(self._max_rel[1])
-        if self._expected_squares > 0:
-            outcome.rel_l2 = math.sqrt(self._diff_squares / self._expected_squares)
-        else:
-            outcome.rel_l2 = 0.0 if self._diff_squares == 0 else math.inf
+        outcome.budget_ratio = max(self._max_ratio, 0.0) if self.numel else None
+        outcome.rel_l2 = self._relative(self._diff_squares)
+        if self._yardstick_max >= 0:
+            outcome.yardstick_max_abs_diff = self._yardstick_max
+            outcome.yardstick_rel_l2 = self._relative(self._yardstick_squares)
         outcome.invalid_rows_zero = self._invalid_rows_zero
-        outcome.worst = [
-            self._worst_row(-negative_flat, actual, expected, score)
-            for score, negative_flat, actual, expected in sorted(self._worst, reverse=True)
-        ]
+        outcome.mismatched_invalid_rows = self._mismatched_invalid_rows
+        outcome.negative_zeros = self._negative_zeros
+        count, total, total_squares, low, high = self._row_errors
+        if count:
+            mean = total / count
+            spread = math.sqrt(max(total_squares / count - mean * mean, 0.0))
+            outcome.row_rel_error = RowErrors(count, mean, spread, low, high)
+        outcome.worst = self._worst_rows()
         if self._mismatched:
             problems.append(
                 f"{self._mismatched:,} of {self.numel:,} elements differ beyond tolerance"
             )
         if self._invalid_rows_zero is False:
-            problems.append("expected is not exactly 0 at every invalid position")
+            problems.append("actual is not exactly 0 at every invalid position")
         outcome.passed = not problems
         return outcome
 
-    def _worst_row(self, flat: int, actual: float, expected: float, score: float) -> WorstRow:
+    def _relative(self, squares: float) -> float:
+        if self._expected_squares > 0:
+            return math.sqrt(squares / self._expected_squares)
+        return 0.0 if squares == 0 else math.inf
+
+    def _worst_rows(self) -> list[WorstRow]:
+        """The worst rows, worst first, then the row of the greatest absolute difference when
+        it is not among them (it may be within its allowance: the table then says so)."""
+        worst = [
+            self._worst_row(-negative_flat, actual, expected, allowed)
+            for _, negative_flat, actual, expected, allowed in sorted(self._worst, reverse=True)
+        ]
+        value, flat, actual, expected, allowed = self._max_abs
+        if worst and value > 0 and all(w.index != self._unravel(flat) for w in worst):
+            worst.append(self._worst_row(flat, actual, expected, allowed))
+        return worst
+
+    def _worst_row(self, flat: int, actual: float, expected: float, allowed: float) -> WorstRow:
         index = self._unravel(flat)
+        finite = math.isfinite(actual) and math.isfinite(expected)
         return WorstRow(
             row=index[:-1] if len(self.shape) >= 2 else index,
             index=index,
             actual=actual,
             expected=expected,
-            abs_diff=score,
+            abs_diff=abs(actual - expected) if finite else math.inf,
+            allowed=allowed,
         )
 
     def _unravel(self, flat: int) -> list[int]:
@@ -523,6 +753,16 @@ def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:
     names = actual.keys()
     seen = set(names)
     return names + [k for k in expected if k not in seen]
+
+
+def times(ratio: float) -> str:
+    """A ratio as reports print it: ``1.1x``, ``3,412x``.
+
+    Example:
+        >>> times(1.08), times(3412.5)
+        ('1.1x', '3,412x')
+    """
+    return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.2g}x"
 
 
 def check_tolerance(value: float | None, option: str) -> None:

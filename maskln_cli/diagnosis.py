@@ -19,7 +19,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["MISTAKES", "Diagnosis", "Mistake", "diagnose_nan_gradient", "diagnose_output"]
+__all__ = [
+    "MISTAKES",
+    "Diagnosis",
+    "Mistake",
+    "diagnose_gradient",
+    "diagnose_nan_gradient",
+    "diagnose_output",
+    "relative_distance",
+]
 
 Formula = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -237,12 +245,18 @@ def diagnose_output(
     bias: torch.Tensor,
     eps: float,
     dtype: torch.dtype | None = None,
+    *,
+    noise: float | None = None,
 ) -> list[Diagnosis]:
     """The known mistakes ``actual`` (an output of the op on these inputs) matches, best first.
 
     ``dtype`` is the dtype the result was computed in (default: ``actual``'s). A mistake matches
     when the result is within :data:`MATCH_DISTANCE` of its output and ten times closer to it
-    than to the correct output. An empty list: the result is wrong in no known way (or right).
+    than to the correct output. ``noise``, when given, is the relative L2 error a correct
+    implementation in ``dtype`` makes on these rows (PyTorch's, say): on rows with a large
+    offset it is well above :data:`MATCH_DISTANCE`, and a mistake then matches within three
+    times it, when three times closer to it than to the correct output. An empty list: the
+    result is wrong in no known way (or right).
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
@@ -258,18 +272,34 @@ def diagnose_output(
     to_truth = _distance(result, truth)
     if to_truth == 0.0:
         return []
-    limit = MATCH_DISTANCE.get(dtype, 1e-4)
+    limit, closer = _limit(dtype, noise)
     found = []
     for mistake in MISTAKES.values():
         with torch.no_grad():
             wrong = mistake.formula(x64, valid, scale64, bias64, eps)
         distance = _distance(result, wrong)
-        if distance <= limit and distance * 10 <= to_truth:
+        if distance <= limit and distance * closer <= to_truth:
             found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
     one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
     if one_pass is not None:
         found.append(one_pass)
     return sorted(found, key=lambda d: d.distance)
+
+
+def relative_distance(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||result - reference|| / ||reference||`` over the elements finite in both (how far a
+    result is from the truth, as :func:`diagnose_output`'s ``noise`` wants it).
+
+    Example:
+        >>> relative_distance(torch.tensor([3.0, float("nan")]), torch.tensor([4.0, 1.0]))
+        0.25
+    """
+    both = result.isfinite() & reference.isfinite()
+    size = reference[both].double().norm()
+    difference = (result[both].double() - reference[both].double()).norm()
+    if size == 0:
+        return 0.0 if difference == 0 else float("inf")
+    return float(difference / size)
 
 
 def _distance(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -288,6 +318,29 @@ def _distance(result: torch.Tensor, reference: torch.Tensor) -> float:
     return float(difference / size)
 
 
+def _limit(dtype: torch.dtype, noise: float | None) -> tuple[float, float]:
+    """How close a result must be to a mistake's output, and how many times closer to it than
+    to the truth. With rounding noise n, a result that is the mistake plus noise is about n
+    from the mistake: it matches within 3n, when the mistake stands three times above it."""
+    limit = MATCH_DISTANCE.get(dtype, 1e-4)
+    if noise is None or not noise < float("inf") or 3 * noise <= limit:
+        return limit, 10.0
+    return 3 * noise, 3.0
+
+
+def _row_errors(result: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Each row's relative L2 distance ([rows], flattened leading axes); inf where the row is
+    not finite in both, 0 for a row of zeros matched exactly."""
+    channels = result.shape[-1]
+    result, reference = result.reshape(-1, channels), reference.reshape(-1, channels)
+    finite = (result.isfinite() & reference.isfinite()).all(dim=-1)
+    difference = torch.where(finite.unsqueeze(1), result - reference, 0.0).norm(dim=-1)
+    size = torch.where(finite.unsqueeze(1), reference, 0.0).norm(dim=-1)
+    errors = difference / size
+    errors = torch.where(size == 0, torch.where(difference == 0, 0.0, torch.inf), errors)
+    return torch.where(finite, errors, torch.inf)
+
+
 def _one_pass_match(
     result: torch.Tensor,
     truth: torch.Tensor,
@@ -298,8 +351,11 @@ def _one_pass_match(
     eps: float,
     dtype: torch.dtype,
 ) -> Diagnosis | None:
-    """A one-pass variance in ``dtype`` errs far more than a two-pass one on these rows, and the
-    result errs about as much: its error, not its exact value, is the signature."""
+    """A one-pass variance in ``dtype`` errs far more than a two-pass one on some rows (those
+    with a large mean against their spread). The result errs like it: wrongly on those rows and
+    only on those, by about as much, and by rescaling each row's normalized values (a wrong
+    variance) rather than anything else. Its error, not its exact value, is the signature: two
+    one-pass kernels round differently."""
     if dtype == torch.float64 or not valid.any():
         return None
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -308,17 +364,104 @@ def _one_pass_match(
     one_pass_var = (rows * rows).mean(dim=-1, keepdim=True) - mean * mean
     xhat = (rows - mean) / torch.sqrt(one_pass_var.clamp_min(0) + eps)
     one_pass = _masked(xhat.double() * scale + bias, valid)
-    two_pass = correct(rows.double(), valid, scale, bias, eps)  # only x's rounding to dtype
-    one_pass_error = _distance(one_pass, truth)
-    if not one_pass_error < float("inf") or one_pass_error < 100 * max(
-        _distance(two_pass, truth), MATCH_DISTANCE.get(dtype, 1e-4)
-    ):
-        return None  # on these rows a one-pass variance is not much worse than a correct one
-    result_error = _distance(result, truth)
-    ratio = result_error / one_pass_error
-    if not 0.1 <= ratio <= 10:
+    centered = rows - mean  # a plain two-pass kernel in the same dtype, for comparison
+    two_pass_xhat = centered / torch.sqrt(centered.square().mean(dim=-1, keepdim=True) + eps)
+    two_pass = _masked(two_pass_xhat.double() * scale + bias, valid)
+    keep = valid.reshape(-1)
+    errors = {
+        name: _row_errors(value, truth)[keep]
+        for name, value in (("result", result), ("one", one_pass), ("two", two_pass))
+    }
+    floor = errors["two"].clamp_min(8 * torch.finfo(dtype).eps)
+    wrong = errors["result"] >= 10 * floor
+    if not wrong.any():
         return None
+    if int((wrong & (errors["one"] < 3 * floor)).sum()) > 0.1 * int(wrong.sum()):
+        return None  # the result errs where a one-pass variance would not
+    ratio = float((errors["result"][wrong] / errors["one"][wrong]).median())
+    if not 0.2 <= ratio <= 5 or not _rescaled_rows(result, truth, bias, valid, wrong):
+        return None  # not by as much as a one-pass variance would, or not as it would
     return Diagnosis(ONE_PASS.name, ONE_PASS.description, ONE_PASS.fix, abs(1 - ratio))
+
+
+def _rescaled_rows(
+    result: torch.Tensor,
+    truth: torch.Tensor,
+    bias: torch.Tensor,
+    valid: torch.Tensor,
+    wrong: torch.Tensor,
+) -> bool:
+    """On the ``wrong`` valid rows, is the result's error mostly a multiple of the row's
+    ``xhat * scale``, as a wrong variance (a wrong 1 / std) makes it, by a factor that varies
+    from row to row, as rounding makes it? (A formula mistake, such as an unbiased variance,
+    rescales every row by about the same factor.)"""
+    channels = truth.shape[-1]
+    keep = valid.reshape(-1)
+    shape = (-1, channels)
+    error = (result - truth).reshape(shape)[keep][wrong]
+    scaled = (truth - bias).reshape(shape)[keep][wrong]
+    finite = (error.isfinite() & scaled.isfinite()).all(dim=-1)
+    error, scaled = error[finite], scaled[finite]
+    if not len(error):
+        return False
+    size = scaled.square().sum(dim=-1, keepdim=True)
+    factor = torch.where(size > 0, (error * scaled).sum(dim=-1, keepdim=True) / size, 0.0)
+    left = (error - factor * scaled).norm(dim=-1) / error.norm(dim=-1).clamp_min(1e-300)
+    if float(left.median()) > 0.5:
+        return False
+    factors = factor.squeeze(1)
+    return len(factors) < 3 or float(factors.std()) >= 0.3 * float(factors.abs().mean())
+
+
+def diagnose_gradient(
+    actual: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    grad_out: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype | None = None,
+    *,
+    noise: float | None = None,
+) -> list[Diagnosis]:
+    """The known mistakes a gradient w.r.t. x, ``actual``, matches, best first: the gradient of
+    ``sum(mistake(x) * grad_out)`` for each formula of :data:`MISTAKES`, by the rule of
+    :func:`diagnose_output` (a backward pass written from the same wrong formula).
+
+    Example:
+        >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
+        >>> valid, scale, bias = torch.tensor([True, True]), torch.ones(3), torch.zeros(3)
+        >>> dy = torch.tensor([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]], dtype=torch.float64)
+        >>> leaf = x.clone().requires_grad_()
+        >>> wrong = (leaf - leaf.mean(-1, True)) / torch.sqrt(leaf.var(-1, keepdim=True) + 1e-5)
+        >>> (dx,) = torch.autograd.grad(wrong, leaf, dy)
+        >>> [d.mistake for d in diagnose_gradient(dx, x, valid, scale, bias, dy, 1e-5)]
+        ['unbiased_variance']
+    """
+    dtype = dtype or actual.dtype
+    x64, scale64, bias64 = x.double(), scale.double(), bias.double()
+    upstream = torch.where(valid.unsqueeze(-1), grad_out.double(), 0.0)
+    upstream = upstream.nan_to_num(0.0, 0.0, 0.0)
+    result = actual.double()
+
+    def gradient(formula: Formula) -> torch.Tensor:
+        leaf = x64.detach().requires_grad_()
+        with torch.enable_grad():
+            out = formula(leaf, valid, scale64, bias64, eps)
+            (grad,) = torch.autograd.grad(out, leaf, upstream, allow_unused=True)
+        return torch.zeros_like(x64) if grad is None else grad
+
+    to_truth = _distance(result, gradient(correct))
+    if to_truth == 0.0:
+        return []
+    limit, closer = _limit(dtype, noise)
+    found = []
+    for mistake in MISTAKES.values():
+        distance = _distance(result, gradient(mistake.formula))
+        if distance <= limit and distance * closer <= to_truth:
+            found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
+    return sorted(found, key=lambda d: d.distance)
 
 
 def diagnose_nan_gradient(

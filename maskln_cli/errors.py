@@ -10,3 +10,8 @@ class MasklnError(Exception):
         >>> str(MasklnError("in.safetensors: no tensor 'x'"))
         "in.safetensors: no tensor 'x'"
     """
+
+
+class StdoutClosed(Exception):
+    """stdout was closed by its reader (``maskln verify ... | head``): a report ends there,
+    quietly, as git's and grep's do; the command keeps its own exit code."""

@@ -101,6 +101,8 @@ class Problem:
     notes: list[str] = field(default_factory=list)
     eps_source: str = "default"
     """Where eps came from: '--eps', 'PATH: layer_norm_eps', "metadata 'eps'", 'default'."""
+    param_dtype: torch.dtype | None = None
+    """The finest dtype scale and bias were stored in (None: both are defaults)."""
 
     @property
     def rows(self) -> int:
@@ -137,8 +139,8 @@ def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
 
     Example:
         >>> with load_problem("sample_data/worked_example.safetensors", NormalizeOptions()) as p:
-        ...     p.shape, p.eps, p.dtype, p.valid.tolist()
-        ((1, 2, 2), 3.0, torch.float64, [True, False])
+        ...     p.shape, p.eps, p.eps_source, p.dtype, p.param_dtype, p.valid.tolist()
+        ((1, 2, 2), 3.0, "metadata 'eps'", torch.float64, torch.float64, [True, False])
     """
     sources = [s for s in (path, options.params, options.grad_out) if s is not None]
     if sources.count(STDIO) > 1:
@@ -195,6 +197,8 @@ def _prepare(
         _check_params_hold_some(params, options)
         scale = _optional(params, options.scale_key, "scale", notes, "using ones")
         bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
+    stored = [t.dtype for t in (scale, bias) if t is not None and _dtype_name(t.dtype) in FLOATING]
+    param_dtype = min(stored, key=lambda d: torch.finfo(d).eps) if stored else None
     scale = torch.ones(channels) if scale is None else scale
     bias = torch.zeros(channels) if bias is None else bias
     scale = _as_parameter(scale, params.name, scale_key, channels).to(dtype)
@@ -236,6 +240,7 @@ def _prepare(
         chunk_rows=rows_per_chunk,
         notes=notes,
         eps_source=eps_source,
+        param_dtype=param_dtype,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import re
 import sys
 import time
@@ -16,8 +17,11 @@ import unicodedata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from maskln_cli.compare import times
+
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
     from maskln_cli.compare import ComparisonReport, TensorComparison
     from maskln_cli.grading import GradeReport
@@ -32,12 +36,12 @@ PROGRESS_DELAY = 0.5
 def stdout_console() -> Console:
     from rich.console import Console
 
-    from maskln_cli.errors import MasklnError
+    from maskln_cli.errors import MasklnError, StdoutClosed
 
     class StdoutConsole(Console):
         def on_broken_pipe(self) -> None:  # rich would exit 1: that means "mismatch" here
             self.quiet = True
-            raise MasklnError("<stdout>: cannot write: Broken pipe")
+            raise StdoutClosed
 
     if sys.stdout is None:
         raise MasklnError("<stdout>: is closed")
@@ -95,8 +99,19 @@ def note(message: str) -> None:
 
 def print_json(data: object) -> None:
     """A JSON document on stdout (plain, never styled, NaN and inf as null)."""
-    sys.stdout.write(to_json(data) + "\n")
-    sys.stdout.flush()
+    with _closed_pipe_ends_quietly():
+        sys.stdout.write(to_json(data) + "\n")
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _closed_pipe_ends_quietly() -> Iterator[None]:
+    from maskln_cli.errors import StdoutClosed
+
+    try:
+        yield
+    except BrokenPipeError:
+        raise StdoutClosed from None
 
 
 def to_json(data: object) -> str:
@@ -176,21 +191,21 @@ def render_file_summary(summary: FileSummary) -> None:
             Text(human_bytes(tensor.bytes)),
         ]
         table.add_row(*cells, *([] if summary.keys_only else [describe_values(tensor)]))
-    console = stdout_console()
-    console.print(safe(summary.file), soft_wrap=True)
-    console.print(table)
-    if summary.keys_only or summary.patterns:
-        console.print(_key_count(summary), soft_wrap=True)
-        console.print()
-    if summary.metadata:
-        meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
-        meta.add_column("key", style="bold", overflow="fold")
-        meta.add_column("value", overflow="fold")
-        for key in sorted(summary.metadata):
-            meta.add_row(safe(key), safe(summary.metadata[key]))
-        console.print(meta)
-    else:
-        console.print("no metadata", style="dim")
+    with plain_when_piped() as console:
+        console.print(safe(summary.file), soft_wrap=True)
+        console.print(table)
+        if summary.keys_only or summary.patterns:
+            console.print(_key_count(summary), soft_wrap=True)
+            console.print()
+        if summary.metadata:
+            meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
+            meta.add_column("key", style="bold", overflow="fold")
+            meta.add_column("value", overflow="fold")
+            for key in sorted(summary.metadata):
+                meta.add_row(safe(key), safe(summary.metadata[key]))
+            console.print(meta)
+        else:
+            console.print("no metadata", style="dim")
 
 
 def _key_count(summary: FileSummary) -> str:
@@ -305,9 +320,16 @@ def verdict_line(report: ComparisonReport) -> str:
         names = ", ".join(safe(t.name) for t in report.tensors[:8])
         if len(report.tensors) > 8:
             names = f"{len(report.tensors):,} tensors ({names}, ...)"
-        return f"[bold green]PASS[/]: {names} within tolerance"
+        return f"[bold green]PASS[/]: {names} {_within(report)}"
     described = "; ".join(f"{safe(t.name)} ({safe(t.problems[0])})" for t in failed)
     return f"[bold red]FAIL[/]: {len(failed)} of {len(report.tensors)} tensors: {described}"
+
+
+def _within(report: ComparisonReport) -> str:
+    context = report.context
+    if context.get("tolerance") == "budget":
+        return f"within the {context.get('result_dtype')} error budget"
+    return "within tolerance"
 
 
 COMPACT_AFTER = 8
@@ -315,64 +337,113 @@ COMPACT_AFTER = 8
 
 
 def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
-    """The human report of ``maskln diff`` and ``maskln verify``: a block per tensor, the worst
-    rows of each mismatched tensor, notes, and the verdict line last."""
-    console = stdout_console()
-    if not quiet:
-        actual = "maskln's result for " if report.command == "verify" else ""
-        console.print(f"[bold]actual[/]    {actual}{safe(report.actual)}", soft_wrap=True)
-        console.print(f"[bold]expected[/]  {safe(report.expected)}", soft_wrap=True)
-        if report.eps is not None:
-            source = f" ({safe(report.eps_source)})" if report.eps_source else ""
-            console.print(f"[bold]eps[/]       {report.eps!r}{source}", soft_wrap=True)
-        compact = len(report.tensors) > COMPACT_AFTER
-        if compact:
-            console.print()
-        for tensor in report.tensors:
-            if compact and tensor.passed:
-                console.print(_tensor_line(tensor), soft_wrap=True)
-                continue
-            console.print()
-            console.print(_tensor_block(tensor))
-            if tensor.worst:
+    """The human report of ``maskln diff`` and ``maskln verify``: a header, a block per tensor,
+    the worst rows of each mismatched tensor, notes, and the verdict line last."""
+    with plain_when_piped() as console:
+        if not quiet:
+            _render_header(console, report)
+            compact = len(report.tensors) > COMPACT_AFTER
+            if compact:
                 console.print()
-                console.print(_worst_rows_table(tensor))
-        for message in report.notes:
-            console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
-        console.print()
-    console.print(verdict_line(report), soft_wrap=True)
+            for tensor in report.tensors:
+                if compact and tensor.passed:
+                    console.print(_tensor_line(tensor), soft_wrap=True)
+                    continue
+                console.print()
+                console.print(_tensor_block(tensor, report))
+                if tensor.worst and not tensor.passed:
+                    console.print()
+                    console.print(_worst_rows_table(tensor, report))
+            for message in report.notes:
+                console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
+            console.print()
+        console.print(verdict_line(report), soft_wrap=True)
 
 
-def _tensor_block(tensor: TensorComparison) -> object:
+@contextlib.contextmanager
+def plain_when_piped() -> Iterator[Console]:
+    """The stdout console; off a terminal what is printed is captured and written with the
+    spaces that pad table cells stripped from line ends (a terminal hides them; a file, a
+    pager or ``diff`` would not)."""
+    console = stdout_console()
+    if console.is_terminal:
+        yield console
+        return
+    with console.capture() as capture:
+        yield console
+    text = "\n".join(line.rstrip() for line in capture.get().split("\n"))
+    with _closed_pipe_ends_quietly():
+        console.file.write(text)
+        console.file.flush()
+
+
+def _render_header(console: Console, report: ComparisonReport) -> None:
+    if report.command != "verify":
+        console.print(f"[bold]actual[/]    {safe(report.actual)}", soft_wrap=True)
+        console.print(f"[bold]expected[/]  {safe(report.expected)}", soft_wrap=True)
+        return
+    context = report.context
+    dtype = context.get("result_dtype")
+    rows, valid = context.get("rows"), context.get("valid_rows")
+    assert isinstance(rows, int) and isinstance(valid, int)
+    lines = [
+        ("result", f"{safe(report.actual)} (actual)"),
+        ("reference", f"maskln in float64, from {safe(report.expected)} (expected)"),
+        ("eps", f"{context.get('eps')!r}, from {context.get('eps_source')}"),
+        ("rows", f"{valid:,} valid and {rows - valid:,} invalid, of {rows:,}"),
+    ]
+    if context.get("tolerance") == "budget":
+        judged = (
+            f"as a {dtype} kernel: within {context.get('factor'):g}x a model of {dtype} rounding"
+            f" (--factor), checked against PyTorch's F.layer_norm in {dtype}"
+        )
+    else:
+        judged = "by a fixed tolerance: |actual - expected| <= atol + rtol * |expected|"
+    lines.append(("judged", judged))
+    grid = _grid()
+    for label, value in lines:
+        grid.add_row(label, value)
+    console.print(grid)
+
+
+def _grid() -> Table:
     from rich.table import Table
 
-    verdict = "[bold green]PASS[/]" if tensor.passed else "[bold red]FAIL[/]"
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
+    grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
-    grid.add_row(f"{verdict} {safe(tensor.name)}", _shapes(tensor))
+    return grid
+
+
+def _tensor_block(tensor: TensorComparison, report: ComparisonReport) -> object:
+    verify = report.command == "verify"
+    verdict = "[bold green]PASS[/]" if tensor.passed else "[bold red]FAIL[/]"
+    grid = _grid()
+    grid.add_row(f"{verdict} {safe(tensor.name)}", _shapes(tensor, verify))
     for problem in tensor.problems:
         grid.add_row("  problem", f"[red]{safe(problem)}[/]")
+    for found in tensor.diagnosis:
+        grid.add_row("  diagnosis", f"likely {safe(found['description'])}; {safe(found['fix'])}")
     if tensor.mismatched is not None:
         grid.add_row("  mismatched", _mismatched(tensor))
         if tensor.rows_left_out is not None:
             grid.add_row("  left out", f"{tensor.rows_left_out:,} rows (--valid)")
-        grid.add_row("  max abs diff", _at(tensor.max_abs_diff, tensor.max_abs_index))
+        if verify:
+            _error_rows(grid, tensor, report)
+        else:
+            grid.add_row("  max abs diff", _at(tensor.max_abs_diff, tensor.max_abs_index))
         grid.add_row("  max rel diff", _at(tensor.max_rel_diff, tensor.max_rel_index))
-        grid.add_row("  rel L2 error", number(tensor.rel_l2) if tensor.rel_l2 is not None else "")
-        disagreements = f"NaN {tensor.nan_mismatched:,}, inf {tensor.inf_mismatched:,}"
-        if tensor.nan_mismatched or tensor.inf_mismatched:
-            disagreements = f"[red]{disagreements}[/]"
-        grid.add_row("  NaN/inf disagree", disagreements)
-    if tensor.invalid_rows_zero is not None:
-        grid.add_row(
-            "  invalid rows",
-            "exactly 0 in expected"
-            if tensor.invalid_rows_zero
-            else "[red]not all exactly 0 in expected[/]",
-        )
+        if not verify:
+            grid.add_row(
+                "  rel L2 error", number(tensor.rel_l2) if tensor.rel_l2 is not None else ""
+            )
+        grid.add_row("  NaN/inf", _nonfinite(tensor, verify))
+    if tensor.invalid_rows_zero is not None or tensor.negative_zeros:
+        grid.add_row("  padding", _padding(tensor))
     if tensor.rtol == tensor.rtol:  # not NaN: a tolerance applied
-        grid.add_row("  tolerance", f"rtol {tensor.rtol:g}, atol {tensor.atol:g}")
+        label = "  always allowed" if report.context.get("tolerance") == "budget" else "  tolerance"
+        extra = ", 2 ulps" if report.context.get("tolerance") == "budget" else ""
+        grid.add_row(label, f"rtol {tensor.rtol:g}, atol {tensor.atol:g}{extra}")
     return grid
 
 
@@ -389,6 +460,71 @@ def _mismatched(tensor: TensorComparison) -> str:
     return text
 
 
+def _error_rows(grid: Table, tensor: TensorComparison, report: ComparisonReport) -> None:
+    """verify: the kernel's error and PyTorch's beside it, their ratio, and the budget."""
+    dtype = report.context.get("result_dtype")
+    kernel = (
+        f"max abs {_at(tensor.max_abs_diff, tensor.max_abs_index)}, rel L2 {number(tensor.rel_l2)}"
+    )
+    nonfinite = (tensor.nan_where_finite or 0) + (tensor.inf_where_finite or 0)
+    if nonfinite:  # a NaN is no difference of 0: say which elements the figures cover
+        kernel += f" [red](finite elements only: {nonfinite:,} are NaN or inf)[/]"
+    grid.add_row("  error", kernel)
+    yard_max, yard_l2 = tensor.yardstick_max_abs_diff, tensor.yardstick_rel_l2
+    if yard_max is not None:
+        grid.add_row(f"  PyTorch {dtype}", f"max abs {number(yard_max)}, rel L2 {number(yard_l2)}")
+        ratios = [
+            (name, _ratio(ours, theirs))
+            for name, ours, theirs in (
+                ("max abs", tensor.max_abs_diff, yard_max),
+                ("rel L2", tensor.rel_l2, yard_l2),
+            )
+        ]
+        shown = ", ".join(f"{value} ({name})" for name, value in ratios if value)
+        if shown:
+            grid.add_row("  vs PyTorch", f"{shown} as far from float64")
+    if tensor.budget_ratio is not None:
+        what = "budget" if report.context.get("tolerance") == "budget" else "tolerance"
+        ratio = tensor.budget_ratio
+        text = (
+            f"{ratio:.3g} of what its {what} allows"
+            if ratio <= 1
+            else f"[red]{times(ratio)} what its {what} allows[/]"
+        )
+        grid.add_row("  worst element", text)
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    if ours is None or theirs is None or not math.isfinite(ours):
+        return ""
+    if theirs == 0:
+        return "exact, as PyTorch's" if ours == 0 else ""
+    return times(ours / theirs)
+
+
+def _nonfinite(tensor: TensorComparison, verify: bool) -> str:
+    if not verify:
+        text = f"NaN {tensor.nan_mismatched:,}, inf {tensor.inf_mismatched:,}"
+        return f"[red]{text}[/]" if tensor.nan_mismatched or tensor.inf_mismatched else text
+    if not (tensor.nan_mismatched or tensor.inf_mismatched):
+        return "none where the reference is finite"
+    return (
+        f"[red]disagree with the reference: NaN at {tensor.nan_mismatched:,} elements, inf at"
+        f" {tensor.inf_mismatched:,}[/]"
+    )
+
+
+def _padding(tensor: TensorComparison) -> str:
+    if tensor.invalid_rows_zero is False:
+        return "[red]not all exactly 0 at invalid positions[/]"
+    if tensor.negative_zeros:
+        return (
+            f"[yellow]-0.0 at {tensor.negative_zeros:,} padded positions[/] (+0.0 expected;"
+            " --strict fails it)"
+        )
+    return "exactly +0.0 at every invalid position"
+
+
 def _tensor_line(tensor: TensorComparison) -> str:
     """One line for a tensor that passed, in a long report."""
     figures = ""
@@ -399,11 +535,15 @@ def _tensor_line(tensor: TensorComparison) -> str:
     return f"[bold green]PASS[/] [bold]{safe(tensor.name)}[/]  {_shapes(tensor)}{figures}"
 
 
-def _shapes(tensor: TensorComparison) -> str:
+def _shapes(tensor: TensorComparison, verify: bool = False) -> str:
     def side(dtype: str | None, shape: list[int] | None) -> str:
         return "missing" if dtype is None else f"{dtype} {shape}"
 
     actual = side(tensor.dtype, tensor.shape)
+    if verify:  # the reference is float64 by design: only its shape can tell
+        if tensor.shape == tensor.expected_shape or tensor.expected_shape is None:
+            return actual
+        return f"{actual}, reference {tensor.expected_shape}"
     expected = side(tensor.expected_dtype, tensor.expected_shape)
     return actual if actual == expected else f"actual {actual}, expected {expected}"
 
@@ -416,10 +556,11 @@ def _at(value: float | None, index: list[int] | None) -> str:
     return f"{number(value)} at {index}"
 
 
-def _worst_rows_table(tensor: TensorComparison) -> object:
+def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> object:
     from rich import box
     from rich.table import Table
 
+    allowed = "budget" if report.context.get("tolerance") == "budget" else "tolerance"
     table = Table(
         title=f"worst rows of {safe(tensor.name)}",
         title_justify="left",
@@ -431,13 +572,22 @@ def _worst_rows_table(tensor: TensorComparison) -> object:
     table.add_column("actual", justify="right")
     table.add_column("expected", justify="right")
     table.add_column("abs diff", justify="right")
-    for worst in tensor.worst:
+    table.add_column(f"{allowed}", justify="right")
+    table.add_column("")
+    for position, worst in enumerate(tensor.worst):
+        # The last row may be the max abs diff's, added when not among the worst.
+        label = ""
+        if position == len(tensor.worst) - 1 and worst.index == tensor.max_abs_index:
+            within = worst.allowed is not None and worst.abs_diff <= worst.allowed
+            label = f"max abs diff{f', within its {allowed}' if within else ''}"
         table.add_row(
             str(worst.row),
             "" if worst.row == worst.index else str(worst.index[-1]),
             f"{worst.actual:.7g}",
             f"{worst.expected:.7g}",
-            f"{worst.abs_diff:.3g}",
+            f"{worst.abs_diff:.3g}" if math.isfinite(worst.abs_diff) else "not finite",
+            "" if worst.allowed is None else f"{worst.allowed:.3g}",
+            label,
         )
     return table
 

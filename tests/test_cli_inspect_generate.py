@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -251,6 +252,24 @@ def test_help_and_version_do_not_import_torch(args):
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert result.stderr.strip().endswith("torch not imported"), result.stderr
+
+
+@pytest.mark.parametrize("command", ["", "normalize", "inspect", "generate", "verify", "diff"])
+def test_help_shows_metavars_as_written_at_80_columns(command):
+    """No typer type labels (<bool> after flags, <str>, <list[str]>, <int range> [x>=1]), no
+    {INPUT} in the usage line, and choices never split across lines."""
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    args = [sys.executable, "-m", "maskln_cli", *([command] if command else []), "--help"]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for odd in ("<bool>", "<str>", "<list", "<int", "<float", "<path", "{INPUT", "range]", "x>="):
+        assert odd not in text, (odd, text)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    if command == "generate":
+        assert "bfloat16" in text  # whole: the choice list was split into b and float16
+    if command == "verify":
+        assert "Usage: maskln verify [OPTIONS] INPUT RESULT" in text
 
 
 def test_python_dash_m_runs_the_same_cli():

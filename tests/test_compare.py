@@ -110,7 +110,13 @@ def test_float32_default_tolerance_in_use():
 def test_shape_and_dtype_differences_are_mismatches():
     shape = compare_tensors("t", torch.zeros(2, 3), torch.zeros(3, 2))
     assert not shape.passed and shape.mismatched is None
-    assert shape.problems == ["shape [2, 3] vs expected [3, 2]"]
+    # Same size, another shape: said, since no values were compared.
+    assert shape.problems == [
+        "shape [2, 3] vs expected [3, 2]: the same number of elements in another shape;"
+        " values not compared"
+    ]
+    other_size = compare_tensors("t", torch.zeros(2, 3), torch.zeros(2, 2))
+    assert other_size.problems == ["shape [2, 3] vs expected [2, 2]"]
     dtype = compare_tensors("t", torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64))
     assert not dtype.passed and dtype.mismatched == 0  # values still compared, and equal
     assert dtype.problems == ["dtype float32 vs expected float64"]
@@ -144,14 +150,32 @@ def test_chunked_comparison_equals_one_chunk(monkeypatch):
             assert chunked[key] == value, key
 
 
-def test_invalid_rows_of_expected_must_be_exactly_zero():
+def test_invalid_rows_of_actual_must_be_exactly_zero():
     comparison = Comparison("out", [3, 2], "float32", [3, 2], "float32")
-    expected = torch.tensor([[1.0, 2.0], [1e-9, 0.0], [0.0, 0.0]])
-    comparison.update(expected, expected, invalid_rows=torch.tensor([False, True, True]))
+    values = torch.tensor([[1.0, 2.0], [1e-9, 0.0], [0.0, -0.0]])
+    comparison.update(values, values, invalid_rows=torch.tensor([False, True, True]))
     result = comparison.result()
     assert result.invalid_rows_zero is False and not result.passed
     assert result.mismatched == 0  # values agree: it is the masking contract that fails
-    assert "expected is not exactly 0 at every invalid position" in result.problems
+    assert "actual is not exactly 0 at every invalid position" in result.problems
+    assert result.negative_zeros == 1  # counted apart: -0.0 is 0, but not +0.0
+
+
+def test_allowance_replaces_the_tolerance_and_ranks_worst_rows_by_ratio():
+    comparison = Comparison(
+        "g", [3, 2], "float32", [3, 2], "float64", rank_by_ratio=True, same_dtype=False
+    )
+    expected = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
+    actual = expected + torch.tensor([[0.5, 0.0], [0.0, 0.25], [0.0, 0.0]], dtype=torch.float64)
+    allowance = torch.tensor([[1.0, 1.0], [0.1, 0.1], [0.0, 0.0]], dtype=torch.float64)
+    comparison.update(actual.float(), expected, allowance=allowance)
+    result = comparison.result()
+    # Row 0 errs by 0.5 within 1.0; row 1 by 0.25 against 0.1: only it fails, at 2.5x.
+    assert (result.mismatched, result.budget_ratio) == (1, pytest.approx(2.5))
+    assert [w.index for w in result.worst] == [[1, 1], [0, 0]]  # then the max abs element
+    assert result.worst[0].abs_diff > result.worst[0].allowed == pytest.approx(0.1)
+    assert result.worst[1].abs_diff <= result.worst[1].allowed
+    assert result.problems == ["1 of 6 elements differ beyond tolerance"]  # dtypes may differ
 
 
 def test_worst_rows_are_the_worst_across_chunks():

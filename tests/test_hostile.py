@@ -6,6 +6,7 @@ resource limits, signals and concurrent writers, and the security promises.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -409,19 +410,45 @@ def test_reports_to_a_full_stdout_exit_2(command):
     assert closed.returncode in (0, 1)  # sanity: the command itself works
 
 
-def test_broken_pipe_from_a_report_exits_2(tmp_path):
+@pytest.mark.parametrize(
+    ("other", "flags", "code"),
+    [("many", "", "0"), ("other", "", "1"), ("many", "--json", "0"), ("other", "--json", "1")],
+)
+def test_a_report_piped_into_head_ends_quietly_with_its_verdict(tmp_path, other, flags, code):
+    """As git and grep do: no message when the reader goes, and the verdict's exit code."""
     many = write(tmp_path / "many.safetensors", {f"t{i}": torch.ones(2) for i in range(2000)})
+    write(tmp_path / "other.safetensors", {f"t{i}": torch.zeros(2) for i in range(2000)})
     pipeline = subprocess.run(
-        f"{sys.executable} -m maskln_cli diff {many} {many} | head -c 10 >/dev/null; "
-        "echo ${PIPESTATUS[0]}",
+        f"{sys.executable} -m maskln_cli diff {many} {tmp_path / other}.safetensors {flags}"
+        " | head -c 10 >/dev/null; echo ${PIPESTATUS[0]}",
         shell=True,
         executable="/bin/bash",
         capture_output=True,
         text=True,
         cwd=ROOT,
     )
-    assert pipeline.stdout.strip() == "2", pipeline.stderr
-    assert "Traceback" not in pipeline.stderr
+    assert pipeline.stdout.strip() == code, pipeline.stderr
+    assert pipeline.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [(["verify", PAIRS, PAIRS], "maskln_cli.verify.verify_file"),
+     (["inspect", PAIRS], "maskln_cli.stats.summarize_file"),
+     (["diff", PAIRS, PAIRS], "maskln_cli.compare.diff_files")],
+)  # fmt: skip
+def test_ctrl_c_in_a_command_that_writes_nothing_says_only_interrupted(
+    monkeypatch, command, target
+):
+    module, name = target.rsplit(".", 1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    result = invoke(*command)
+    assert result.exit_code == 130
+    assert result.stderr.strip() == "maskln: error: interrupted"
 
 
 def test_closed_stdin_and_stdout(tmp_path):

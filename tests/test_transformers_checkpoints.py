@@ -214,5 +214,5 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
         "--module", module_name, "--valid-key", "attention_mask", "--valid", spec,
     )  # fmt: skip
     assert result.exit_code == 1
-    assert "eps       1e-05 (default)" in result.stdout
+    assert "eps        1e-05, from default" in result.stdout
     assert f"--config {folder / 'sharded' / 'config.json'} reads its eps" in result.stdout

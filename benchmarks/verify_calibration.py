@@ -1,0 +1,230 @@
+"""How ``maskln verify`` judges correct and wrong kernels, over several seeds: the measurements
+behind ``--factor``'s default (README, "Choosing --factor").
+
+Run from the repository root with the project's interpreter::
+
+    .venv/bin/python benchmarks/verify_calibration.py              # 5 seeds, ~10 minutes
+    .venv/bin/python benchmarks/verify_calibration.py --seeds 2    # quicker
+    .venv/bin/python benchmarks/verify_calibration.py --long       # also C = 2**20 rows
+
+Each kernel of tests/kernels.py runs on each data set (written to a file, as a kernel's output
+would be) and ``maskln verify`` judges it in-process. For every (kernel, data set, seed) the
+script records the verdict and the **factor needed**: the smallest ``--factor`` at which every
+tensor's values would pass (``inf`` when no factor would: NaN where the reference is finite,
+padding not zeroed). It does so twice: with the budget as ``verify`` uses it (the model, raised
+where PyTorch's own error is higher), and with the model alone, which shows how well the model
+covers PyTorch's own rounding.
+
+Prints a Markdown table (kernels by data set: verdict, factor needed over the seeds, worst for
+correct kernels and best for wrong ones, and the diagnosis) and, per seed, the margins: the
+worst factor a correct kernel needs against the best a wrong kernel needs, where its mistake is
+visible at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maskln_cli import verify as verify_module
+from maskln_cli.verify import VerifyOptions, verify_file
+from tests import kernels
+
+DataSet = Callable[[int], kernels.Tensors]
+
+
+@dataclass
+class Case:
+    """A data set, the dtype kernels run in, and the kernels to judge on it."""
+
+    name: str
+    make: DataSet
+    dtype: torch.dtype
+    correct: dict[str, kernels.Kernel]
+    wrong: dict[str, kernels.Kernel] = field(default_factory=dict)
+    padding_zeroed: bool = False
+
+
+def float32_cases() -> list[Case]:
+    return [
+        Case(
+            f"offset {offset:g}",
+            lambda seed, offset=offset: kernels.offset_batch(offset, seed),
+            torch.float32,
+            kernels.CORRECT,
+            kernels.WRONG,
+        )
+        for offset in (0.0, 1e3, 1e4)
+    ] + [
+        Case(
+            "spread 1e-2..10",
+            lambda seed: kernels.spread_batch(seed),
+            torch.float32,
+            kernels.CORRECT,
+            kernels.WRONG,
+        )
+    ]
+
+
+def half_cases() -> list[Case]:
+    layer_norm = {"nn.LayerNorm": kernels.torch_layer_norm, "maskln": kernels.maskln}
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        cases.append(
+            Case(
+                f"{name} data",
+                lambda seed, name=name: kernels.offset_batch(0.0, seed, dtype=name),
+                dtype,
+                layer_norm,
+                padding_zeroed=True,
+            )
+        )
+        cases.append(
+            Case(
+                f"float32 data, {name} kernel",
+                lambda seed: kernels.offset_batch(0.0, seed),
+                dtype,
+                layer_norm,
+                padding_zeroed=True,
+            )
+        )
+    return cases
+
+
+def long_cases() -> list[Case]:
+    correct = {k: kernels.CORRECT[k] for k in ("F.layer_norm", "two-pass", "maskln")}
+    return [Case("C = 2**20", lambda seed: kernels.long_rows(seed), torch.float32, correct)]
+
+
+@dataclass
+class Outcome:
+    passed: bool
+    needed: float  # the factor needed, with the yardstick (inf: no factor would do)
+    model_needed: float  # the same, with the model alone
+    diagnosis: list[str]
+
+
+def judge(
+    inputs: kernels.Tensors, result: kernels.Tensors, folder: Path, model_alone: bool
+) -> Outcome:
+    """verify's verdict; with ``model_alone``, also the factor needed by the model alone (for
+    correct kernels: the yardstick only raises budgets, so a wrong kernel needs as much or
+    more without it)."""
+    source, target = folder / "in.safetensors", folder / "result.safetensors"
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(source), {"eps": "1e-05"})
+    save_file({k: v.contiguous() for k, v in result.items()}, str(target))
+    figures = []
+    for raises in (True, False) if model_alone else (True,):
+        verify_module.YARDSTICK_RAISES = raises
+        try:
+            report = verify_file(str(source), str(target), verify=VerifyOptions())
+        finally:
+            verify_module.YARDSTICK_RAISES = True
+        needed = max(
+            math.inf if t.factor_needed is None else t.factor_needed for t in report.tensors
+        )
+        figures.append((report, needed))
+    (report, needed), (_, model_needed) = figures if model_alone else figures * 2
+    names = [d["mistake"] for t in report.tensors for d in t.diagnosis]
+    return Outcome(report.passed, needed, model_needed, list(dict.fromkeys(names)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--long", action="store_true", help="also the C = 2**20 case")
+    parser.add_argument("--no-half", action="store_true", help="skip bfloat16 and float16")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    cases = float32_cases() + ([] if args.no_half else half_cases())
+    cases += long_cases() if args.long else []
+    results: dict[tuple[str, str], list[Outcome]] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        for case in cases:
+            for seed in range(args.seeds):
+                inputs = case.make(seed)
+                for name, kernel in {**case.correct, **case.wrong}.items():
+                    result = kernels.run(kernel, inputs, case.dtype)
+                    if case.padding_zeroed:
+                        result = kernels.zero_padding(result, inputs["valid"])
+                    outcome = judge(inputs, result, folder, name in case.correct)
+                    results.setdefault((case.name, name), []).append(outcome)
+                    print(
+                        f"{case.name:>28} seed {seed} {name:>22}: "
+                        f"{'PASS' if outcome.passed else 'FAIL'} needs {outcome.needed:.3g}"
+                        f" (model alone {outcome.model_needed:.3g}) {outcome.diagnosis}",
+                        file=sys.stderr,
+                    )
+    print_table(cases, results, args.seeds)
+    print(f"\nran in {time.monotonic() - started:.0f} s, --factor {verify_module_factor()}")
+
+
+def verify_module_factor() -> float:
+    from maskln_cli.budget import DEFAULT_FACTOR
+
+    return DEFAULT_FACTOR
+
+
+def print_table(cases: list[Case], results: dict, seeds: int) -> None:
+    print("| data | kernel | verdicts | factor needed | model alone | diagnosis |")
+    # model alone: for wrong kernels, the same or more (the yardstick only raises budgets)
+    print("|---|---|---|---:|---:|---|")
+    for case in cases:
+        for name in {**case.correct, **case.wrong}:
+            outcomes = results[(case.name, name)]
+            wrong = name in case.wrong
+            passes = sum(o.passed for o in outcomes)
+            verdict = f"{passes} PASS, {len(outcomes) - passes} FAIL"
+            pick = min if wrong else max
+            needed = pick(o.needed for o in outcomes)
+            model = _figure(max(o.model_needed for o in outcomes)) if not wrong else "-"
+            diagnosis = sorted({d for o in outcomes for d in o.diagnosis})
+            label = f"{name} (wrong)" if wrong else name
+            print(
+                f"| {case.name} | {label} | {verdict} | {_figure(needed)} | {model} |"
+                f" {', '.join(diagnosis) or '-'} |"
+            )
+    print("\nper seed: worst factor a correct kernel needs / best a wrong kernel needs")
+    print("(wrong kernels whose mistake is below the data's float32 resolution, passing at")
+    print(" --factor 3, are left out; the table lists them)\n")
+    print("| seed | worst correct | (kernel, data) | best wrong | (kernel, data) |")
+    print("|---:|---:|---|---:|---|")
+    for seed in range(seeds):
+        correct, wrong = [], []
+        for case in cases:
+            for name in case.correct:
+                correct.append((results[(case.name, name)][seed].needed, name, case.name))
+            for name in case.wrong:
+                outcome = results[(case.name, name)][seed]
+                if not outcome.passed:
+                    wrong.append((outcome.needed, name, case.name))
+        worst = max(correct)
+        best = min(wrong) if wrong else (math.inf, "-", "-")
+        print(
+            f"| {seed} | {_figure(worst[0])} | {worst[1]}, {worst[2]} | {_figure(best[0])} |"
+            f" {best[1]}, {best[2]} |"
+        )
+
+
+def _figure(value: float) -> str:
+    if math.isinf(value):
+        return "inf"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2g}"
+
+
+if __name__ == "__main__":
+    main()

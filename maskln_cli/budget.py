@@ -1,0 +1,361 @@
+"""The error budget of ``maskln verify``: how far from the float64 truth a correct kernel may be.
+
+A correct kernel in float32 or bfloat16 cannot match float64; it can be about as accurate as a
+straightforward correct implementation in its own dtype. The budget of each element is
+
+    allowed = max(factor * max(model, yardstick error), ULPS ulps, atol + rtol * |truth|)
+
+- ``model`` is a first-order model of the rounding such an implementation makes, from the
+  dtype's unit roundoff u, the row's ``A = mean|x| / std`` (the condition of subtracting the
+  mean: rows with a large common offset lose digits there), C, and the magnitudes of scale,
+  bias and the upstream gradient. Reductions are modelled by the probabilistic bound of
+  recursive summation, ``sqrt(n) * u`` per unit summed (Higham & Mary, 2019), which covers a
+  plain sequential sum as well as torch's pairwise ones. half dtypes are modelled as torch
+  computes them on CPU: row reductions in float32, everything stored (the output, the row
+  statistics saved for backward, the sums over rows) in the half dtype.
+- The **yardstick** is PyTorch's own ``F.layer_norm`` and its autograd gradients, run in the
+  kernel's dtype on the same data (padding zeroed first), measured against the same truth.
+  It can only raise a budget, where the model is too optimistic; it never lowers one, so a
+  yardstick that is exact on some element by luck does not make that element's budget tight.
+- Whatever the model says, a few units in the last place are allowed (:data:`ULPS`), and so is
+  the fixed tolerance of ``torch.testing.assert_close``: :func:`floor`. Invalid rows must be
+  exactly 0.
+
+All of it is computed a chunk of rows at a time; only the gradient sums over rows keep
+channel-sized accumulators (:class:`SumBudget`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DEFAULT_FACTOR",
+    "ULPS",
+    "Precision",
+    "RowBudget",
+    "SumBudget",
+    "Yardstick",
+    "allowance",
+    "factor_needed",
+    "floor",
+    "unit",
+    "unit_roundoff",
+    "yardstick",
+]
+
+DEFAULT_FACTOR = 3.0
+"""How many times the modelled rounding a kernel may err by default (``--factor``). Measured
+(README, "Choosing --factor"): correct kernels reach at most about 1.0 of the model (a plain
+sequential float32 sum at offset 1e4; torch's own stays below 0.5), the wrong kernels of the
+suite at least about 6; 3 leaves a margin of about 2 to 3 each way."""
+
+ULPS = 2
+"""Units in the last place of the result's dtype that are always allowed."""
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next number: 2**-24 for float32.
+
+    Example:
+        >>> unit_roundoff(torch.float32) == 2**-24, unit_roundoff(torch.bfloat16) == 2**-8
+        (True, True)
+    """
+    return torch.finfo(dtype).eps / 2
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The unit roundoffs of a kernel judged in ``dtype``.
+
+    ``reduce`` is that of row reductions (float32's for the half dtypes, which every sensible
+    kernel, torch's included, accumulates in float32), ``store`` that of anything stored in
+    ``dtype``. ``x``, ``params`` and ``grad_out`` are the rounding of inputs stored in a finer
+    dtype than ``dtype`` (0 when they are stored no finer, and so reach the kernel exactly).
+    """
+
+    dtype: torch.dtype
+    reduce: float
+    store: float
+    x: float = 0.0
+    params: float = 0.0
+    grad_out: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        dtype: torch.dtype,
+        x_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
+        grad_out_dtype: torch.dtype | None = None,
+    ) -> Precision:
+        """The precision of a kernel in ``dtype`` fed inputs stored in the given dtypes.
+
+        Example:
+            >>> p = Precision.of(torch.bfloat16, x_dtype=torch.float32)
+            >>> p.reduce == 2**-24, p.store == 2**-8, p.x == 2**-7
+            (True, True, True)
+        """
+        store = unit_roundoff(dtype)
+        reduce = unit_roundoff(torch.float32) if dtype in _HALF else store
+
+        def rounding(source: torch.dtype | None) -> float:
+            finer = source is not None and source.is_floating_point
+            return store if finer and unit_roundoff(source) < store else 0.0
+
+        # x rounded to dtype moves x_i and the row mean: twice the rounding of one value.
+        return cls(
+            dtype, reduce, store, 2 * rounding(x_dtype), rounding(param_dtype),
+            rounding(grad_out_dtype),
+        )  # fmt: skip
+
+
+class RowBudget:
+    """The modelled rounding error of a correct kernel on a chunk of rows.
+
+    ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed), ``scale``
+    and ``bias`` ``[C]`` in float64. The models are float64 ``[R, C]``, 0 on invalid rows.
+
+    Example:
+        >>> x = torch.tensor([[1000.0, 1001.0, 1002.0, 1003.0]], dtype=torch.float64)
+        >>> one, zero = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+        >>> rows = RowBudget(x, torch.tensor([True]), one, zero, 1e-5, Precision.of(torch.float32))
+        >>> round(float(rows.offset[0, 0]), 1)  # mean|x| / std: the row loses about 3 digits
+        895.8
+    """
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        valid: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+        precision: Precision,
+    ) -> None:
+        self.valid = valid.unsqueeze(1)
+        self.precision = p = precision
+        self.scale, self.bias = scale, bias
+        x = torch.where(self.valid & x.isfinite(), x, 0.0)
+        channels = x.shape[-1]
+        mean = x.mean(dim=-1, keepdim=True)
+        centered = x - mean
+        self.rstd = (centered.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
+        self.xhat = centered.mul_(self.rstd)
+        self.offset = x.abs().mean(dim=-1, keepdim=True).mul_(self.rstd)  # A
+        # Relative perturbation of the normalization per unit of A: the mean's rounding in a
+        # sum of C terms, and x's own rounding to the kernel's dtype.
+        self.e0 = math.sqrt(channels) * p.reduce + p.x
+        perturbation = self.e0 * self.offset
+        # Once the perturbation is not small (x rounded to bfloat16 at an offset of 1e3 moves
+        # each value by a good part of the row's spread), the variance itself moves: second
+        # order, and a growth of the first-order terms.
+        self.e2 = perturbation.square()
+        self.growth = (1 + perturbation).square()
+        self.channels = channels
+
+    def out(self) -> torch.Tensor:
+        """The model of ``out``'s error."""
+        p = self.precision
+        scaled = (self.xhat * self.scale).abs()
+        model = (
+            self.offset * self.scale.abs() * self.e0
+            + scaled * (self.e0 + self.e2 + p.reduce + p.params)
+            + self.bias.abs() * (p.reduce + p.params)
+            + (self.xhat * self.scale + self.bias).abs() * p.store
+        )
+        return model.masked_fill_(~self.valid, 0.0)
+
+    def grad_x(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64).
+
+        dx = rstd * (wdy - xhat * c1 - c2) with wdy = scale * dy, c1 = mean(xhat * wdy) and
+        c2 = mean(wdy): xhat errs by e1 * (A + |xhat|) (the statistics stored in the dtype,
+        as torch saves them for backward), wdy and the row means by ed.
+        """
+        p = self.precision
+        e1 = self.e0 + p.store
+        ed = math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
+        dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
+        wdy = dy * self.scale
+        xhat_abs = self.xhat.abs()
+        k2 = (self.xhat * wdy).abs().mean(dim=-1, keepdim=True)  # |c1| at most
+        k3 = wdy.abs().mean(dim=-1, keepdim=True)  # |c2| at most
+        k1 = self.offset * k3 + k2  # mean((A + |xhat|) * |wdy|)
+        c1 = (self.xhat * wdy).mean(dim=-1, keepdim=True)
+        dx = (wdy - self.xhat * c1 - wdy.mean(dim=-1, keepdim=True)).mul_(self.rstd)
+        model = (
+            (self.offset + xhat_abs) * k2 * e1
+            + xhat_abs * k1 * e1
+            + (xhat_abs * k2 + k3 + wdy.abs()) * ed
+        ).mul_(self.rstd)
+        model += dx.abs_().mul_(e1 + self.e2 + p.store)
+        return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
+
+    def add_to(self, sums: SumBudget, grad_out: torch.Tensor) -> None:
+        """Add this chunk's share of the grad_scale and grad_bias models to ``sums``."""
+        dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
+        term = dy * self.xhat  # grad_scale sums these over rows
+        sums.rows += int(self.valid.sum())
+        sums.scale_squares += term.square().sum(dim=0)
+        sums.bias_squares += dy.square().sum(dim=0)
+        moved = dy.abs() * (self.offset + self.xhat.abs()) * self.growth
+        sums.moved_squares += moved.square_().sum(dim=0)
+
+
+class SumBudget:
+    """The models of grad_scale and grad_bias, sums over all valid rows, accumulated a chunk of
+    rows at a time (:meth:`RowBudget.add_to`).
+
+    A sum of N terms t in the dtype errs by about ``u * sqrt(N) * (|sum t| + ||t||_2)`` (the
+    partial sums of a sequential sum drift towards the total and wander by about ``||t||``);
+    each row's xhat errs independently, so those errors add in quadrature.
+
+    Example:
+        >>> sums = SumBudget(4, Precision.of(torch.float32))
+        >>> sums.grad_bias(torch.zeros(4, dtype=torch.float64)).tolist()
+        [0.0, 0.0, 0.0, 0.0]
+    """
+
+    def __init__(self, channels: int, precision: Precision) -> None:
+        self.precision = precision
+        self.e0 = math.sqrt(channels) * precision.reduce + precision.x  # as RowBudget's
+        self.rows = 0
+        zeros = torch.zeros(channels, dtype=torch.float64)
+        self.scale_squares = zeros.clone()
+        self.bias_squares = zeros.clone()
+        self.moved_squares = zeros.clone()
+
+    def grad_scale(self, total: torch.Tensor) -> torch.Tensor:
+        """The model of grad_scale's error; ``total`` is the true grad_scale (float64)."""
+        p = self.precision
+        e1 = self.e0 + p.store
+        spread = self.scale_squares.sqrt()
+        return (
+            self.moved_squares.sqrt() * e1
+            + (total.abs() + spread) * (p.store * math.sqrt(self.rows))
+            + spread * p.grad_out
+            + total.abs() * p.store
+        )
+
+    def grad_bias(self, total: torch.Tensor) -> torch.Tensor:
+        """The model of grad_bias's error; ``total`` is the true grad_bias (float64)."""
+        p = self.precision
+        spread = self.bias_squares.sqrt()
+        return (
+            (total.abs() + spread) * (p.store * math.sqrt(self.rows))
+            + spread * p.grad_out
+            + total.abs() * p.store
+        )
+
+
+def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Tensor:
+    """The budget before ``--factor``: the model, raised where the yardstick errs more (a
+    non-finite model or yardstick error, from NaN or inf in the data, raises nothing)."""
+    budget = model.nan_to_num(nan=0.0, posinf=0.0)
+    if yardstick_error is not None:
+        budget = torch.maximum(budget, yardstick_error.nan_to_num(nan=0.0, posinf=0.0))
+    return budget
+
+
+def floor(truth: torch.Tensor, dtype: torch.dtype, rtol: float, atol: float) -> torch.Tensor:
+    """What is always allowed: ``atol + max(rtol, ULPS * eps) * |truth|``, so at least ULPS
+    ulps of dtype (an ulp at |t| is at most eps * |t|) and assert_close's tolerance."""
+    relative = max(rtol, ULPS * torch.finfo(dtype).eps)
+    return truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative).add_(atol)
+
+
+def allowance(
+    model: torch.Tensor,
+    yardstick_error: torch.Tensor | None,
+    truth: torch.Tensor,
+    dtype: torch.dtype,
+    factor: float,
+    rtol: float,
+    atol: float,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What each element may err by: ``max(factor * max(model, yardstick error), ULPS ulps,
+    atol + rtol * |truth|)``, and exactly 0 on invalid rows (``valid`` is one flag per row).
+
+    Example:
+        >>> truth = torch.tensor([[1.0, -2.0]], dtype=torch.float64)
+        >>> model = torch.tensor([[1e-6, 1e-3]], dtype=torch.float64)
+        >>> allowance(model, None, truth, torch.float32, 3.0, 1.3e-6, 1e-5).tolist()
+        [[1.13e-05, 0.003]]
+    """
+    budget = torch.maximum(
+        unit(model, yardstick_error).mul_(factor), floor(truth, dtype, rtol, atol)
+    )
+    if valid is not None:
+        budget.masked_fill_(~valid.reshape(-1, 1), 0.0)
+    return budget
+
+
+def factor_needed(error: torch.Tensor, budget_unit: torch.Tensor, always: torch.Tensor) -> float:
+    """The smallest factor that would let every element of ``error`` pass: over the elements
+    beyond what is ``always`` allowed, the greatest error / budget unit (0 when none is).
+
+    Example:
+        >>> error, unit = torch.tensor([5.0, 1.0]), torch.tensor([1.0, 1.0])
+        >>> factor_needed(error, unit, always=torch.tensor([2.0, 2.0]))  # 1.0 is always allowed
+        5.0
+    """
+    beyond = error.isfinite() & (error > always)
+    if not bool(beyond.any()):
+        return 0.0
+    return float((error[beyond] / budget_unit[beyond]).max())
+
+
+@dataclass
+class Yardstick:
+    """PyTorch's result on a chunk of rows, in the kernel's dtype: ``out`` and ``grad_x``
+    ``[R, C]`` and this chunk's shares of ``grad_scale`` and ``grad_bias`` ``[C]``."""
+
+    out: torch.Tensor
+    grad_x: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+    grad_bias: torch.Tensor | None = None
+
+
+def yardstick(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    grad_out: torch.Tensor | None = None,
+) -> Yardstick:
+    """``F.layer_norm`` in ``dtype`` on rows ``x`` ``[R, C]`` with the padding zeroed first (the
+    one-liner without its NaN leak), and with ``grad_out`` its autograd gradients.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 3.0], [float("nan"), 0.0]])
+        >>> valid, one, zero = torch.tensor([True, False]), torch.ones(2), torch.zeros(2)
+        >>> y = yardstick(x, valid, one, zero, 1e-5, torch.float32)
+        >>> y.out
+        tensor([[-1.0000,  1.0000],
+                [ 0.0000,  0.0000]])
+    """
+    keep = valid.unsqueeze(1)
+    zero = torch.zeros((), dtype=dtype)
+    rows = torch.where(keep, x.to(dtype), zero)
+    weight, shift = scale.to(dtype), bias.to(dtype)
+    channels = x.shape[-1]
+    if grad_out is None:
+        with torch.no_grad():
+            out = F.layer_norm(rows, (channels,), weight, shift, eps)
+            return Yardstick(torch.where(keep, out, zero))
+    leaves = [t.detach().requires_grad_() for t in (rows, weight, shift)]
+    with torch.enable_grad():
+        out = torch.where(keep, F.layer_norm(leaves[0], (channels,), *leaves[1:], eps), zero)
+        upstream = torch.where(keep, grad_out.to(dtype), zero)
+        grads = torch.autograd.grad(out, leaves, upstream)
+    return Yardstick(out.detach(), *grads)
