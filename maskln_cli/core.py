@@ -320,7 +320,7 @@ def forward(
             rows = slice(start, stop) if mean is not None else slice(0, stop - start)
             _forward_rows(
                 y_rows[start:stop], x_rows[start:stop], valid_rows[start:stop], scale, bias, eps,
-                mean_rows[rows], rstd_rows[rows], invalid,
+                mean_rows[rows], rstd_rows[rows], invalid, keep_statistics,
             )  # fmt: skip
         return y, mean, rstd
 
@@ -339,6 +339,8 @@ def _invalid_rows_by_block(
     invalid = (~valid_rows).nonzero().squeeze(1)
     if invalid.numel() == 0:
         return [None] * len(blocks)
+    if len(blocks) == 1:
+        return [invalid - blocks[0][0]]
     starts = torch.tensor([start for start, _ in blocks] + [blocks[-1][1]], device=invalid.device)
     bounds = torch.searchsorted(invalid, starts).tolist()
     return [
@@ -366,6 +368,7 @@ def _forward_rows(
     mean: torch.Tensor,
     rstd: torch.Tensor,
     invalid: torch.Tensor | None,
+    keep_statistics: bool = True,
 ) -> None:
     """A block of rows [R, C] of the forward pass, in place in y; fills mean and rstd [R, 1].
     ``invalid`` holds the indices of the block's invalid rows (None: there are none).
@@ -383,10 +386,11 @@ def _forward_rows(
     shift = xc.mean(dim=-1, keepdim=True)
     sum_of_squares = _row_sums_of_squares(xc)
     rstd.copy_(_rstd(sum_of_squares, shift, channels, eps))
-    xhat = xc.sub_(shift).mul_(rstd)
+    _subtract_shift(xc, shift, rstd)
+    xhat = xc.mul_(rstd)
     torch.addcmul(bias, xhat, scale, out=y)
     if invalid is not None:
-        for tensor in (y, mean, rstd):
+        for tensor in (y, mean, rstd) if keep_statistics else (y,):
             tensor.index_fill_(0, invalid, 0.0)
     # Non-finite statistics: an invalid row holding NaN or inf (zeroed above), or a valid row
     # whose arithmetic overflowed (float32 |x| from about 1e19, float64 from about 1e154) or
@@ -396,6 +400,30 @@ def _forward_rows(
         if rescued.any():
             rows = rescued.nonzero().squeeze(1)
             _forward_rows_rescued(y, x, rows, scale, bias, eps, mean, rstd)
+
+
+_NEGLIGIBLE_SHIFT = {
+    dtype: torch.finfo(dtype).eps / 8 for dtype in (torch.float32, torch.float64)
+}
+"""A shift that moves xhat by less than this (an eighth of an ulp of 1) is not applied."""
+
+
+def _subtract_shift(xc: torch.Tensor, shift: torch.Tensor, rstd: torch.Tensor) -> None:
+    """``xc -= shift`` in the rows where the mean's rounding error ``shift`` moves xhat = xc *
+    rstd by an eighth of an ulp of 1 or more. On data without a large offset no row needs it,
+    and the pass over the block is saved. The choice is each row's own (the others subtract
+    0, which changes no bit), so a row's result never depends on its block.
+
+    Example:
+        >>> xc = torch.tensor([[1.0, -1.0], [3.0, -1.0]])
+        >>> _subtract_shift(xc, torch.tensor([[1e-12], [1.0]]), torch.tensor([[1.0], [1.0]]))
+        >>> xc
+        tensor([[ 1., -1.],
+                [ 2., -2.]])
+    """
+    matters = torch.mul(shift.abs(), rstd) >= _NEGLIGIBLE_SHIFT[shift.dtype]
+    if matters.any():
+        xc.sub_(shift.masked_fill(~matters, 0.0))
 
 
 def _forward_rows_rescued(
@@ -611,7 +639,8 @@ def _backward_rows(
         zeroed = (unusable | rescued).nonzero().squeeze(1)
         xc.index_fill_(0, zeroed, 0.0)
         shift.index_fill_(0, zeroed, 0.0)
-    xhat = xc.sub_(shift).mul_(rstd)  # 0 on rescued rows
+    _subtract_shift(xc, shift, rstd)
+    xhat = xc.mul_(rstd)  # 0 on rescued rows
     if invalid is not None:  # (xc - shift) * 0 is NaN where xc - shift overflowed
         xhat.index_fill_(0, invalid, 0.0)
     if dscale is not None:
