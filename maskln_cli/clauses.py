@@ -927,6 +927,23 @@ def _dtypes_cases(seed: int) -> list[Case]:
     return cases
 
 
+def same_device(reported: object, expected: str) -> bool:
+    """Whether a tensor's reported device (a string) is ``expected``: of the same type, and of
+    the same index (an index left out is 0; every CPU index is the one CPU).
+
+    Example:
+        >>> same_device("cpu", "cpu"), same_device("cuda:1", "cuda:0")
+        (True, False)
+    """
+    try:
+        got, want = torch.device(str(reported)), torch.device(expected)
+    except (RuntimeError, TypeError):
+        return False
+    if got.type != want.type:
+        return False
+    return got.type == "cpu" or (got.index or 0) == (want.index or 0)
+
+
 def _dtypes_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     for call in _each(cases):
         case = cases[call.case]
@@ -940,7 +957,7 @@ def _dtypes_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 False, f"{case.label}: returned {_dtype_name(out.dtype)}, not {expected}"
             )
         got_device = run.meta.get(call.key, {}).get("device")
-        if got_device != run.device:
+        if not same_device(got_device, run.device):
             return Verdict(
                 False, f"{case.label}: returned a tensor on {got_device}, not on {run.device}"
             )

@@ -214,19 +214,43 @@ def select_clauses(only: Iterable[str] = ()) -> list[Clause]:
 
 
 def check_device(device: str) -> str:
-    """``device`` as torch spells it, when this torch can use it."""
+    """``device`` as the tensors built on it report theirs, when this torch can use it: ``cpu``
+    for any ``cpu:N`` (one CPU device), ``cuda:N`` for ``cuda``; a usage error for a device type
+    this build or machine does not have (``mps`` or ``xpu`` on a CPU-only build, ``meta``).
+
+    Example:
+        >>> check_device("cpu:1")
+        'cpu'
+    """
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise MasklnError(f"--device: not a device: {device!r} ({error})") from None
+    if parsed.type == "cpu":
+        return "cpu"
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise MasklnError(f"--device {device}: this torch has no CUDA device")
-        if parsed.index is None:  # as tensors report it: cuda:0, not cuda
-            parsed = torch.device("cuda", torch.cuda.current_device())
-    if parsed.type not in ("cpu", "cuda") and not hasattr(torch, parsed.type):
-        raise MasklnError(f"--device {device}: not available here")
+        index = torch.cuda.current_device() if parsed.index is None else parsed.index
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise MasklnError(f"--device {device}: this torch sees {count} CUDA device(s)")
+        return f"cuda:{index}"
+    if not _available(parsed.type):
+        raise MasklnError(f"--device {device}: no {parsed.type} device is available to this torch")
     return str(parsed)
+
+
+def _available(kind: str) -> bool:
+    """Whether this torch can run on devices of type ``kind`` (``mps``, ``xpu``, a backend
+    registered as ``torch.<kind>`` with ``is_available()``)."""
+    if kind == "mps":
+        return bool(torch.backends.mps.is_available())
+    is_available = getattr(getattr(torch, kind, None), "is_available", None)
+    try:
+        return callable(is_available) and bool(is_available())
+    except Exception:  # a backend's own check failing means it cannot be used
+        return False
 
 
 def judge_clause(

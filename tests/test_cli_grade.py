@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from maskln_cli import grading, report
 from maskln_cli.clauses import CLAUSES
@@ -151,6 +152,10 @@ def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
     result = invoke("grade", EXAMPLE, "--device", "nosuch")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "--device: not a device: 'nosuch'")
+    if not torch.xpu.is_available():
+        result = invoke("grade", EXAMPLE, "--device", "xpu")
+        assert result.exit_code == 2
+        assert_one_line_error(result.stderr, "--device xpu: no xpu device is available")
 
 
 def test_grade_help_does_not_import_torch():

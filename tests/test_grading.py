@@ -294,6 +294,24 @@ def test_unknown_clause_and_device_are_usage_errors():
         grade(correct.masked_layer_normalization, device="nosuch")
 
 
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1", "cpu"])
+def test_any_cpu_index_is_the_cpu(device):
+    """Tensors built on cpu:1 report cpu: a correct function's output is on the device."""
+    result = grade(correct.masked_layer_normalization, only=["dtypes"], device=device)
+    assert result.passed, result.text()
+    assert result.device == "cpu"
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "xpu:0", "meta"])
+def test_a_device_this_torch_cannot_use_is_a_usage_error(device):
+    if device.split(":")[0] == "xpu" and torch.xpu.is_available():
+        pytest.skip("this torch has an XPU device")
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this torch has an MPS device")
+    with pytest.raises(MasklnError, match=f"--device {device}: no .* device is available"):
+        grade(correct.masked_layer_normalization, only=["dtypes"], device=device)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_cases_are_built_on_the_device():
     result = grade(masked_layer_normalization, strict=True, device="cuda")
