@@ -1280,29 +1280,47 @@ def _no_reinit_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
 
 TWO_PASS_DATA = ((1e4, 0.1, 64),)
 OFFSET_DATA = ((1e4, 0.1, 64), (1e3, 0.01, 64), (1e2, 1e-3, 64), (1e5, 1.0, 128))
+OFFSET_ROWS = (32, 32)
+"""About 920 valid rows per dataset: the RMS error of a correct kernel over that many rows
+varies by a few percent from seed to seed (its worst element, by a factor of two)."""
+ACCURACY_FLOOR = 1e-6
+"""Relative RMS errors below this (float32 rounds to 6e-8) pass whatever F.layer_norm's is."""
 
 
 def _offset_cases(seed: int, clause: str, data: Sequence[tuple[float, float, int]]) -> list[Case]:
     g = _generator(seed, clause)
     cases = []
     for offset, spread, channels in data:
-        noise = torch.randn(8, 32, channels, generator=g, dtype=torch.float64)
+        noise = torch.randn(*OFFSET_ROWS, channels, generator=g, dtype=torch.float64)
         x = offset + spread * noise
-        valid = _mask(g, (8, 32), fraction=0.9)
+        valid = _mask(g, OFFSET_ROWS, fraction=0.9)
         label = _describe(x, torch.float32, 1e-5, f"rows {offset:g} ± {spread:g}")
         cases.append(_case(label, x, valid, _params(g, channels), 1e-5, torch.float32))
     return cases
 
 
+def relative_rms_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||actual - reference|| / ||reference||`` over every element (NaN or inf: inf).
+
+    Example:
+        >>> relative_rms_error(torch.tensor([3.0, 4.5]), torch.tensor([3.0, 4.0]))
+        0.1
+    """
+    error = (actual.double() - reference).nan_to_num(math.inf, math.inf, math.inf)
+    size = float(reference.norm())
+    return float(error.norm()) / size if size > 0 else float(error.norm() > 0) * math.inf
+
+
 def layer_norm_error(case: Case) -> float:
-    """The largest error of torch's own F.layer_norm, on the valid rows of this case, against
-    the float64 reference: the yardstick of two_pass and offset_accuracy."""
+    """The relative RMS error of torch's own F.layer_norm (padding zeroed) against the float64
+    reference on this case: the yardstick of two_pass and offset_accuracy. An RMS over about a
+    thousand rows, not the worst element: the worst element of two correct kernels differs by
+    chance (which rows' means happen to round badly), by up to a factor of two."""
     t = case.inputs()
     keep = t["valid"][..., None]
     clean = torch.where(keep, t["x"], 0.0)
     ours = torch.nn.functional.layer_norm(clean, clean.shape[-1:], t["scale"], t["bias"], case.eps)
-    ours = torch.where(keep, ours, 0.0)
-    return float((ours.double() - case.reference()).abs().max())
+    return relative_rms_error(torch.where(keep, ours, 0.0), case.reference())
 
 
 def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
@@ -1316,17 +1334,16 @@ def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
             reference = case.reference()
             if tuple(out.shape) != tuple(reference.shape):
                 return Verdict(False, f"{case.label}: shape {list(out.shape)}")
-            error = (out.double() - reference).abs().nan_to_num(math.inf)
-            worst = float(error.max())
+            error = relative_rms_error(out, reference)
             yardstick = layer_norm_error(case)
-            limit = factor * yardstick + VALUE_TOLERANCE[torch.float32]
-            if not worst <= limit:
-                index = [int(i) for i in torch.unravel_index(error.argmax(), error.shape)]
+            if not error <= max(factor * yardstick, ACCURACY_FLOOR):
+                worst = (out.double() - reference).abs().nan_to_num(math.inf)
+                index = [int(i) for i in torch.unravel_index(worst.argmax(), worst.shape)]
                 detail = (
-                    f"{case.label}: error {worst:.3g} at {index} (gave"
-                    f" {_number(out[tuple(index)])}, the reference gives"
-                    f" {_number(reference[tuple(index)])}); F.layer_norm's is {yardstick:.3g},"
-                    f" the limit {factor:g}x that"
+                    f"{case.label}: relative RMS error {error:.3g}; F.layer_norm's is"
+                    f" {yardstick:.3g}, the limit {factor:g}x that (the worst element, at"
+                    f" {index}, gave {_number(out[tuple(index)])}, the reference gives"
+                    f" {_number(reference[tuple(index)])})"
                 )
                 return Verdict(False, detail, _diagnose([(case, out)]) if diagnose else None)
         return PASSED
@@ -1658,7 +1675,7 @@ def _clauses() -> dict[str, Clause]:
         _clause(
             "two_pass",
             True,
-            f"float32 rows 1e4 ± 0.1: error within {TWO_PASS_FACTOR:g}x F.layer_norm's",
+            f"float32 rows 1e4 ± 0.1: RMS error within {TWO_PASS_FACTOR:g}x F.layer_norm's",
             lambda seed: _offset_cases(seed, "two_pass", TWO_PASS_DATA),
             calls=_each,
             judge=_accuracy_judge(TWO_PASS_FACTOR, diagnose=True),
@@ -1698,7 +1715,7 @@ def _clauses() -> dict[str, Clause]:
         _clause(
             "offset_accuracy",
             False,
-            f"offset float32 rows: error within {OFFSET_FACTOR:g}x F.layer_norm's",
+            f"offset float32 rows: RMS error within {OFFSET_FACTOR:g}x F.layer_norm's",
             lambda seed: _offset_cases(seed, "offset_accuracy", OFFSET_DATA),
             calls=_each,
             judge=_accuracy_judge(OFFSET_FACTOR, diagnose=False),
