@@ -38,7 +38,10 @@ from maskln_cli.diagnosis import Diagnosis, diagnose_nan_gradient, diagnose_outp
 from maskln_cli.reference import reference_masked_layer_norm
 
 FORBIDDEN_OPS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
-"""A torch function or aten op whose name holds one of these is a ready-made normalization."""
+"""A torch function, or an op of torch's own (:data:`TORCH_NAMESPACES`), whose name holds one
+of these is a ready-made normalization. An op of another namespace is the user's own (a
+kernel author's ``mykernels::masked_layer_norm``): the grader looks inside it instead."""
+TORCH_NAMESPACES = ("aten", "prims")
 
 VALUE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 """rtol = atol for outputs against the float64 reference, by input dtype, on well-conditioned
@@ -1148,18 +1151,21 @@ def _recorders():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class RecordFunctions(TorchFunctionMode):
-        """Names of the torch functions called (F.rms_norm decomposes below this level)."""
+        """Names of the torch functions called (F.rms_norm decomposes below this level). The
+        mode is off while a function runs: what a custom op's implementation calls is not seen
+        here, but by RecordOps and the Python recorder."""
 
         def __init__(self) -> None:
             super().__init__()
             self.names: set[str] = set()
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.names.add(getattr(func, "__name__", repr(func)))
+            self.names.add(_function_name(func))
             return func(*args, **(kwargs or {}))
 
     class RecordOps(TorchDispatchMode):
-        """The aten ops that run, forward and backward."""
+        """The ops that run, forward and backward; inside an op that is not torch's own (a
+        ``torch.library`` custom op), the ops its implementation runs too."""
 
         @classmethod
         def _should_skip_dynamo(cls) -> bool:
@@ -1171,10 +1177,67 @@ def _recorders():
             self.names: set[str] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
+            name = func._schema.name
+            self.names.add(name)
+            kwargs = kwargs or {}
+            backend = _backend_key(args, kwargs)
+            if name.partition("::")[0] in TORCH_NAMESPACES or backend is None:
+                return func(*args, **kwargs)
+            # This mode is off while its handler runs: a custom op's implementation would run
+            # unseen. Run the op's backend kernel with the mode back on (calling the op again
+            # would come back here).
+            with self:
+                try:
+                    return func.redispatch(torch._C.DispatchKeySet(backend), *args, **kwargs)
+                except NotImplementedError:  # no kernel for that key: run it as it comes
+                    pass
+            return func(*args, **kwargs)
 
     return RecordFunctions, RecordOps
+
+
+def _function_name(func: Any) -> str:
+    """``aten::layer_norm`` for an op, ``torch.nn.functional.layer_norm`` for a function."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return str(schema.name)
+    qualified = getattr(func, "_qualified_op_name", None)  # an OpOverloadPacket
+    if isinstance(qualified, str):
+        return qualified
+    module = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__name__", None) or repr(func)
+    return f"{module}.{name}" if module else name
+
+
+def _backend_key(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The dispatch key of the backend of the first tensor argument (CPU or CUDA), or None."""
+    for value in itertools.chain(args, kwargs.values()):
+        candidates = value if isinstance(value, list | tuple) else (value,)
+        for tensor in candidates:
+            if isinstance(tensor, torch.Tensor):
+                kind = tensor.device.type
+                return {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA}.get(
+                    kind
+                )
+    return None
+
+
+def is_ready_made(name: str) -> bool:
+    """Whether a recorded name is a normalization of torch's own: an aten or prims op, or a
+    torch function, whose name holds :data:`FORBIDDEN_OPS`; not a user's own custom op.
+
+    Example:
+        >>> is_ready_made("aten::native_layer_norm"), is_ready_made("mykernels::layer_norm")
+        (True, False)
+        >>> is_ready_made("torch.nn.functional.layer_norm"), is_ready_made("mine.layer_norm")
+        (True, False)
+    """
+    namespace, separator, op = name.partition("::")
+    if separator:
+        return namespace in TORCH_NAMESPACES and any(word in op for word in FORBIDDEN_OPS)
+    module, _, function = name.rpartition(".")
+    torch_own = module == "torch" or module.startswith("torch.")
+    return torch_own and any(word in function for word in FORBIDDEN_OPS)
 
 
 def _raw_ops_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
@@ -1215,7 +1278,7 @@ def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             found += [
                 f"{name} ({phase})"
                 for name in names
-                if isinstance(name, str) and any(op in name for op in FORBIDDEN_OPS)
+                if isinstance(name, str) and is_ready_made(name)
             ]
         if found:
             return Verdict(

@@ -32,6 +32,7 @@ BROKEN = {
     "assumes_contiguous_parameters": {"strided_inputs"},
     "unsqueezes_mask_in_place": {"no_mutation"},
     "uses_layer_norm": {"raw_ops"},
+    "layer_norm_inside_a_custom_op": {"raw_ops"},
     "seeds_the_generator": {"no_reinit"},
     # offset_accuracy is the strict form of the same measurement: a one-pass variance fails both.
     "one_pass_variance": {"two_pass", "offset_accuracy"},
@@ -62,8 +63,13 @@ def mistakes_named(result: GradeReport, name: str) -> list[str | None]:
 
 @pytest.mark.parametrize(
     "fn",
-    [correct.masked_layer_normalization, masked_layer_normalization, broken.correct],
-    ids=["tests/solutions/correct.py", "maskln's op", "broken.correct"],
+    [
+        correct.masked_layer_normalization,
+        masked_layer_normalization,
+        broken.correct,
+        broken.kernel_as_custom_op,
+    ],
+    ids=["tests/solutions/correct.py", "maskln's op", "broken.correct", "a custom op"],
 )
 def test_correct_functions_pass_every_clause_strict_included(fn):
     result = grade(fn, strict=True)
@@ -113,6 +119,15 @@ def test_the_training_path_is_judged_too():
     result = grade(broken.training_path_keeps_bias, only=["values", "worked_example"])
     assert failed(result) == {"values", "worked_example"}
     assert "requiring grad" in clause(result, "values").detail
+
+
+def test_raw_ops_looks_inside_a_custom_op():
+    """The TorchFunctionMode sees the custom op, not what its implementation calls (the mode is
+    off while a function runs); the dispatch recorder runs the op's kernel with itself on."""
+    result = grade(broken.layer_norm_inside_a_custom_op, only=["raw_ops"])
+    detail = clause(result, "raw_ops").detail
+    assert "a ready-made normalization ran: aten::layer_norm (forward)" in detail
+    assert "maskln_tests::normalize_rows" not in detail  # the user's own op is not the fault
 
 
 def test_float64_computed_in_float32_fails_dtypes_by_its_error():

@@ -236,6 +236,65 @@ def uses_layer_norm(x, valid, scale, bias, eps=1e-05):
     return _finish(y, x, valid)
 
 
+class _KernelOps:
+    """A kernel author's op, registered with torch.library (as compiled kernels are): a
+    forward of raw tensor ops, and the analytic backward."""
+
+    @staticmethod
+    def fake(x, valid, scale, bias, eps):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, valid, scale, _, eps = inputs
+        ctx.save_for_backward(x, valid, scale)
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, valid, scale = ctx.saved_tensors
+        dx, dscale, dbias = _analytic_gradients(dy, x, valid, scale, ctx.eps)
+        return dx, None, dscale, dbias, None
+
+
+@torch.library.custom_op("maskln_tests::masked_layer_norm", mutates_args=())
+def _own_masked_layer_norm_op(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return correct(x, valid, scale, bias, eps)
+
+
+_own_masked_layer_norm_op.register_fake(_KernelOps.fake)
+_own_masked_layer_norm_op.register_autograd(
+    _KernelOps.backward, setup_context=_KernelOps.setup_context
+)
+
+
+def kernel_as_custom_op(x, valid, scale, bias, eps=1e-05):
+    """No mistake: the kernel is a custom op of its own, maskln_tests::masked_layer_norm; its
+    name holds "layer_norm", but it is not torch's."""
+    return _own_masked_layer_norm_op(x, valid, scale, bias, eps)
+
+
+@torch.library.custom_op("maskln_tests::normalize_rows", mutates_args=())
+def _normalize_rows_op(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    padding = ~valid.unsqueeze(-1)
+    y = F.layer_norm(x.masked_fill(padding, 0.0), x.shape[-1:], scale, bias, eps)
+    return _finish(y, x, valid)
+
+
+_normalize_rows_op.register_fake(_KernelOps.fake)
+_normalize_rows_op.register_autograd(_KernelOps.backward, setup_context=_KernelOps.setup_context)
+
+
+def layer_norm_inside_a_custom_op(x, valid, scale, bias, eps=1e-05):
+    """raw_ops: a custom op with an innocent name, maskln_tests::normalize_rows, whose
+    implementation calls F.layer_norm (its backward is the analytic one)."""
+    return _normalize_rows_op(x, valid, scale, bias, eps)
+
+
 # no_reinit ----------------------------------------------------------------------------------------
 
 
