@@ -22,9 +22,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import math
+import os
+import sys
 import traceback
 import warnings
 import zlib
@@ -42,6 +45,9 @@ FORBIDDEN_OPS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms
 of these is a ready-made normalization. An op of another namespace is the user's own (a
 kernel author's ``mykernels::masked_layer_norm``): the grader looks inside it instead."""
 TORCH_NAMESPACES = ("aten", "prims")
+MASKLN_OP_FILES = ("core.py", "functional.py", "reference.py", "module.py", "diagnosis.py")
+"""maskln's own implementations of the op: calling them is using a ready-made implementation,
+unless the function graded is maskln's own op (:func:`is_maskln_function`)."""
 
 VALUE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 """rtol = atol for outputs against the float64 reference, by input dtype, on well-conditioned
@@ -1223,45 +1229,148 @@ def _backend_key(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 
 def is_ready_made(name: str) -> bool:
-    """Whether a recorded name is a normalization of torch's own: an aten or prims op, or a
-    torch function, whose name holds :data:`FORBIDDEN_OPS`; not a user's own custom op.
+    """Whether a recorded name is a ready-made implementation: a normalization of torch's own
+    (an aten or prims op, or a torch function in C or Python, ``torch._refs`` and
+    ``torch._decomp`` included, whose name holds :data:`FORBIDDEN_OPS`), or maskln's own op
+    (``maskln::`` ops, functions of ``maskln_cli``: recorded only when not grading maskln's op).
+    Not a user's own custom op, whatever its name.
 
     Example:
         >>> is_ready_made("aten::native_layer_norm"), is_ready_made("mykernels::layer_norm")
         (True, False)
-        >>> is_ready_made("torch.nn.functional.layer_norm"), is_ready_made("mine.layer_norm")
+        >>> is_ready_made("torch._refs.native_layer_norm"), is_ready_made("mine.layer_norm")
         (True, False)
+        >>> is_ready_made("maskln_cli.core.masked_layer_normalization")
+        True
     """
     namespace, separator, op = name.partition("::")
     if separator:
+        if namespace == "maskln":
+            return True
         return namespace in TORCH_NAMESPACES and any(word in op for word in FORBIDDEN_OPS)
+    if name.startswith("maskln_cli."):
+        return True
     module, _, function = name.rpartition(".")
     torch_own = module == "torch" or module.startswith("torch.")
     return torch_own and any(word in function for word in FORBIDDEN_OPS)
 
 
+def is_maskln_function(fn: Any) -> bool:
+    """Whether ``fn`` is one of maskln's own functions (its op graded in process)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module == "maskln_cli" or module.startswith("maskln_cli.")
+
+
+_GRADING_MASKLN = contextvars.ContextVar("grading_maskln", default=False)
+"""Set by :func:`run_clause` while maskln's own op is graded: its modules then run legitimately."""
+
+
+class PythonRecorder:
+    """The Python functions that run while it is on (``sys.setprofile``, this thread), kept
+    when they are ready-made implementations: a function of torch's own Python code whose name
+    holds :data:`FORBIDDEN_OPS` (``torch._refs.native_layer_norm``, a ``torch._decomp``
+    decomposition, ``F.layer_norm``), or any function of maskln's op modules
+    (:data:`MASKLN_OP_FILES`) unless ``allow_maskln``. Names are ``module.function``.
+
+    Example:
+        >>> from torch._refs import native_layer_norm
+        >>> with PythonRecorder() as recorder:
+        ...     _ = native_layer_norm(torch.ones(2, 3), [3], None, None, 1e-5)
+        >>> sorted(recorder.names)
+        ['torch._refs.native_layer_norm']
+    """
+
+    def __init__(self, allow_maskln: bool = False) -> None:
+        self.names: set[str] = set()
+        self._torch = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+        here = os.path.realpath(os.path.dirname(__file__))
+        self._maskln = set() if allow_maskln else {os.path.join(here, f) for f in MASKLN_OP_FILES}
+        self._known: dict[Any, str] = {}
+        self._previous: Any = None
+
+    def __enter__(self) -> PythonRecorder:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self._previous)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        name = self._name(frame.f_code)
+        if not name or name.endswith(".<module>"):  # importing maskln runs none of the op
+            return
+        if not (name.startswith("maskln_cli.") and self._inside_maskln(frame)):
+            self.names.add(name)
+
+    def _inside_maskln(self, frame: Any) -> bool:
+        """Whether a caller of ``frame`` is in maskln's op (named already: its entry point)."""
+        caller = frame.f_back
+        while caller is not None:
+            if self._name(caller.f_code).startswith("maskln_cli."):
+                return True
+            caller = caller.f_back
+        return False
+
+    def _name(self, code: Any) -> str:
+        name = self._known.get(code)
+        if name is None:
+            name = self._known[code] = self._classify(code)
+        return name
+
+    def _classify(self, code: Any) -> str:
+        path = os.path.realpath(code.co_filename)
+        if path.startswith(self._torch):
+            if not any(word in code.co_name for word in FORBIDDEN_OPS):
+                return ""
+            module = "torch/" + path[len(self._torch) :]
+        elif path in self._maskln:
+            module = "maskln_cli/" + os.path.basename(path)
+        else:
+            return ""
+        module = module.removesuffix(".py").removesuffix("/__init__").replace(os.sep, ".")
+        return f"{module.replace('/', '.')}.{code.co_qualname}"
+
+
 def _raw_ops_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
+    """Record what runs in a no-grad forward, a forward and its backward: the ops, the torch
+    functions and the Python functions (:class:`PythonRecorder`)."""
     RecordFunctions, RecordOps = _recorders()
+    maskln = _GRADING_MASKLN.get()
     run = ClauseRun()
     for i, case in enumerate(cases):
         try:
+            python = PythonRecorder(allow_maskln=maskln)
             with RecordOps() as ops, RecordFunctions() as functions:
                 with torch.no_grad():
                     t = case.inputs(device)
-                    _checked_output(_invoke(fn, t, case.eps, "positional"))
+                    with python:
+                        _checked_output(_invoke(fn, t, case.eps, "positional"))
                 t = case.inputs(device)
                 for name in GRAD_INPUTS:
                     t[name].requires_grad_()
-                out = _checked_output(_invoke(fn, t, case.eps, "positional"))
-            forward = sorted(ops.names | functions.names)
+                with python:
+                    out = _checked_output(_invoke(fn, t, case.eps, "positional"))
+            forward = ops.names | functions.names | python.names
+            python = PythonRecorder(allow_maskln=maskln)
             with RecordOps() as ops:
                 if out.requires_grad:
                     leaves = [t[n] for n in GRAD_INPUTS]
-                    torch.autograd.grad(_weighted(out, t), leaves, allow_unused=True)
-            run.meta[str(i)] = {"forward": forward, "backward": sorted(ops.names)}
+                    with python:  # a CPU backward runs on this thread
+                        torch.autograd.grad(_weighted(out, t), leaves, allow_unused=True)
+            backward = ops.names | python.names
+            if maskln:  # maskln's op graded: its own op and modules run legitimately
+                forward, backward = (_not_maskln(names) for names in (forward, backward))
+            run.meta[str(i)] = {"forward": sorted(forward), "backward": sorted(backward)}
         except CAUGHT as error:
             run.errors[str(i)] = describe_exception(error)
     return run
+
+
+def _not_maskln(names: set[str]) -> set[str]:
+    return {n for n in names if not n.startswith(("maskln::", "maskln_cli."))}
 
 
 def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
@@ -1792,11 +1901,21 @@ CLAUSES = _clauses()
 
 
 def run_clause(
-    fn: Fn, name: str, seed: int, device: str, cases: list[Case] | None = None
+    fn: Fn,
+    name: str,
+    seed: int,
+    device: str,
+    cases: list[Case] | None = None,
+    maskln: bool | None = None,
 ) -> ClauseRun:
-    """Run clause ``name`` on ``fn`` where ``fn`` lives (this process, or the child)."""
+    """Run clause ``name`` on ``fn`` where ``fn`` lives (this process, or the child).
+
+    ``maskln``: whether the function graded is maskln's own op, whose modules ``raw_ops`` then
+    allows (by default, whether ``fn`` is defined in maskln_cli; the child decides by the
+    target, so that a file that imports maskln's op is not taken for it)."""
     clause = CLAUSES[name]
     cases = clause.build(seed) if cases is None else cases
+    token = _GRADING_MASKLN.set(is_maskln_function(fn) if maskln is None else maskln)
     try:
         with warnings.catch_warnings():
             # The function's warnings are not verdicts (and under -W error would become
@@ -1805,5 +1924,7 @@ def run_clause(
             run = clause.run(fn, cases, device)
     except CAUGHT as error:  # outside any one call: the function broke the clause's machinery
         run = ClauseRun(failure=describe_exception(error))
+    finally:
+        _GRADING_MASKLN.reset(token)
     run.device = device
     return run

@@ -427,6 +427,24 @@ def parse_target(target: str) -> Target:
     return Target(None, location, name)
 
 
+def is_maskln_target(target: str) -> bool:
+    """Whether ``target`` is one of maskln's own functions: a module of the maskln_cli package
+    (``maskln_cli:masked_layer_normalization``) or a file in it. A file elsewhere that imports
+    maskln's op is not: it uses a ready-made implementation (``raw_ops`` fails it).
+
+    Example:
+        >>> is_maskln_target("maskln_cli:masked_layer_normalization")
+        True
+        >>> is_maskln_target("maskln_clipper.ops:f")
+        False
+    """
+    parsed = parse_target(target)
+    if parsed.module is not None:
+        return parsed.module == "maskln_cli" or parsed.module.startswith("maskln_cli.")
+    assert parsed.path is not None
+    return parsed.path.resolve().parent == Path(__file__).resolve().parent
+
+
 def load_target(target: str) -> Fn:
     """Import the target and return its function. Raises MasklnError naming the target, with
     the exception's last line, when it cannot be imported, or is missing or not callable.

@@ -391,7 +391,9 @@ def child_main(argv: list[str]) -> int:
     try:
         from maskln_cli import clauses, grading
 
-        fn = grading.load_target(str(load.get("target")))
+        target = str(load.get("target"))
+        fn = grading.load_target(target)
+        maskln = grading.is_maskln_target(target)
     except MasklnError as error:
         _write_frame(response_fd, {"ok": False, "error": str(error)})
         return 0
@@ -405,7 +407,9 @@ def child_main(argv: list[str]) -> int:
         request = json.loads(line)
         if request.get("op") != "run":
             break
-        run = clauses.run_clause(fn, str(request["clause"]), int(request["seed"]), device)
+        run = clauses.run_clause(
+            fn, str(request["clause"]), int(request["seed"]), device, maskln=maskln
+        )
         if memory:
             for key, message in run.errors.items():
                 if message.startswith("out of memory"):

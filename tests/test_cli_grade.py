@@ -33,6 +33,20 @@ def test_maskln_grades_its_own_op_strict_included():
     assert all(c["passed"] and c["detail"] is None for c in document["clauses"])
 
 
+def test_a_file_that_imports_maskln_op_fails_raw_ops(tmp_path):
+    """Only maskln's own target may run maskln's op: a file that re-exports it uses it."""
+    path = tmp_path / "solution.py"
+    path.write_text("from maskln_cli import masked_layer_normalization  # noqa: F401\n")
+    result = invoke("grade", path, "--json")
+    assert result.exit_code == 1
+    failing = [c for c in json.loads(result.stdout)["clauses"] if not c["passed"]]
+    assert [c["name"] for c in failing] == ["raw_ops"]
+    assert (
+        "a ready-made normalization ran: maskln_cli.core.masked_layer_normalization (forward)"
+        in failing[0]["detail"]
+    )
+
+
 def test_the_example_first_attempt_fails_with_a_report():
     result = invoke("grade", EXAMPLE)
     assert result.exit_code == 1

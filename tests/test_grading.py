@@ -33,6 +33,8 @@ BROKEN = {
     "unsqueezes_mask_in_place": {"no_mutation"},
     "uses_layer_norm": {"raw_ops"},
     "layer_norm_inside_a_custom_op": {"raw_ops"},
+    "uses_torch_refs": {"raw_ops"},
+    "uses_maskln_op": {"raw_ops"},
     "seeds_the_generator": {"no_reinit"},
     # offset_accuracy is the strict form of the same measurement: a one-pass variance fails both.
     "one_pass_variance": {"two_pass", "offset_accuracy"},
@@ -128,6 +130,19 @@ def test_raw_ops_looks_inside_a_custom_op():
     detail = clause(result, "raw_ops").detail
     assert "a ready-made normalization ran: aten::layer_norm (forward)" in detail
     assert "maskln_tests::normalize_rows" not in detail  # the user's own op is not the fault
+
+
+@pytest.mark.parametrize(
+    ("name", "seen"),
+    [
+        ("uses_torch_refs", "torch._refs.native_layer_norm (forward)"),
+        ("uses_maskln_op", "maskln_cli.core.masked_layer_normalization (forward)"),
+    ],
+)
+def test_raw_ops_sees_ready_made_python_implementations(name, seen):
+    """Only raw aten ops reach the dispatcher from these: the Python functions that ran say it."""
+    result = grade(getattr(broken, name), only=["raw_ops"])
+    assert f"a ready-made normalization ran: {seen}" in clause(result, "raw_ops").detail
 
 
 def test_float64_computed_in_float32_fails_dtypes_by_its_error():

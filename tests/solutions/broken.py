@@ -295,6 +295,23 @@ def layer_norm_inside_a_custom_op(x, valid, scale, bias, eps=1e-05):
     return _normalize_rows_op(x, valid, scale, bias, eps)
 
 
+def uses_torch_refs(x, valid, scale, bias, eps=1e-05):
+    """raw_ops: torch's reference implementation in Python, torch._refs.native_layer_norm:
+    only raw ops reach the dispatcher, but it is a ready-made layer norm."""
+    from torch._refs import native_layer_norm
+
+    padding = ~valid.unsqueeze(-1)
+    y, _, _ = native_layer_norm(x.masked_fill(padding, 0.0), [x.shape[-1]], scale, bias, eps)
+    return _finish(y, x, valid)
+
+
+def uses_maskln_op(x, valid, scale, bias, eps=1e-05):
+    """raw_ops: calls maskln's own op, a ready-made implementation of exactly this primitive."""
+    from maskln_cli import masked_layer_normalization
+
+    return masked_layer_normalization(x, valid, scale, bias, eps)
+
+
 # no_reinit ----------------------------------------------------------------------------------------
 
 
