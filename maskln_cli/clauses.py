@@ -661,6 +661,11 @@ VALUE_CHANNELS = (1, 2, 3, 16, 64)
 EPSILONS = (1e-5, 0.1, 3.0)
 # Row spreads from 1e-4 (variance 1e-8: eps dominates) to 2: where eps is added matters.
 VALUE_SPREADS = (1.0, 1e-4, 2.0, 1e-3, 0.3, 3e-3, 1e-2, 1.5, 3e-4, 0.05)
+TAIL_CHANNELS = (9, 12, 17, 31, 33, 100, 129, 257)
+"""Channel counts past a vector width that are not multiples of 8 or 16: a kernel that loses
+its remainder loop (the last C % 8 channels) is wrong on these only."""
+MANY_ROWS = ((3, 331), 20)
+"""993 rows (not a multiple of any block of rows) of 20 channels."""
 
 
 def _values_cases(seed: int) -> list[Case]:
@@ -672,6 +677,15 @@ def _values_cases(seed: int) -> list[Case]:
         x = _rows(g, (2, 5), channels, spreads=VALUE_SPREADS, offset=2.0)
         label = _describe(x, dtype, eps, "row variances 1e-8 to 4")
         cases.append(_case(label, x, _mask(g, (2, 5)), _params(g, channels), eps, dtype))
+    for dtype, channels in itertools.product((torch.float64, torch.float32), TAIL_CHANNELS):
+        x = _rows(g, (3, 3), channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = _describe(x, dtype, 1e-5, "row variances 1e-8 to 4")
+        cases.append(_case(label, x, _mask(g, (3, 3)), _params(g, channels), 1e-5, dtype))
+    leading, channels = MANY_ROWS
+    for dtype in (torch.float64, torch.float32):
+        x = _rows(g, leading, channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = _describe(x, dtype, 1e-5, "row variances 1e-8 to 4")
+        cases.append(_case(label, x, _mask(g, leading), _params(g, channels), 1e-5, dtype))
     return cases
 
 
@@ -858,7 +872,7 @@ def _gradient_cases(seed: int) -> list[Case]:
     g = _generator(seed, "gradients")
     cases = []
     for dtype, (channels, eps) in itertools.product(
-        (torch.float64, torch.float32), ((8, 1e-5), (3, 0.1))
+        (torch.float64, torch.float32), ((8, 1e-5), (3, 0.1), (17, 1e-5))
     ):
         x = _rows(g, (2, 5), channels)
         label = _describe(x, dtype, eps)
@@ -1756,8 +1770,9 @@ def _clauses() -> dict[str, Clause]:
         _clause(
             "values",
             True,
-            "random cases against the float64 reference: float32 and float64, C from 1,"
-            " eps 1e-5, 0.1 and 3, rows of small variance; with and without grad",
+            "random cases against the float64 reference: float32 and float64, C from 1 to 257"
+            " (9, 17, 33, ...: not multiples of 8), 993 rows, eps 1e-5, 0.1 and 3, rows of"
+            " small variance; with and without grad",
             _values_cases,
             calls=_values_calls,
             judge=_outputs_judge(_values_calls, diagnose=True, what=_grad_words),

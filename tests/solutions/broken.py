@@ -97,6 +97,24 @@ def near_constant_rows_as_constant(x, valid, scale, bias, eps=1e-05):
     return _finish(centered * rstd * scale + bias, x, valid)
 
 
+def _vector_body(t):
+    """The channels an 8-lane kernel's main loop covers, when its remainder loop is lost: the
+    first C // 8 * 8 (all of them when C <= 8, where only the remainder loop runs)."""
+    main = t.shape[-1] // 8 * 8
+    return t[..., :main] if 0 < main < t.shape[-1] else t
+
+
+def drops_channel_remainder(x, valid, scale, bias, eps=1e-05):
+    """values (and gradients, through autograd): an 8-lane vectorized kernel whose statistics
+    leave out the last C % 8 channels when C > 8: right for every C a multiple of 8 or up to 8."""
+    padding = ~valid.unsqueeze(-1)
+    x_clean = x.masked_fill(padding, 0.0)
+    body = _vector_body(x_clean)
+    mean = body.mean(dim=-1, keepdim=True)
+    variance = (body - mean).square().mean(dim=-1, keepdim=True)
+    return _finish((x_clean - mean) / torch.sqrt(variance + eps) * scale + bias, x, valid)
+
+
 # leading_axes -------------------------------------------------------------------------------------
 
 
@@ -176,6 +194,32 @@ def backward_skips_statistics(x, valid, scale, bias, eps=1e-05):
     """gradients: the backward computes its statistics only when x requires grad, so
     dscale and dbias fail when only they are needed."""
     return _LazyBackwardKernel.apply(x, valid, scale, bias, eps)
+
+
+def _mean_of_body(t):
+    return _vector_body(t).mean(dim=-1, keepdim=True)
+
+
+class _RemainderlessBackwardKernel(_Kernel):
+    @staticmethod
+    def backward(ctx, dy):
+        x, valid, scale = ctx.saved_tensors
+        keep = valid.unsqueeze(-1)
+        xs = x.masked_fill(~keep, 0.0)
+        centered = xs - xs.mean(dim=-1, keepdim=True)
+        rstd = torch.rsqrt((centered * centered).mean(dim=-1, keepdim=True) + ctx.eps)
+        xhat = centered * rstd
+        dy = dy.masked_fill(~keep, 0.0)
+        wdy = dy * scale
+        # The mistake: the backward's two row reductions lose the last C % 8 channels.
+        dx = rstd * (wdy - _mean_of_body(wdy) - xhat * _mean_of_body(wdy * xhat))
+        return dx.masked_fill(~keep, 0.0), None, _row_sum(dy * xhat), _row_sum(dy), None
+
+
+def backward_drops_channel_remainder(x, valid, scale, bias, eps=1e-05):
+    """gradients: a hand-written backward kernel whose row reductions leave out the last
+    C % 8 channels when C > 8 (its forward is right)."""
+    return _RemainderlessBackwardKernel.apply(x, valid, scale, bias, eps)
 
 
 # sanitized_gradients ------------------------------------------------------------------------------
