@@ -1086,10 +1086,28 @@ Hook = Callable[[str, dict[str, torch.Tensor]], None]
 Inspect = Callable[[str, dict[str, torch.Tensor]], list[str]]
 
 
+class _Upstream(torch.autograd.Function):
+    """Hands the caller's own ``grad_out`` tensor to the backward of ``out`` (as
+    ``out.backward(grad_out)`` does), so a backward that writes into its incoming gradient is
+    seen; ``torch.autograd.grad(out, inputs, grad_out)`` would do it too, but imports sympy
+    (seconds) to check the shapes."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        ctx.grad_out = grad_out
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.grad_out, None
+
+
 def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     """Two calls, each on fresh inputs: a forward without grad; then a forward with x, scale
-    and bias requiring grad, and its backward. ``start(phase, inputs)`` runs before each call,
-    ``check(phase, inputs)`` after each phase ("no-grad forward", "forward", "backward")."""
+    and bias requiring grad, and its backward, given the caller's ``grad_out`` itself (an
+    input too, whose values and version must not change). ``start(phase, inputs)`` runs before
+    each call, ``check(phase, inputs)`` after each phase ("no-grad forward", "forward",
+    "backward")."""
     t = case.inputs(device)
     start("no-grad forward", t)
     with torch.no_grad():
@@ -1103,7 +1121,8 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     check("forward", t)
     if not out.requires_grad:
         raise Misbehaved("the output does not require grad although x, scale and bias do")
-    torch.autograd.grad(_weighted(out, t), [t[n] for n in GRAD_INPUTS], allow_unused=True)
+    upstream = _Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
+    torch.autograd.grad(upstream, [t[n] for n in GRAD_INPUTS], allow_unused=True)
     check("backward", t)
 
 

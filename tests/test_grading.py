@@ -33,6 +33,7 @@ BROKEN = {
     "returns_float64": {"dtypes"},
     "assumes_contiguous_parameters": {"strided_inputs"},
     "unsqueezes_mask_in_place": {"no_mutation"},
+    "zeroes_upstream_gradient_in_place": {"no_mutation", "second_order"},  # dy requires grad there
     "uses_layer_norm": {"raw_ops"},
     "layer_norm_inside_a_custom_op": {"raw_ops"},
     "uses_torch_refs": {"raw_ops"},
@@ -156,6 +157,11 @@ def test_float64_computed_in_float32_fails_dtypes_by_its_error():
 def test_writing_into_x_fails_no_mutation():
     result = grade(broken.sanitizes_x_in_place, only=["no_mutation"])
     assert "x's values changed in the no-grad forward" in clause(result, "no_mutation").detail
+
+
+def test_writing_into_the_upstream_gradient_fails_no_mutation():
+    result = grade(broken.zeroes_upstream_gradient_in_place, only=["no_mutation"])
+    assert "grad_out's values changed in the backward" in clause(result, "no_mutation").detail
 
 
 def test_flipping_an_inputs_requires_grad_fails_no_mutation():

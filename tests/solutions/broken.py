@@ -270,6 +270,22 @@ def unsqueezes_mask_in_place(x, valid, scale, bias, eps=1e-05):
     return torch.empty_like(x).copy_(y.masked_fill(~keep, 0.0))
 
 
+class _DyInPlaceKernel(_Kernel):
+    @staticmethod
+    def backward(ctx, dy):
+        x, valid, scale = ctx.saved_tensors
+        dy.masked_fill_(~valid.unsqueeze(-1), 0.0)  # the mistake: writes into the caller's dy
+        dx, dscale, dbias = _analytic_gradients(dy, x, valid, scale, ctx.eps)
+        return dx, None, dscale, dbias, None
+
+
+def zeroes_upstream_gradient_in_place(x, valid, scale, bias, eps=1e-05):
+    """no_mutation: a hand-written backward that zeroes the padded rows of its incoming
+    gradient in place: out.backward(grad_out) changes the caller's grad_out (and second_order:
+    under double backward that gradient requires grad, and the in-place write fails)."""
+    return _DyInPlaceKernel.apply(x, valid, scale, bias, eps)
+
+
 # raw_ops ------------------------------------------------------------------------------------------
 
 
