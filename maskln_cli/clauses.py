@@ -823,9 +823,8 @@ def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         t = case.inputs()
         nonfinite = _nonfinite(out, case.reference(), case.invalid())
         if nonfinite is not None:
-            diagnosis = diagnose_nan_gradient(
-                "the output", out, case.reference(), t["x"], t["valid"]
-            )
+            clean = run.tensors.get(f"{i}.clean.out")
+            diagnosis = _nan_diagnosis("the output", out, clean, case.reference(), t)
             return Verdict(False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else [])
         problem = _nonzero_invalid(out, case) or _prefixed(
             case, _value_mismatch(out, case.reference(), case.x.dtype)
@@ -838,6 +837,36 @@ def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         if problem is not None:
             return Verdict(False, problem)
     return PASSED
+
+
+def _nan_diagnosis(
+    name: str,
+    actual: torch.Tensor,
+    clean: torch.Tensor | None,
+    reference: torch.Tensor,
+    t: dict[str, torch.Tensor],
+) -> Diagnosis | None:
+    """Why ``actual`` (the output, or gradient ``name``) holds NaN or inf where the reference is
+    finite: the padding's NaN only when the same call with clean padding (``clean``) is finite
+    at those places; when it is not finite there either, a division by zero (None: no clean
+    result to tell)."""
+    leaked = ~actual.isfinite() & reference.isfinite()
+    if clean is None or tuple(clean.shape) != tuple(actual.shape):
+        return None
+    if (leaked & ~clean.isfinite()).any():
+        return Diagnosis(
+            NAN_WITHOUT_PADDING,
+            f"NaN or inf in {name} with clean padding too, so not from the padding: a division"
+            " by zero, such as an invalid row (all zeros once sanitized, variance 0) divided by"
+            " its standard deviation with eps missing, (x - mean) / sqrt(var)",
+            "add eps inside the square root, (x - mean) / sqrt(var + eps), and divide by nothing"
+            " that can be zero (torch.where hides such a NaN in the output, not in gradients)",
+            0.0,
+        )
+    return diagnose_nan_gradient(name, actual, reference, t["x"], t["valid"], t.get("grad_out"))
+
+
+NAN_WITHOUT_PADDING = "nan_without_padding"
 
 
 def _prefixed(case: Case, mismatch: str | None) -> str | None:
@@ -901,6 +930,20 @@ def _gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 # sanitized_gradients ------------------------------------------------------------------------------
 
 
+def _sanitized_gradients_calls(cases: list[Case]) -> list[Call]:
+    """Each poisoned case's backward, and the same with clean padding (to tell a NaN from the
+    padding from one the function makes itself; not judged: the gradients clause judges
+    clean padding)."""
+    return [
+        call
+        for i in range(len(cases))
+        for call in (
+            Call(str(i), i, requires=GRAD_INPUTS, backward=True),
+            Call(f"{i}.clean", i, clean=True, requires=GRAD_INPUTS, backward=True),
+        )
+    ]
+
+
 def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     for call in _each(cases, requires=GRAD_INPUTS, backward=True):
         case = cases[call.case]
@@ -913,9 +956,8 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             grad = run.tensor(call.key, name)
             nonfinite = _nonfinite(grad, reference, case.invalid(), name)
             if nonfinite is not None:
-                diagnosis = diagnose_nan_gradient(
-                    name, grad, reference, t["x"], t["valid"], t["grad_out"]
-                )
+                clean = run.tensors.get(f"{call.key}.clean.{name}")
+                diagnosis = _nan_diagnosis(name, grad, clean, reference, t)
                 return Verdict(
                     False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else []
                 )
@@ -1835,7 +1877,7 @@ def _clauses() -> dict[str, Clause]:
             "with NaN and inf in invalid rows: dx is 0 there and every gradient is finite and"
             " right",
             lambda seed: _poisoned_cases(seed, "sanitized_gradients", grad=True),
-            calls=lambda cases: _each(cases, requires=GRAD_INPUTS, backward=True),
+            calls=_sanitized_gradients_calls,
             judge=_sanitized_gradients_judge,
         ),
         _clause(

@@ -290,6 +290,29 @@ def test_nan_in_a_gradient_says_where_and_why():
     assert "0 * NaN is NaN" in found["description"] and "sanitize x" in found["fix"]
 
 
+def test_nan_that_clean_padding_gives_too_is_not_blamed_on_the_padding():
+    """eps missing, padding sanitized with torch.where: the zeroed invalid rows give 0 / 0."""
+    result = grade(mistakes.eps_missing, only=["sanitized_gradients"])
+    assert "gave nan" in clause(result, "sanitized_gradients").detail
+    (found,) = result.diagnosis
+    assert found["mistake"] == "nan_without_padding"
+    assert "with clean padding too, so not from the padding" in found["description"]
+    assert "eps" in found["fix"]
+
+
+def test_nan_in_the_output_with_clean_padding_too_is_not_blamed_on_the_padding():
+    def eps_missing_masked_by_multiplying(x, valid, scale, bias, eps=1e-5):
+        keep = valid.unsqueeze(-1)
+        centered = torch.where(keep, x, 0.0) - torch.where(keep, x, 0.0).mean(-1, keepdim=True)
+        y = centered / centered.square().mean(-1, keepdim=True).sqrt() * scale + bias
+        return y * keep  # 0 / 0 in the invalid rows: NaN * 0 is NaN
+
+    result = grade(eps_missing_masked_by_multiplying, only=["sanitized_padding"])
+    assert "(an invalid row) gave nan" in clause(result, "sanitized_padding").detail
+    (found,) = result.diagnosis
+    assert found["mistake"] == "nan_without_padding" and "the output" in found["description"]
+
+
 def test_nan_in_the_output_says_so():
     result = grade(broken.forward_kernel_multiplies_mask, only=["sanitized_padding"])
     (found,) = result.diagnosis
