@@ -151,7 +151,22 @@ def test_raw_ops_sees_ready_made_python_implementations(name, seen):
 def test_float64_computed_in_float32_fails_dtypes_by_its_error():
     result = grade(broken.computes_in_float32, only=["dtypes"])
     detail = clause(result, "dtypes").detail
-    assert "float64" in detail and "lower precision" in detail
+    assert "float32's rounding, not float64's" in detail and "lower precision, float32?" in detail
+
+
+@pytest.mark.parametrize(
+    ("wrong", "fragment"),
+    [
+        (mistakes.sqrt_missing, "the values are wrong; the values clause shows more"),
+        (mistakes.eps_outside_sqrt, "the values are wrong; the values clause shows more"),
+        (lambda *args: correct.masked_layer_normalization(*args).sum(), "returned shape [] for"),
+        (lambda *args: correct.masked_layer_normalization(*args).reshape(-1), "shape [360] for"),
+    ],
+    ids=["a wrong formula", "eps misplaced (error 3e-9)", "a 0-d output", "a flattened output"],
+)
+def test_dtypes_suggests_a_lower_precision_only_for_float32_sized_errors(wrong, fragment):
+    detail = clause(grade(wrong, only=["dtypes"]), "dtypes").detail
+    assert fragment in detail and "precision," not in detail, detail
 
 
 def test_writing_into_x_fails_no_mutation():
