@@ -14,8 +14,12 @@ Protocol, over two pipes the parent creates:
 - parent -> child: one JSON object per line, ``{"op": "load", "target": ...}`` first, then
   ``{"op": "run", "clause": ..., "seed": ...}``;
 - child -> parent: frames of a 16-byte header (JSON length, data length: big-endian u64),
-  the JSON (``{"ok": ...}`` for a load; ``{"meta", "errors", "failure"}`` for a run), then the
-  data (safetensors bytes, possibly empty).
+  the JSON (``{"ready": ...}`` once torch and the grader are imported, before the load;
+  ``{"ok": ...}`` for a load; ``{"meta", "errors", "failure"}`` for a run), then the data
+  (safetensors bytes, possibly empty).
+
+Importing the target is bounded by the clauses' timeout (``--timeout``); the child's own
+start-up (Python, torch, the grader) by :data:`START_TIMEOUT`.
 
 The child caps its address space (``RLIMIT_AS``; :data:`DEFAULT_MEMORY_GIB`, or
 ``MASKLN_GRADE_MEMORY_GIB``) on the CPU, so an allocation beyond it fails the call that made
@@ -49,8 +53,9 @@ GRACE_SECONDS = 1.0
 """Between SIGTERM and SIGKILL."""
 GIVE_UP_AFTER = 2
 """Crashes or timeouts in a row after which the remaining clauses are not run."""
-LOAD_TIMEOUT = 60.0
-"""At least this long for the child to import torch and the target."""
+START_TIMEOUT = 60.0
+"""How long the child may take to import torch and the grader (before the target: its import
+is bounded by ``--timeout``, as each clause is)."""
 _FILE_SIZE_LIMIT = 64 << 20
 """What the child may print (its stdout and stderr go to a temporary file)."""
 
@@ -118,20 +123,30 @@ class Sandbox:
     # -- the process --------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the child and have it import the target. Raises MasklnError (a usage error)
-        when the target cannot be imported, is missing or not callable."""
+        """Start the child (it imports torch and the grader: up to :data:`START_TIMEOUT`), then
+        have it import the target, within ``timeout`` (``--timeout``). Raises MasklnError (a
+        usage error) when the target cannot be imported in time, is missing or not callable."""
         try:
             self._spawn()
+            ready, _ = self._receive(START_TIMEOUT)
+        except (ChildGone, TimeoutError) as error:
+            self.stop()
+            why = str(error) if isinstance(error, ChildGone) else f"not within {START_TIMEOUT:g} s"
+            raise MasklnError(f"the grader's child process did not start: {why}") from None
+        if not ready.get("ready"):
+            self.stop()
+            raise MasklnError(str(ready.get("error") or "the grader's child process did not start"))
+        try:
             self._send({"op": "load", "target": self.target, "device": self.device})
-            answer, _ = self._receive(max(self.timeout, LOAD_TIMEOUT))
+            answer, _ = self._receive(self.timeout)
         except ChildGone as gone:
             self.stop()
             raise MasklnError(f"TARGET {self.target}: cannot import: {gone}") from None
         except TimeoutError:
             self.stop()
-            seconds = max(self.timeout, LOAD_TIMEOUT)
             raise MasklnError(
-                f"TARGET {self.target}: cannot import: it did not finish within {seconds:g} s"
+                f"TARGET {self.target}: cannot import: it did not finish within"
+                f" {self.timeout:g} s (--timeout)"
             ) from None
         if not answer.get("ok"):
             self.stop()
@@ -387,10 +402,15 @@ def child_main(argv: list[str]) -> int:
     memory = int(os.environ.get("_MASKLN_GRADE_MEMORY_BYTES") or 0)
     _limit_resources()
     requests = os.fdopen(request_fd, "rb")
+    try:  # torch and the grader: the parent waits START_TIMEOUT for this, then --timeout
+        from maskln_cli import clauses, grading
+    except MemoryError:
+        cap = f" (cap {_gib(memory)})" if memory else ""
+        _write_frame(response_fd, {"ready": False, "error": f"out of memory importing torch{cap}"})
+        return 0
+    _write_frame(response_fd, {"ready": True})
     load = json.loads(requests.readline() or b"{}")
     try:
-        from maskln_cli import clauses, grading
-
         target = str(load.get("target"))
         fn = grading.load_target(target)
         maskln = grading.is_maskln_target(target)

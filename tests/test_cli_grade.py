@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -151,6 +152,19 @@ def test_a_target_that_cannot_be_loaded_is_a_one_line_usage_error(tmp_path, sour
     result = invoke("grade", path)
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, str(path), *fragments)
+
+
+def test_a_target_whose_import_hangs_is_stopped_after_the_timeout(tmp_path):
+    path = tmp_path / "solution.py"
+    path.write_text("import time\n\ntime.sleep(3600)\n")
+    started = time.monotonic()
+    result = invoke("grade", path, "--timeout", "2")
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 2
+    assert_one_line_error(
+        result.stderr, str(path), "cannot import: it did not finish within 2 s (--timeout)"
+    )
+    assert elapsed < 30  # torch's import in the child, 2 s, the kill's grace; not 60 s
 
 
 def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
