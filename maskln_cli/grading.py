@@ -352,9 +352,14 @@ def grade_target(
     device: str = "cpu",
     timeout: float = DEFAULT_TIMEOUT,
     memory_bytes: int | None = None,
+    contain_processes: bool = False,
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.sandbox`.
+
+    ``contain_processes``: this process does nothing else meanwhile (the command): it becomes
+    a child subreaper for the grade, so processes the function detaches (a double fork,
+    setsid) come back to it and are killed with the child; its other children are spared.
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """
@@ -367,7 +372,7 @@ def grade_target(
     device = check_device(device)
     parse_target(target)  # a missing file is a usage error before anything starts
     results = []
-    with sandbox.Sandbox(target, device, timeout, memory_bytes) as child:
+    with sandbox.Sandbox(target, device, timeout, memory_bytes, contain_processes) as child:
         child.start()  # raises MasklnError when the target cannot be loaded
         for clause in clauses:
             started = time.perf_counter()
