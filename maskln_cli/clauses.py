@@ -22,9 +22,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import math
+import os
+import sys
 import traceback
 import warnings
 import zlib
@@ -38,7 +41,13 @@ from maskln_cli.diagnosis import Diagnosis, diagnose_nan_gradient, diagnose_outp
 from maskln_cli.reference import reference_masked_layer_norm
 
 FORBIDDEN_OPS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
-"""A torch function or aten op whose name holds one of these is a ready-made normalization."""
+"""A torch function, or an op of torch's own (:data:`TORCH_NAMESPACES`), whose name holds one
+of these is a ready-made normalization. An op of another namespace is the user's own (a
+kernel author's ``mykernels::masked_layer_norm``): the grader looks inside it instead."""
+TORCH_NAMESPACES = ("aten", "prims")
+MASKLN_OP_FILES = ("core.py", "functional.py", "reference.py", "module.py", "diagnosis.py")
+"""maskln's own implementations of the op: calling them is using a ready-made implementation,
+unless the function graded is maskln's own op (:func:`is_maskln_function`)."""
 
 VALUE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 """rtol = atol for outputs against the float64 reference, by input dtype, on well-conditioned
@@ -652,6 +661,11 @@ VALUE_CHANNELS = (1, 2, 3, 16, 64)
 EPSILONS = (1e-5, 0.1, 3.0)
 # Row spreads from 1e-4 (variance 1e-8: eps dominates) to 2: where eps is added matters.
 VALUE_SPREADS = (1.0, 1e-4, 2.0, 1e-3, 0.3, 3e-3, 1e-2, 1.5, 3e-4, 0.05)
+TAIL_CHANNELS = (9, 12, 17, 31, 33, 100, 129, 257)
+"""Channel counts past a vector width that are not multiples of 8 or 16: a kernel that loses
+its remainder loop (the last C % 8 channels) is wrong on these only."""
+MANY_ROWS = ((3, 331), 20)
+"""993 rows (not a multiple of any block of rows) of 20 channels."""
 
 
 def _values_cases(seed: int) -> list[Case]:
@@ -663,6 +677,15 @@ def _values_cases(seed: int) -> list[Case]:
         x = _rows(g, (2, 5), channels, spreads=VALUE_SPREADS, offset=2.0)
         label = _describe(x, dtype, eps, "row variances 1e-8 to 4")
         cases.append(_case(label, x, _mask(g, (2, 5)), _params(g, channels), eps, dtype))
+    for dtype, channels in itertools.product((torch.float64, torch.float32), TAIL_CHANNELS):
+        x = _rows(g, (3, 3), channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = _describe(x, dtype, 1e-5, "row variances 1e-8 to 4")
+        cases.append(_case(label, x, _mask(g, (3, 3)), _params(g, channels), 1e-5, dtype))
+    leading, channels = MANY_ROWS
+    for dtype in (torch.float64, torch.float32):
+        x = _rows(g, leading, channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = _describe(x, dtype, 1e-5, "row variances 1e-8 to 4")
+        cases.append(_case(label, x, _mask(g, leading), _params(g, channels), 1e-5, dtype))
     return cases
 
 
@@ -800,9 +823,8 @@ def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         t = case.inputs()
         nonfinite = _nonfinite(out, case.reference(), case.invalid())
         if nonfinite is not None:
-            diagnosis = diagnose_nan_gradient(
-                "the output", out, case.reference(), t["x"], t["valid"]
-            )
+            clean = run.tensors.get(f"{i}.clean.out")
+            diagnosis = _nan_diagnosis("the output", out, clean, case.reference(), t)
             return Verdict(False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else [])
         problem = _nonzero_invalid(out, case) or _prefixed(
             case, _value_mismatch(out, case.reference(), case.x.dtype)
@@ -815,6 +837,36 @@ def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         if problem is not None:
             return Verdict(False, problem)
     return PASSED
+
+
+def _nan_diagnosis(
+    name: str,
+    actual: torch.Tensor,
+    clean: torch.Tensor | None,
+    reference: torch.Tensor,
+    t: dict[str, torch.Tensor],
+) -> Diagnosis | None:
+    """Why ``actual`` (the output, or gradient ``name``) holds NaN or inf where the reference is
+    finite: the padding's NaN only when the same call with clean padding (``clean``) is finite
+    at those places; when it is not finite there either, a division by zero (None: no clean
+    result to tell)."""
+    leaked = ~actual.isfinite() & reference.isfinite()
+    if clean is None or tuple(clean.shape) != tuple(actual.shape):
+        return None
+    if (leaked & ~clean.isfinite()).any():
+        return Diagnosis(
+            NAN_WITHOUT_PADDING,
+            f"NaN or inf in {name} with clean padding too, so not from the padding: a division"
+            " by zero, such as an invalid row (all zeros once sanitized, variance 0) divided by"
+            " its standard deviation with eps missing, (x - mean) / sqrt(var)",
+            "add eps inside the square root, (x - mean) / sqrt(var + eps), and divide by nothing"
+            " that can be zero (torch.where hides such a NaN in the output, not in gradients)",
+            0.0,
+        )
+    return diagnose_nan_gradient(name, actual, reference, t["x"], t["valid"], t.get("grad_out"))
+
+
+NAN_WITHOUT_PADDING = "nan_without_padding"
 
 
 def _prefixed(case: Case, mismatch: str | None) -> str | None:
@@ -849,7 +901,7 @@ def _gradient_cases(seed: int) -> list[Case]:
     g = _generator(seed, "gradients")
     cases = []
     for dtype, (channels, eps) in itertools.product(
-        (torch.float64, torch.float32), ((8, 1e-5), (3, 0.1))
+        (torch.float64, torch.float32), ((8, 1e-5), (3, 0.1), (17, 1e-5))
     ):
         x = _rows(g, (2, 5), channels)
         label = _describe(x, dtype, eps)
@@ -878,6 +930,20 @@ def _gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 # sanitized_gradients ------------------------------------------------------------------------------
 
 
+def _sanitized_gradients_calls(cases: list[Case]) -> list[Call]:
+    """Each poisoned case's backward, and the same with clean padding (to tell a NaN from the
+    padding from one the function makes itself; not judged: the gradients clause judges
+    clean padding)."""
+    return [
+        call
+        for i in range(len(cases))
+        for call in (
+            Call(str(i), i, requires=GRAD_INPUTS, backward=True),
+            Call(f"{i}.clean", i, clean=True, requires=GRAD_INPUTS, backward=True),
+        )
+    ]
+
+
 def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     for call in _each(cases, requires=GRAD_INPUTS, backward=True):
         case = cases[call.case]
@@ -890,9 +956,8 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             grad = run.tensor(call.key, name)
             nonfinite = _nonfinite(grad, reference, case.invalid(), name)
             if nonfinite is not None:
-                diagnosis = diagnose_nan_gradient(
-                    name, grad, reference, t["x"], t["valid"], t["grad_out"]
-                )
+                clean = run.tensors.get(f"{call.key}.clean.{name}")
+                diagnosis = _nan_diagnosis(name, grad, clean, reference, t)
                 return Verdict(
                     False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else []
                 )
@@ -927,6 +992,23 @@ def _dtypes_cases(seed: int) -> list[Case]:
     return cases
 
 
+def same_device(reported: object, expected: str) -> bool:
+    """Whether a tensor's reported device (a string) is ``expected``: of the same type, and of
+    the same index (an index left out is 0; every CPU index is the one CPU).
+
+    Example:
+        >>> same_device("cpu", "cpu"), same_device("cuda:1", "cuda:0")
+        (True, False)
+    """
+    try:
+        got, want = torch.device(str(reported)), torch.device(expected)
+    except (RuntimeError, TypeError):
+        return False
+    if got.type != want.type:
+        return False
+    return got.type == "cpu" or (got.index or 0) == (want.index or 0)
+
+
 def _dtypes_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     for call in _each(cases):
         case = cases[call.case]
@@ -940,20 +1022,45 @@ def _dtypes_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 False, f"{case.label}: returned {_dtype_name(out.dtype)}, not {expected}"
             )
         got_device = run.meta.get(call.key, {}).get("device")
-        if got_device != run.device:
+        if not same_device(got_device, run.device):
             return Verdict(
                 False, f"{case.label}: returned a tensor on {got_device}, not on {run.device}"
             )
         if case.x.dtype == torch.float64:
-            mismatch = _value_mismatch(out, case.reference(), torch.float64)
-            if mismatch is not None:
-                error = float((out - case.reference()).abs().max())
-                return Verdict(
-                    False,
-                    f"{case.label}: error {error:.2g}, not float64's ~1e-15 (computed in a"
-                    f" lower precision?): {mismatch}",
-                )
+            problem = _precision_problem(out, case.reference())
+            if problem is not None:
+                return Verdict(False, f"{case.label}: {problem}")
     return PASSED
+
+
+FLOAT32_ROUNDING = (1e-8, 1e-5)
+"""Relative RMS errors of float64 rows computed in float32 (about 6e-8 on the dtypes rows);
+a wrong formula errs more (an unbiased variance: 1.5e-2), eps misplaced less (3e-9)."""
+
+
+def _precision_problem(out: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """What is wrong with a float64 output that should be float64-accurate: a lower
+    precision only when its error is the size of float32's rounding; else wrong values, or a
+    shape that cannot be judged."""
+    if tuple(out.shape) != tuple(reference.shape):
+        return (
+            f"returned shape {list(out.shape)} for x {list(reference.shape)}: its precision"
+            " cannot be judged (leading_axes and values judge shapes)"
+        )
+    mismatch = _value_mismatch(out, reference, torch.float64)
+    if mismatch is None:
+        return None
+    error = relative_rms_error(out, reference)
+    low, high = FLOAT32_ROUNDING
+    if low <= error <= high:
+        return (
+            f"relative RMS error {error:.2g}, float32's rounding, not float64's (~1e-16):"
+            f" computed in a lower precision, float32?: {mismatch}"
+        )
+    return (
+        f"{mismatch} (relative RMS error {error:.2g}: not a precision's rounding, the values"
+        " are wrong; the values clause shows more)"
+    )
 
 
 # strided_inputs -----------------------------------------------------------------------------------
@@ -1046,10 +1153,28 @@ Hook = Callable[[str, dict[str, torch.Tensor]], None]
 Inspect = Callable[[str, dict[str, torch.Tensor]], list[str]]
 
 
+class _Upstream(torch.autograd.Function):
+    """Hands the caller's own ``grad_out`` tensor to the backward of ``out`` (as
+    ``out.backward(grad_out)`` does), so a backward that writes into its incoming gradient is
+    seen; ``torch.autograd.grad(out, inputs, grad_out)`` would do it too, but imports sympy
+    (seconds) to check the shapes."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        ctx.grad_out = grad_out
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.grad_out, None
+
+
 def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     """Two calls, each on fresh inputs: a forward without grad; then a forward with x, scale
-    and bias requiring grad, and its backward. ``start(phase, inputs)`` runs before each call,
-    ``check(phase, inputs)`` after each phase ("no-grad forward", "forward", "backward")."""
+    and bias requiring grad, and its backward, given the caller's ``grad_out`` itself (an
+    input too, whose values and version must not change). ``start(phase, inputs)`` runs before
+    each call, ``check(phase, inputs)`` after each phase ("no-grad forward", "forward",
+    "backward")."""
     t = case.inputs(device)
     start("no-grad forward", t)
     with torch.no_grad():
@@ -1063,7 +1188,8 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     check("forward", t)
     if not out.requires_grad:
         raise Misbehaved("the output does not require grad although x, scale and bias do")
-    torch.autograd.grad(_weighted(out, t), [t[n] for n in GRAD_INPUTS], allow_unused=True)
+    upstream = _Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
+    torch.autograd.grad(upstream, [t[n] for n in GRAD_INPUTS], allow_unused=True)
     check("backward", t)
 
 
@@ -1131,18 +1257,21 @@ def _recorders():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class RecordFunctions(TorchFunctionMode):
-        """Names of the torch functions called (F.rms_norm decomposes below this level)."""
+        """Names of the torch functions called (F.rms_norm decomposes below this level). The
+        mode is off while a function runs: what a custom op's implementation calls is not seen
+        here, but by RecordOps and the Python recorder."""
 
         def __init__(self) -> None:
             super().__init__()
             self.names: set[str] = set()
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.names.add(getattr(func, "__name__", repr(func)))
+            self.names.add(_function_name(func))
             return func(*args, **(kwargs or {}))
 
     class RecordOps(TorchDispatchMode):
-        """The aten ops that run, forward and backward."""
+        """The ops that run, forward and backward; inside an op that is not torch's own (a
+        ``torch.library`` custom op), the ops its implementation runs too."""
 
         @classmethod
         def _should_skip_dynamo(cls) -> bool:
@@ -1154,34 +1283,194 @@ def _recorders():
             self.names: set[str] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
+            name = func._schema.name
+            self.names.add(name)
+            kwargs = kwargs or {}
+            backend = _backend_key(args, kwargs)
+            if name.partition("::")[0] in TORCH_NAMESPACES or backend is None:
+                return func(*args, **kwargs)
+            # This mode is off while its handler runs: a custom op's implementation would run
+            # unseen. Run the op's backend kernel with the mode back on (calling the op again
+            # would come back here).
+            with self:
+                try:
+                    return func.redispatch(torch._C.DispatchKeySet(backend), *args, **kwargs)
+                except NotImplementedError:  # no kernel for that key: run it as it comes
+                    pass
+            return func(*args, **kwargs)
 
     return RecordFunctions, RecordOps
 
 
+def _function_name(func: Any) -> str:
+    """``aten::layer_norm`` for an op, ``torch.nn.functional.layer_norm`` for a function."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return str(schema.name)
+    qualified = getattr(func, "_qualified_op_name", None)  # an OpOverloadPacket
+    if isinstance(qualified, str):
+        return qualified
+    module = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__name__", None) or repr(func)
+    return f"{module}.{name}" if module else name
+
+
+def _backend_key(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The dispatch key of the backend of the first tensor argument (CPU or CUDA), or None."""
+    for value in itertools.chain(args, kwargs.values()):
+        candidates = value if isinstance(value, list | tuple) else (value,)
+        for tensor in candidates:
+            if isinstance(tensor, torch.Tensor):
+                kind = tensor.device.type
+                return {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA}.get(
+                    kind
+                )
+    return None
+
+
+def is_ready_made(name: str) -> bool:
+    """Whether a recorded name is a ready-made implementation: a normalization of torch's own
+    (an aten or prims op, or a torch function in C or Python, ``torch._refs`` and
+    ``torch._decomp`` included, whose name holds :data:`FORBIDDEN_OPS`), or maskln's own op
+    (``maskln::`` ops, functions of ``maskln_cli``: recorded only when not grading maskln's op).
+    Not a user's own custom op, whatever its name.
+
+    Example:
+        >>> is_ready_made("aten::native_layer_norm"), is_ready_made("mykernels::layer_norm")
+        (True, False)
+        >>> is_ready_made("torch._refs.native_layer_norm"), is_ready_made("mine.layer_norm")
+        (True, False)
+        >>> is_ready_made("maskln_cli.core.masked_layer_normalization")
+        True
+    """
+    namespace, separator, op = name.partition("::")
+    if separator:
+        if namespace == "maskln":
+            return True
+        return namespace in TORCH_NAMESPACES and any(word in op for word in FORBIDDEN_OPS)
+    if name.startswith("maskln_cli."):
+        return True
+    module, _, function = name.rpartition(".")
+    torch_own = module == "torch" or module.startswith("torch.")
+    return torch_own and any(word in function for word in FORBIDDEN_OPS)
+
+
+def is_maskln_function(fn: Any) -> bool:
+    """Whether ``fn`` is one of maskln's own functions (its op graded in process)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module == "maskln_cli" or module.startswith("maskln_cli.")
+
+
+_GRADING_MASKLN = contextvars.ContextVar("grading_maskln", default=False)
+"""Set by :func:`run_clause` while maskln's own op is graded: its modules then run legitimately."""
+
+
+class PythonRecorder:
+    """The Python functions that run while it is on (``sys.setprofile``, this thread), kept
+    when they are ready-made implementations: a function of torch's own Python code whose name
+    holds :data:`FORBIDDEN_OPS` (``torch._refs.native_layer_norm``, a ``torch._decomp``
+    decomposition, ``F.layer_norm``), or any function of maskln's op modules
+    (:data:`MASKLN_OP_FILES`) unless ``allow_maskln``. Names are ``module.function``.
+
+    Example:
+        >>> from torch._refs import native_layer_norm
+        >>> with PythonRecorder() as recorder:
+        ...     _ = native_layer_norm(torch.ones(2, 3), [3], None, None, 1e-5)
+        >>> sorted(recorder.names)
+        ['torch._refs.native_layer_norm']
+    """
+
+    def __init__(self, allow_maskln: bool = False) -> None:
+        self.names: set[str] = set()
+        self._torch = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+        here = os.path.realpath(os.path.dirname(__file__))
+        self._maskln = set() if allow_maskln else {os.path.join(here, f) for f in MASKLN_OP_FILES}
+        self._known: dict[Any, str] = {}
+        self._previous: Any = None
+
+    def __enter__(self) -> PythonRecorder:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self._previous)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        name = self._name(frame.f_code)
+        if not name or name.endswith(".<module>"):  # importing maskln runs none of the op
+            return
+        if not (name.startswith("maskln_cli.") and self._inside_maskln(frame)):
+            self.names.add(name)
+
+    def _inside_maskln(self, frame: Any) -> bool:
+        """Whether a caller of ``frame`` is in maskln's op (named already: its entry point)."""
+        caller = frame.f_back
+        while caller is not None:
+            if self._name(caller.f_code).startswith("maskln_cli."):
+                return True
+            caller = caller.f_back
+        return False
+
+    def _name(self, code: Any) -> str:
+        name = self._known.get(code)
+        if name is None:
+            name = self._known[code] = self._classify(code)
+        return name
+
+    def _classify(self, code: Any) -> str:
+        path = os.path.realpath(code.co_filename)
+        if path.startswith(self._torch):
+            if not any(word in code.co_name for word in FORBIDDEN_OPS):
+                return ""
+            module = "torch/" + path[len(self._torch) :]
+        elif path in self._maskln:
+            module = "maskln_cli/" + os.path.basename(path)
+        else:
+            return ""
+        module = module.removesuffix(".py").removesuffix("/__init__").replace(os.sep, ".")
+        return f"{module.replace('/', '.')}.{code.co_qualname}"
+
+
 def _raw_ops_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
+    """Record what runs in a no-grad forward, a forward and its backward: the ops, the torch
+    functions and the Python functions (:class:`PythonRecorder`)."""
     RecordFunctions, RecordOps = _recorders()
+    maskln = _GRADING_MASKLN.get()
     run = ClauseRun()
     for i, case in enumerate(cases):
         try:
+            python = PythonRecorder(allow_maskln=maskln)
             with RecordOps() as ops, RecordFunctions() as functions:
                 with torch.no_grad():
                     t = case.inputs(device)
-                    _checked_output(_invoke(fn, t, case.eps, "positional"))
+                    with python:
+                        _checked_output(_invoke(fn, t, case.eps, "positional"))
                 t = case.inputs(device)
                 for name in GRAD_INPUTS:
                     t[name].requires_grad_()
-                out = _checked_output(_invoke(fn, t, case.eps, "positional"))
-            forward = sorted(ops.names | functions.names)
+                with python:
+                    out = _checked_output(_invoke(fn, t, case.eps, "positional"))
+            forward = ops.names | functions.names | python.names
+            python = PythonRecorder(allow_maskln=maskln)
             with RecordOps() as ops:
                 if out.requires_grad:
                     leaves = [t[n] for n in GRAD_INPUTS]
-                    torch.autograd.grad(_weighted(out, t), leaves, allow_unused=True)
-            run.meta[str(i)] = {"forward": forward, "backward": sorted(ops.names)}
+                    with python:  # a CPU backward runs on this thread
+                        torch.autograd.grad(_weighted(out, t), leaves, allow_unused=True)
+            backward = ops.names | python.names
+            if maskln:  # maskln's op graded: its own op and modules run legitimately
+                forward, backward = (_not_maskln(names) for names in (forward, backward))
+            run.meta[str(i)] = {"forward": sorted(forward), "backward": sorted(backward)}
         except CAUGHT as error:
             run.errors[str(i)] = describe_exception(error)
     return run
+
+
+def _not_maskln(names: set[str]) -> set[str]:
+    return {n for n in names if not n.startswith(("maskln::", "maskln_cli."))}
 
 
 def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
@@ -1198,7 +1487,7 @@ def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             found += [
                 f"{name} ({phase})"
                 for name in names
-                if isinstance(name, str) and any(op in name for op in FORBIDDEN_OPS)
+                if isinstance(name, str) and is_ready_made(name)
             ]
         if found:
             return Verdict(
@@ -1263,29 +1552,47 @@ def _no_reinit_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
 
 TWO_PASS_DATA = ((1e4, 0.1, 64),)
 OFFSET_DATA = ((1e4, 0.1, 64), (1e3, 0.01, 64), (1e2, 1e-3, 64), (1e5, 1.0, 128))
+OFFSET_ROWS = (32, 32)
+"""About 920 valid rows per dataset: the RMS error of a correct kernel over that many rows
+varies by a few percent from seed to seed (its worst element, by a factor of two)."""
+ACCURACY_FLOOR = 1e-6
+"""Relative RMS errors below this (float32 rounds to 6e-8) pass whatever F.layer_norm's is."""
 
 
 def _offset_cases(seed: int, clause: str, data: Sequence[tuple[float, float, int]]) -> list[Case]:
     g = _generator(seed, clause)
     cases = []
     for offset, spread, channels in data:
-        noise = torch.randn(8, 32, channels, generator=g, dtype=torch.float64)
+        noise = torch.randn(*OFFSET_ROWS, channels, generator=g, dtype=torch.float64)
         x = offset + spread * noise
-        valid = _mask(g, (8, 32), fraction=0.9)
+        valid = _mask(g, OFFSET_ROWS, fraction=0.9)
         label = _describe(x, torch.float32, 1e-5, f"rows {offset:g} ± {spread:g}")
         cases.append(_case(label, x, valid, _params(g, channels), 1e-5, torch.float32))
     return cases
 
 
+def relative_rms_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||actual - reference|| / ||reference||`` over every element (NaN or inf: inf).
+
+    Example:
+        >>> relative_rms_error(torch.tensor([3.0, 4.5]), torch.tensor([3.0, 4.0]))
+        0.1
+    """
+    error = (actual.double() - reference).nan_to_num(math.inf, math.inf, math.inf)
+    size = float(reference.norm())
+    return float(error.norm()) / size if size > 0 else float(error.norm() > 0) * math.inf
+
+
 def layer_norm_error(case: Case) -> float:
-    """The largest error of torch's own F.layer_norm, on the valid rows of this case, against
-    the float64 reference: the yardstick of two_pass and offset_accuracy."""
+    """The relative RMS error of torch's own F.layer_norm (padding zeroed) against the float64
+    reference on this case: the yardstick of two_pass and offset_accuracy. An RMS over about a
+    thousand rows, not the worst element: the worst element of two correct kernels differs by
+    chance (which rows' means happen to round badly), by up to a factor of two."""
     t = case.inputs()
     keep = t["valid"][..., None]
     clean = torch.where(keep, t["x"], 0.0)
     ours = torch.nn.functional.layer_norm(clean, clean.shape[-1:], t["scale"], t["bias"], case.eps)
-    ours = torch.where(keep, ours, 0.0)
-    return float((ours.double() - case.reference()).abs().max())
+    return relative_rms_error(torch.where(keep, ours, 0.0), case.reference())
 
 
 def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
@@ -1299,17 +1606,16 @@ def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
             reference = case.reference()
             if tuple(out.shape) != tuple(reference.shape):
                 return Verdict(False, f"{case.label}: shape {list(out.shape)}")
-            error = (out.double() - reference).abs().nan_to_num(math.inf)
-            worst = float(error.max())
+            error = relative_rms_error(out, reference)
             yardstick = layer_norm_error(case)
-            limit = factor * yardstick + VALUE_TOLERANCE[torch.float32]
-            if not worst <= limit:
-                index = [int(i) for i in torch.unravel_index(error.argmax(), error.shape)]
+            if not error <= max(factor * yardstick, ACCURACY_FLOOR):
+                worst = (out.double() - reference).abs().nan_to_num(math.inf)
+                index = [int(i) for i in torch.unravel_index(worst.argmax(), worst.shape)]
                 detail = (
-                    f"{case.label}: error {worst:.3g} at {index} (gave"
-                    f" {_number(out[tuple(index)])}, the reference gives"
-                    f" {_number(reference[tuple(index)])}); F.layer_norm's is {yardstick:.3g},"
-                    f" the limit {factor:g}x that"
+                    f"{case.label}: relative RMS error {error:.3g}; F.layer_norm's is"
+                    f" {yardstick:.3g}, the limit {factor:g}x that (the worst element, at"
+                    f" {index}, gave {_number(out[tuple(index)])}, the reference gives"
+                    f" {_number(reference[tuple(index)])})"
                 )
                 return Verdict(False, detail, _diagnose([(case, out)]) if diagnose else None)
         return PASSED
@@ -1550,8 +1856,9 @@ def _clauses() -> dict[str, Clause]:
         _clause(
             "values",
             True,
-            "random cases against the float64 reference: float32 and float64, C from 1,"
-            " eps 1e-5, 0.1 and 3, rows of small variance; with and without grad",
+            "random cases against the float64 reference: float32 and float64, C from 1 to 257"
+            " (9, 17, 33, ...: not multiples of 8), 993 rows, eps 1e-5, 0.1 and 3, rows of"
+            " small variance; with and without grad",
             _values_cases,
             calls=_values_calls,
             judge=_outputs_judge(_values_calls, diagnose=True, what=_grad_words),
@@ -1595,7 +1902,7 @@ def _clauses() -> dict[str, Clause]:
             "with NaN and inf in invalid rows: dx is 0 there and every gradient is finite and"
             " right",
             lambda seed: _poisoned_cases(seed, "sanitized_gradients", grad=True),
-            calls=lambda cases: _each(cases, requires=GRAD_INPUTS, backward=True),
+            calls=_sanitized_gradients_calls,
             judge=_sanitized_gradients_judge,
         ),
         _clause(
@@ -1641,7 +1948,7 @@ def _clauses() -> dict[str, Clause]:
         _clause(
             "two_pass",
             True,
-            f"float32 rows 1e4 ± 0.1: error within {TWO_PASS_FACTOR:g}x F.layer_norm's",
+            f"float32 rows 1e4 ± 0.1: RMS error within {TWO_PASS_FACTOR:g}x F.layer_norm's",
             lambda seed: _offset_cases(seed, "two_pass", TWO_PASS_DATA),
             calls=_each,
             judge=_accuracy_judge(TWO_PASS_FACTOR, diagnose=True),
@@ -1681,7 +1988,7 @@ def _clauses() -> dict[str, Clause]:
         _clause(
             "offset_accuracy",
             False,
-            f"offset float32 rows: error within {OFFSET_FACTOR:g}x F.layer_norm's",
+            f"offset float32 rows: RMS error within {OFFSET_FACTOR:g}x F.layer_norm's",
             lambda seed: _offset_cases(seed, "offset_accuracy", OFFSET_DATA),
             calls=_each,
             judge=_accuracy_judge(OFFSET_FACTOR, diagnose=False),
@@ -1695,11 +2002,21 @@ CLAUSES = _clauses()
 
 
 def run_clause(
-    fn: Fn, name: str, seed: int, device: str, cases: list[Case] | None = None
+    fn: Fn,
+    name: str,
+    seed: int,
+    device: str,
+    cases: list[Case] | None = None,
+    maskln: bool | None = None,
 ) -> ClauseRun:
-    """Run clause ``name`` on ``fn`` where ``fn`` lives (this process, or the child)."""
+    """Run clause ``name`` on ``fn`` where ``fn`` lives (this process, or the child).
+
+    ``maskln``: whether the function graded is maskln's own op, whose modules ``raw_ops`` then
+    allows (by default, whether ``fn`` is defined in maskln_cli; the child decides by the
+    target, so that a file that imports maskln's op is not taken for it)."""
     clause = CLAUSES[name]
     cases = clause.build(seed) if cases is None else cases
+    token = _GRADING_MASKLN.set(is_maskln_function(fn) if maskln is None else maskln)
     try:
         with warnings.catch_warnings():
             # The function's warnings are not verdicts (and under -W error would become
@@ -1708,5 +2025,7 @@ def run_clause(
             run = clause.run(fn, cases, device)
     except CAUGHT as error:  # outside any one call: the function broke the clause's machinery
         run = ClauseRun(failure=describe_exception(error))
+    finally:
+        _GRADING_MASKLN.reset(token)
     run.device = device
     return run

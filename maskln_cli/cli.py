@@ -936,7 +936,13 @@ def grade(
     from maskln_cli.grading import grade_target
 
     result = grade_target(
-        target, strict=strict, only=only or (), seed=seed, timeout=timeout, device=device
+        target,
+        strict=strict,
+        only=only or (),
+        seed=seed,
+        timeout=timeout,
+        device=device,
+        contain_processes=True,  # this process does nothing else: detached processes come back
     )
     if json_output:
         report.print_json(result.to_dict())

@@ -214,19 +214,43 @@ def select_clauses(only: Iterable[str] = ()) -> list[Clause]:
 
 
 def check_device(device: str) -> str:
-    """``device`` as torch spells it, when this torch can use it."""
+    """``device`` as the tensors built on it report theirs, when this torch can use it: ``cpu``
+    for any ``cpu:N`` (one CPU device), ``cuda:N`` for ``cuda``; a usage error for a device type
+    this build or machine does not have (``mps`` or ``xpu`` on a CPU-only build, ``meta``).
+
+    Example:
+        >>> check_device("cpu:1")
+        'cpu'
+    """
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise MasklnError(f"--device: not a device: {device!r} ({error})") from None
+    if parsed.type == "cpu":
+        return "cpu"
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise MasklnError(f"--device {device}: this torch has no CUDA device")
-        if parsed.index is None:  # as tensors report it: cuda:0, not cuda
-            parsed = torch.device("cuda", torch.cuda.current_device())
-    if parsed.type not in ("cpu", "cuda") and not hasattr(torch, parsed.type):
-        raise MasklnError(f"--device {device}: not available here")
+        index = torch.cuda.current_device() if parsed.index is None else parsed.index
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise MasklnError(f"--device {device}: this torch sees {count} CUDA device(s)")
+        return f"cuda:{index}"
+    if not _available(parsed.type):
+        raise MasklnError(f"--device {device}: no {parsed.type} device is available to this torch")
     return str(parsed)
+
+
+def _available(kind: str) -> bool:
+    """Whether this torch can run on devices of type ``kind`` (``mps``, ``xpu``, a backend
+    registered as ``torch.<kind>`` with ``is_available()``)."""
+    if kind == "mps":
+        return bool(torch.backends.mps.is_available())
+    is_available = getattr(getattr(torch, kind, None), "is_available", None)
+    try:
+        return callable(is_available) and bool(is_available())
+    except Exception:  # a backend's own check failing means it cannot be used
+        return False
 
 
 def judge_clause(
@@ -328,9 +352,14 @@ def grade_target(
     device: str = "cpu",
     timeout: float = DEFAULT_TIMEOUT,
     memory_bytes: int | None = None,
+    contain_processes: bool = False,
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.sandbox`.
+
+    ``contain_processes``: this process does nothing else meanwhile (the command): it becomes
+    a child subreaper for the grade, so processes the function detaches (a double fork,
+    setsid) come back to it and are killed with the child; its other children are spared.
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """
@@ -343,7 +372,7 @@ def grade_target(
     device = check_device(device)
     parse_target(target)  # a missing file is a usage error before anything starts
     results = []
-    with sandbox.Sandbox(target, device, timeout, memory_bytes) as child:
+    with sandbox.Sandbox(target, device, timeout, memory_bytes, contain_processes) as child:
         child.start()  # raises MasklnError when the target cannot be loaded
         for clause in clauses:
             started = time.perf_counter()
@@ -401,6 +430,24 @@ def parse_target(target: str) -> Target:
     if not all(part.isidentifier() for part in location.split(".")):
         raise MasklnError(f"TARGET {location}: neither a file nor a module name")
     return Target(None, location, name)
+
+
+def is_maskln_target(target: str) -> bool:
+    """Whether ``target`` is one of maskln's own functions: a module of the maskln_cli package
+    (``maskln_cli:masked_layer_normalization``) or a file in it. A file elsewhere that imports
+    maskln's op is not: it uses a ready-made implementation (``raw_ops`` fails it).
+
+    Example:
+        >>> is_maskln_target("maskln_cli:masked_layer_normalization")
+        True
+        >>> is_maskln_target("maskln_clipper.ops:f")
+        False
+    """
+    parsed = parse_target(target)
+    if parsed.module is not None:
+        return parsed.module == "maskln_cli" or parsed.module.startswith("maskln_cli.")
+    assert parsed.path is not None
+    return parsed.path.resolve().parent == Path(__file__).resolve().parent
 
 
 def load_target(target: str) -> Fn:

@@ -14,8 +14,12 @@ Protocol, over two pipes the parent creates:
 - parent -> child: one JSON object per line, ``{"op": "load", "target": ...}`` first, then
   ``{"op": "run", "clause": ..., "seed": ...}``;
 - child -> parent: frames of a 16-byte header (JSON length, data length: big-endian u64),
-  the JSON (``{"ok": ...}`` for a load; ``{"meta", "errors", "failure"}`` for a run), then the
-  data (safetensors bytes, possibly empty).
+  the JSON (``{"ready": ...}`` once torch and the grader are imported, before the load;
+  ``{"ok": ...}`` for a load; ``{"meta", "errors", "failure"}`` for a run), then the data
+  (safetensors bytes, possibly empty).
+
+Importing the target is bounded by the clauses' timeout (``--timeout``); the child's own
+start-up (Python, torch, the grader) by :data:`START_TIMEOUT`.
 
 The child caps its address space (``RLIMIT_AS``; :data:`DEFAULT_MEMORY_GIB`, or
 ``MASKLN_GRADE_MEMORY_GIB``) on the CPU, so an allocation beyond it fails the call that made
@@ -25,6 +29,7 @@ it ("out of memory (cap 4 GiB)") instead of the machine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -34,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,8 +55,9 @@ GRACE_SECONDS = 1.0
 """Between SIGTERM and SIGKILL."""
 GIVE_UP_AFTER = 2
 """Crashes or timeouts in a row after which the remaining clauses are not run."""
-LOAD_TIMEOUT = 60.0
-"""At least this long for the child to import torch and the target."""
+START_TIMEOUT = 60.0
+"""How long the child may take to import torch and the grader (before the target: its import
+is bounded by ``--timeout``, as each clause is)."""
 _FILE_SIZE_LIMIT = 64 << 20
 """What the child may print (its stdout and stderr go to a temporary file)."""
 
@@ -93,9 +100,17 @@ class Sandbox:
     """
 
     def __init__(
-        self, target: str, device: str, timeout: float, memory_bytes: int | None = None
+        self,
+        target: str,
+        device: str,
+        timeout: float,
+        memory_bytes: int | None = None,
+        contain_processes: bool = False,
     ) -> None:
         self.target = target
+        self.contain_processes = contain_processes
+        self._protection: contextlib.ExitStack | None = None
+        self._others: set[int] = set()
         self.device = device
         self.timeout = timeout
         cpu = device.split(":")[0] == "cpu"
@@ -110,28 +125,47 @@ class Sandbox:
         self.failed_clauses: list[str] = []
 
     def __enter__(self) -> Sandbox:
+        self._protection = contextlib.ExitStack()
+        self._protection.enter_context(protected_grader(self.contain_processes))
+        me = os.getpid()
+        self._others = {pid for pid, ppid, _ in _processes() if ppid == me}  # not ours to kill
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._protection is not None:
+                self._protection.close()
+                self._protection = None
 
     # -- the process --------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the child and have it import the target. Raises MasklnError (a usage error)
-        when the target cannot be imported, is missing or not callable."""
+        """Start the child (it imports torch and the grader: up to :data:`START_TIMEOUT`), then
+        have it import the target, within ``timeout`` (``--timeout``). Raises MasklnError (a
+        usage error) when the target cannot be imported in time, is missing or not callable."""
         try:
             self._spawn()
+            ready, _ = self._receive(START_TIMEOUT)
+        except (ChildGone, TimeoutError) as error:
+            self.stop()
+            why = str(error) if isinstance(error, ChildGone) else f"not within {START_TIMEOUT:g} s"
+            raise MasklnError(f"the grader's child process did not start: {why}") from None
+        if not ready.get("ready"):
+            self.stop()
+            raise MasklnError(str(ready.get("error") or "the grader's child process did not start"))
+        try:
             self._send({"op": "load", "target": self.target, "device": self.device})
-            answer, _ = self._receive(max(self.timeout, LOAD_TIMEOUT))
+            answer, _ = self._receive(self.timeout)
         except ChildGone as gone:
             self.stop()
             raise MasklnError(f"TARGET {self.target}: cannot import: {gone}") from None
         except TimeoutError:
             self.stop()
-            seconds = max(self.timeout, LOAD_TIMEOUT)
             raise MasklnError(
-                f"TARGET {self.target}: cannot import: it did not finish within {seconds:g} s"
+                f"TARGET {self.target}: cannot import: it did not finish within"
+                f" {self.timeout:g} s (--timeout)"
             ) from None
         if not answer.get("ok"):
             self.stop()
@@ -153,6 +187,7 @@ class Sandbox:
         }
         if self.memory_bytes:
             env["_MASKLN_GRADE_MEMORY_BYTES"] = str(self.memory_bytes)
+        env["_MASKLN_GRADE_PARENT"] = str(os.getpid())
         try:
             self.process = subprocess.Popen(
                 [
@@ -175,7 +210,9 @@ class Sandbox:
         self.buffer.clear()
 
     def stop(self) -> None:
-        """Kill the child (and everything in its process group) and release its pipes."""
+        """Kill the child, everything in its process group and its session, and (with
+        ``contain_processes``) every process it detached that came back to this one; release
+        its pipes."""
         process, self.process = self.process, None
         for fd in (self.requests, self.responses):
             if fd >= 0:
@@ -184,6 +221,9 @@ class Sandbox:
         self.requests = self.responses = -1
         if process is not None:
             _kill_group(process)
+            _kill_session(process.pid)
+            if self.contain_processes:
+                _kill_adopted(spare=self._others)
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -326,6 +366,99 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
         process.wait(GRACE_SECONDS)
 
 
+def _kill_session(session: int) -> None:
+    """SIGKILL what is left of the child's session (it is the session's leader: ``session`` is
+    its pid): processes that left its process group with setpgid, not those that left the
+    session with setsid (:func:`_kill_adopted` finds those)."""
+    for pid, _, sid in _processes():
+        if sid == session and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _kill_adopted(spare: Collection[int] = (), rounds: int = 20) -> None:
+    """SIGKILL and reap this process's children: as a child subreaper (:func:`protected_grader`
+    with ``contain``) and with the child stopped, they are processes the function started and
+    detached (a double fork, setsid), which came back to this process when their parents
+    ended (``spare``: children this process had before the grade). Killing one may orphan its
+    own children: repeat until none is left."""
+    me = os.getpid()
+    for _ in range(rounds):
+        children = [pid for pid, ppid, _ in _processes() if ppid == me and pid not in spare]
+        if not children:
+            return
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, session id) of every process this one can see in /proc (Linux;
+    elsewhere none)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    fields = stat.read().rpartition(b")")[2].split()
+                found.append((int(entry), int(fields[1]), int(fields[3])))
+            except (OSError, IndexError, ValueError):
+                continue  # it ended meanwhile
+    return found
+
+
+# prctl(2) options (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
+PR_GET_DUMPABLE = 3
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
+
+
+def _prctl(option: int, value: int | ctypes.c_int = 0) -> int | None:
+    """prctl(2) through libc; None when it failed or does not exist (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        argument = ctypes.byref(value) if isinstance(value, ctypes.c_int) else ctypes.c_ulong(value)
+        result = int(
+            libc.prctl(option, argument, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        )
+    except (OSError, AttributeError, TypeError):
+        return None
+    return None if result < 0 else result
+
+
+@contextlib.contextmanager
+def protected_grader(contain: bool = False):
+    """While grading (Linux; elsewhere nothing): this process is not dumpable, so a process of
+    the same user that is not root cannot open its /proc/<pid>/fd (write into its stdout) or
+    ptrace it; with ``contain``, it is a child subreaper, so processes the function detaches
+    come back to it to be killed (:func:`_kill_adopted`; for a process that does nothing else,
+    the command). Both are restored afterwards."""
+    dumpable = _prctl(PR_GET_DUMPABLE)
+    if dumpable:
+        _prctl(PR_SET_DUMPABLE, 0)
+    subreaper = None
+    if contain:
+        flag = ctypes.c_int(0)
+        if _prctl(PR_GET_CHILD_SUBREAPER, flag) is not None and not flag.value:
+            subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        if subreaper is not None:
+            _prctl(PR_SET_CHILD_SUBREAPER, 0)
+        if dumpable:
+            _prctl(PR_SET_DUMPABLE, dumpable)
+
+
 # --- (de)serializing a clause's run ---------------------------------------------------------------
 
 
@@ -371,6 +504,15 @@ def _write_frame(fd: int, header: dict[str, Any], data: bytes = b"") -> None:
         view = view[os.write(fd, view) :]
 
 
+def _die_with_the_grader() -> None:
+    """SIGKILL this child when the grader ends (killed by the function, say), rather than
+    leave it running; if the grader is gone already, end now."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = os.environ.pop("_MASKLN_GRADE_PARENT", None)
+    if parent is not None and str(os.getppid()) != parent:
+        os._exit(1)
+
+
 def _limit_resources() -> None:
     import resource
 
@@ -385,13 +527,21 @@ def child_main(argv: list[str]) -> int:
     """The child's loop: load the target, then run clauses until the requests pipe closes."""
     request_fd, response_fd = int(argv[0]), int(argv[1])
     memory = int(os.environ.get("_MASKLN_GRADE_MEMORY_BYTES") or 0)
+    _die_with_the_grader()
     _limit_resources()
     requests = os.fdopen(request_fd, "rb")
+    try:  # torch and the grader: the parent waits START_TIMEOUT for this, then --timeout
+        from maskln_cli import clauses, grading
+    except MemoryError:
+        cap = f" (cap {_gib(memory)})" if memory else ""
+        _write_frame(response_fd, {"ready": False, "error": f"out of memory importing torch{cap}"})
+        return 0
+    _write_frame(response_fd, {"ready": True})
     load = json.loads(requests.readline() or b"{}")
     try:
-        from maskln_cli import clauses, grading
-
-        fn = grading.load_target(str(load.get("target")))
+        target = str(load.get("target"))
+        fn = grading.load_target(target)
+        maskln = grading.is_maskln_target(target)
     except MasklnError as error:
         _write_frame(response_fd, {"ok": False, "error": str(error)})
         return 0
@@ -405,7 +555,9 @@ def child_main(argv: list[str]) -> int:
         request = json.loads(line)
         if request.get("op") != "run":
             break
-        run = clauses.run_clause(fn, str(request["clause"]), int(request["seed"]), device)
+        run = clauses.run_clause(
+            fn, str(request["clause"]), int(request["seed"]), device, maskln=maskln
+        )
         if memory:
             for key, message in run.errors.items():
                 if message.startswith("out of memory"):

@@ -6,15 +6,19 @@ seconds each), so they are few; tests/test_grading.py grades in process."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from maskln_cli import grading, report
 from maskln_cli.clauses import CLAUSES
 from maskln_cli.grading import GradeReport, grade
-from tests.clitools import ROOT, assert_one_line_error, invoke
+from tests.clitools import ROOT, assert_one_line_error, invoke, run
 from tests.solutions import broken
 
 REQUIRED = [name for name, clause in CLAUSES.items() if clause.required]
@@ -30,6 +34,20 @@ def test_maskln_grades_its_own_op_strict_included():
     assert document["passed"] is True and document["strict"] is True
     assert [c["name"] for c in document["clauses"]] == list(CLAUSES)
     assert all(c["passed"] and c["detail"] is None for c in document["clauses"])
+
+
+def test_a_file_that_imports_maskln_op_fails_raw_ops(tmp_path):
+    """Only maskln's own target may run maskln's op: a file that re-exports it uses it."""
+    path = tmp_path / "solution.py"
+    path.write_text("from maskln_cli import masked_layer_normalization  # noqa: F401\n")
+    result = invoke("grade", path, "--json")
+    assert result.exit_code == 1
+    failing = [c for c in json.loads(result.stdout)["clauses"] if not c["passed"]]
+    assert [c["name"] for c in failing] == ["raw_ops"]
+    assert (
+        "a ready-made normalization ran: maskln_cli.core.masked_layer_normalization (forward)"
+        in failing[0]["detail"]
+    )
 
 
 def test_the_example_first_attempt_fails_with_a_report():
@@ -138,6 +156,19 @@ def test_a_target_that_cannot_be_loaded_is_a_one_line_usage_error(tmp_path, sour
     assert_one_line_error(result.stderr, str(path), *fragments)
 
 
+def test_a_target_whose_import_hangs_is_stopped_after_the_timeout(tmp_path):
+    path = tmp_path / "solution.py"
+    path.write_text("import time\n\ntime.sleep(3600)\n")
+    started = time.monotonic()
+    result = invoke("grade", path, "--timeout", "2")
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 2
+    assert_one_line_error(
+        result.stderr, str(path), "cannot import: it did not finish within 2 s (--timeout)"
+    )
+    assert elapsed < 30  # torch's import in the child, 2 s, the kill's grace; not 60 s
+
+
 def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
     result = invoke("grade", "no/such/solution.py")
     assert result.exit_code == 2
@@ -151,6 +182,10 @@ def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
     result = invoke("grade", EXAMPLE, "--device", "nosuch")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "--device: not a device: 'nosuch'")
+    if not torch.xpu.is_available():
+        result = invoke("grade", EXAMPLE, "--device", "xpu")
+        assert result.exit_code == 2
+        assert_one_line_error(result.stderr, "--device xpu: no xpu device is available")
 
 
 def test_grade_help_does_not_import_torch():
@@ -193,3 +228,161 @@ def test_the_command_defaults_are_the_librarys():
     assert params["seed"] == grading.DEFAULT_SEED
     assert params["timeout"] == grading.DEFAULT_TIMEOUT
     assert params["device"] == "cpu" and params["strict"] is False
+
+
+# --- a function that goes after the grader -----------------------------------------------------
+
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def ended_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = not alive(pid)
+    if not ended:
+        os.kill(pid, signal.SIGKILL)  # leave nothing behind
+    return ended
+
+
+CORRECT = "from tests.solutions.correct import masked_layer_normalization as correct\n"
+
+DETACHES = (
+    CORRECT
+    + """
+import os, time
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    if os.fork() == 0:  # a daemon: out of the child's session, then orphaned
+        os.setsid()
+        if os.fork() == 0:
+            with open({pidfile!r}, "w") as out:
+                out.write(str(os.getpid()))
+            time.sleep(60)
+        os._exit(0)
+    os.wait()
+    return correct(x, valid, scale, bias, eps)
+"""
+)
+
+LEAVES_THE_GROUP = (
+    CORRECT
+    + """
+import os, time
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    if os.fork() == 0:  # out of the child's process group, still in its session
+        os.setpgid(0, 0)
+        with open({pidfile!r}, "w") as out:
+            out.write(str(os.getpid()))
+        time.sleep(60)
+        os._exit(0)
+    return correct(x, valid, scale, bias, eps)
+"""
+)
+
+KILLS_THE_GRADER = """
+import os, signal, time
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    with open({pidfile!r}, "w") as out:
+        out.write(str(os.getpid()))
+    os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)
+"""
+
+
+def solution(tmp_path, source: str):
+    pidfile = tmp_path / "pid"
+    path = tmp_path / "solution.py"
+    path.write_text(source.format(pidfile=str(pidfile)))
+    return path, pidfile
+
+
+@LINUX
+def test_a_process_the_function_detaches_is_killed_with_the_child(tmp_path):
+    """A double fork and setsid leave the child's process group and session; the command is a
+    child subreaper while it grades, so the daemon comes back to it and is killed."""
+    path, pidfile = solution(tmp_path, DETACHES)
+    result = invoke("grade", path, "--only", "worked_example")
+    assert result.exit_code == 0, result.stdout
+    assert ended_within(int(pidfile.read_text()), 0.5)
+
+
+@LINUX
+def test_a_process_that_leaves_the_childs_group_is_killed_with_its_session(tmp_path):
+    """grade_target without contain_processes (a library caller's process): the session."""
+    path, pidfile = solution(tmp_path, LEAVES_THE_GROUP)
+    assert grading.grade_target(str(path), only=["worked_example"]).passed
+    assert ended_within(int(pidfile.read_text()), 0.5)
+
+
+@LINUX
+def test_the_child_does_not_outlive_a_grader_it_killed(tmp_path):
+    """Same-user code can kill the grader (no verdict then: exit -9, not 0); the child then
+    gets SIGKILL too (PR_SET_PDEATHSIG) instead of running on."""
+    path, pidfile = solution(tmp_path, KILLS_THE_GRADER)
+    result = run("grade", path, "--only", "worked_example")
+    assert result.returncode == -signal.SIGKILL
+    assert ended_within(int(pidfile.read_text()), 5)
+
+
+NOT_DUMPABLE_PROBE = """
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from maskln_cli import sandbox
+ATTEMPT = (
+    "import os\\n"
+    "try:\\n"
+    "    with open(f'/proc/{os.getppid()}/fd/1', 'a') as out:\\n"
+    "        out.write('')\\n"
+    "    print('opened')\\n"
+    "except OSError as error:\\n"
+    "    print(type(error).__name__)\\n"
+)
+read, write = os.pipe()  # this process's stdout: a pipe of its user's, as its terminal is
+os.dup2(write, 1)
+def attempt():
+    child = [sys.executable, "-c", ATTEMPT]
+    return subprocess.run(child, capture_output=True, text=True).stdout.strip()
+results = [attempt()]
+with sandbox.protected_grader():
+    results.append(attempt())
+results.append(attempt())
+print(" ".join(results), file=sys.stderr)
+"""
+
+
+def unprivileged_python() -> tuple[str, dict]:
+    """An interpreter, and subprocess options, to run it as a user that is not root."""
+    if os.geteuid() != 0:
+        return sys.executable, {}
+    nobody = {"user": 65534, "group": 65534, "extra_groups": []}
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            subprocess.run([python, "-c", "pass"], check=True, cwd="/", **nobody)
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        return python, nobody
+    pytest.skip("root, and no Python interpreter that user 65534 can run")
+
+
+@LINUX
+def test_a_same_user_process_cannot_open_the_graders_stdout_while_it_grades():
+    """Root can anyway (the threat model, README); as another user this runs unprivileged."""
+    python, options = unprivileged_python()
+    probe = subprocess.run(
+        [python, "-c", NOT_DUMPABLE_PROBE, str(ROOT)],
+        capture_output=True, text=True, cwd="/", timeout=60, **options,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stderr.split() == ["opened", "PermissionError", "opened"]

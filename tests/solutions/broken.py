@@ -97,6 +97,24 @@ def near_constant_rows_as_constant(x, valid, scale, bias, eps=1e-05):
     return _finish(centered * rstd * scale + bias, x, valid)
 
 
+def _vector_body(t):
+    """The channels an 8-lane kernel's main loop covers, when its remainder loop is lost: the
+    first C // 8 * 8 (all of them when C <= 8, where only the remainder loop runs)."""
+    main = t.shape[-1] // 8 * 8
+    return t[..., :main] if 0 < main < t.shape[-1] else t
+
+
+def drops_channel_remainder(x, valid, scale, bias, eps=1e-05):
+    """values (and gradients, through autograd): an 8-lane vectorized kernel whose statistics
+    leave out the last C % 8 channels when C > 8: right for every C a multiple of 8 or up to 8."""
+    padding = ~valid.unsqueeze(-1)
+    x_clean = x.masked_fill(padding, 0.0)
+    body = _vector_body(x_clean)
+    mean = body.mean(dim=-1, keepdim=True)
+    variance = (body - mean).square().mean(dim=-1, keepdim=True)
+    return _finish((x_clean - mean) / torch.sqrt(variance + eps) * scale + bias, x, valid)
+
+
 # leading_axes -------------------------------------------------------------------------------------
 
 
@@ -178,6 +196,32 @@ def backward_skips_statistics(x, valid, scale, bias, eps=1e-05):
     return _LazyBackwardKernel.apply(x, valid, scale, bias, eps)
 
 
+def _mean_of_body(t):
+    return _vector_body(t).mean(dim=-1, keepdim=True)
+
+
+class _RemainderlessBackwardKernel(_Kernel):
+    @staticmethod
+    def backward(ctx, dy):
+        x, valid, scale = ctx.saved_tensors
+        keep = valid.unsqueeze(-1)
+        xs = x.masked_fill(~keep, 0.0)
+        centered = xs - xs.mean(dim=-1, keepdim=True)
+        rstd = torch.rsqrt((centered * centered).mean(dim=-1, keepdim=True) + ctx.eps)
+        xhat = centered * rstd
+        dy = dy.masked_fill(~keep, 0.0)
+        wdy = dy * scale
+        # The mistake: the backward's two row reductions lose the last C % 8 channels.
+        dx = rstd * (wdy - _mean_of_body(wdy) - xhat * _mean_of_body(wdy * xhat))
+        return dx.masked_fill(~keep, 0.0), None, _row_sum(dy * xhat), _row_sum(dy), None
+
+
+def backward_drops_channel_remainder(x, valid, scale, bias, eps=1e-05):
+    """gradients: a hand-written backward kernel whose row reductions leave out the last
+    C % 8 channels when C > 8 (its forward is right)."""
+    return _RemainderlessBackwardKernel.apply(x, valid, scale, bias, eps)
+
+
 # sanitized_gradients ------------------------------------------------------------------------------
 
 
@@ -226,6 +270,22 @@ def unsqueezes_mask_in_place(x, valid, scale, bias, eps=1e-05):
     return torch.empty_like(x).copy_(y.masked_fill(~keep, 0.0))
 
 
+class _DyInPlaceKernel(_Kernel):
+    @staticmethod
+    def backward(ctx, dy):
+        x, valid, scale = ctx.saved_tensors
+        dy.masked_fill_(~valid.unsqueeze(-1), 0.0)  # the mistake: writes into the caller's dy
+        dx, dscale, dbias = _analytic_gradients(dy, x, valid, scale, ctx.eps)
+        return dx, None, dscale, dbias, None
+
+
+def zeroes_upstream_gradient_in_place(x, valid, scale, bias, eps=1e-05):
+    """no_mutation: a hand-written backward that zeroes the padded rows of its incoming
+    gradient in place: out.backward(grad_out) changes the caller's grad_out (and second_order:
+    under double backward that gradient requires grad, and the in-place write fails)."""
+    return _DyInPlaceKernel.apply(x, valid, scale, bias, eps)
+
+
 # raw_ops ------------------------------------------------------------------------------------------
 
 
@@ -234,6 +294,82 @@ def uses_layer_norm(x, valid, scale, bias, eps=1e-05):
     padding = ~valid.unsqueeze(-1)
     y = F.layer_norm(x.masked_fill(padding, 0.0), x.shape[-1:], scale, bias, eps)
     return _finish(y, x, valid)
+
+
+class _KernelOps:
+    """A kernel author's op, registered with torch.library (as compiled kernels are): a
+    forward of raw tensor ops, and the analytic backward."""
+
+    @staticmethod
+    def fake(x, valid, scale, bias, eps):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, valid, scale, _, eps = inputs
+        ctx.save_for_backward(x, valid, scale)
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, valid, scale = ctx.saved_tensors
+        dx, dscale, dbias = _analytic_gradients(dy, x, valid, scale, ctx.eps)
+        return dx, None, dscale, dbias, None
+
+
+@torch.library.custom_op("maskln_tests::masked_layer_norm", mutates_args=())
+def _own_masked_layer_norm_op(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return correct(x, valid, scale, bias, eps)
+
+
+_own_masked_layer_norm_op.register_fake(_KernelOps.fake)
+_own_masked_layer_norm_op.register_autograd(
+    _KernelOps.backward, setup_context=_KernelOps.setup_context
+)
+
+
+def kernel_as_custom_op(x, valid, scale, bias, eps=1e-05):
+    """No mistake: the kernel is a custom op of its own, maskln_tests::masked_layer_norm; its
+    name holds "layer_norm", but it is not torch's."""
+    return _own_masked_layer_norm_op(x, valid, scale, bias, eps)
+
+
+@torch.library.custom_op("maskln_tests::normalize_rows", mutates_args=())
+def _normalize_rows_op(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    padding = ~valid.unsqueeze(-1)
+    y = F.layer_norm(x.masked_fill(padding, 0.0), x.shape[-1:], scale, bias, eps)
+    return _finish(y, x, valid)
+
+
+_normalize_rows_op.register_fake(_KernelOps.fake)
+_normalize_rows_op.register_autograd(_KernelOps.backward, setup_context=_KernelOps.setup_context)
+
+
+def layer_norm_inside_a_custom_op(x, valid, scale, bias, eps=1e-05):
+    """raw_ops: a custom op with an innocent name, maskln_tests::normalize_rows, whose
+    implementation calls F.layer_norm (its backward is the analytic one)."""
+    return _normalize_rows_op(x, valid, scale, bias, eps)
+
+
+def uses_torch_refs(x, valid, scale, bias, eps=1e-05):
+    """raw_ops: torch's reference implementation in Python, torch._refs.native_layer_norm:
+    only raw ops reach the dispatcher, but it is a ready-made layer norm."""
+    from torch._refs import native_layer_norm
+
+    padding = ~valid.unsqueeze(-1)
+    y, _, _ = native_layer_norm(x.masked_fill(padding, 0.0), [x.shape[-1]], scale, bias, eps)
+    return _finish(y, x, valid)
+
+
+def uses_maskln_op(x, valid, scale, bias, eps=1e-05):
+    """raw_ops: calls maskln's own op, a ready-made implementation of exactly this primitive."""
+    from maskln_cli import masked_layer_normalization
+
+    return masked_layer_normalization(x, valid, scale, bias, eps)
 
 
 # no_reinit ----------------------------------------------------------------------------------------
