@@ -75,11 +75,15 @@ def open_row_mask(spec: str) -> Iterator[RowMask]:
         ('sample_data/worked_example.safetensors:valid', (1, 2), 1)
     """
     path, key = parse_mask_spec(spec)
-    with open_tensor_file(path) as file:
-        mask = file.tensor(key)
-        if mask.dim() == 0:
-            raise MasklnError(f"{file.name}: tensor {key!r} is 0-d; a mask has one entry per row")
-        keep = as_mask(mask, file.name, key, tuple(mask.shape)).reshape(-1)
+    with contextlib.ExitStack() as stack:
+        try:  # the option is named, so that "no tensor 'valid'" says where 'valid' came from
+            file = stack.enter_context(open_tensor_file(path))
+            mask = file.tensor(key)
+            if mask.dim() == 0:
+                raise MasklnError(f"{file.name}: tensor {key!r} is 0-d; a mask has one entry per row")
+            keep = as_mask(mask, file.name, key, tuple(mask.shape)).reshape(-1)
+        except MasklnError as error:
+            raise MasklnError(f"--valid: {error}") from None
         yield RowMask(f"{file.name}:{key}", tuple(mask.shape), keep)
 
 

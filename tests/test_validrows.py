@@ -144,7 +144,17 @@ def test_valid_key_missing_suggests(tmp_path, files):
     acts, dump, ours, _ = files
     result = invoke("diff", ours, dump, "--valid", f"{acts}:attention_mas")
     assert result.exit_code == 2
-    assert_one_line_error(result.stderr, "no tensor 'attention_mas'", "'attention_mask'")
+    assert_one_line_error(
+        result.stderr, "--valid: ", "no tensor 'attention_mas'", "'attention_mask'"
+    )
+
+
+def test_valid_file_without_the_default_key_names_the_option(tmp_path, files):
+    _, dump, ours, _ = files
+    path = write(tmp_path / "mask.safetensors", {"attention_mask": torch.ones(3, 7)})
+    result = invoke("diff", ours, dump, "--valid", path)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--valid: ", "no tensor 'valid'", "'attention_mask'")
 
 
 def test_verify_valid_leaves_the_models_padding_out(files):
