@@ -93,6 +93,10 @@ class MaskedLayerNorm(nn.Module):
             >>> MaskedLayerNorm.from_layer_norm(nn.LayerNorm(8, eps=1e-12, bias=False))
             MaskedLayerNorm((8,), eps=1e-12, elementwise_affine=True, bias=False)
         """
+        if not isinstance(layer_norm, nn.LayerNorm):  # RMSNorm has no bias and no mean
+            raise TypeError(
+                f"from_layer_norm: expected an nn.LayerNorm, got {type(layer_norm).__name__}"
+            )
         if len(layer_norm.normalized_shape) != 1:
             raise ValueError(
                 "from_layer_norm: MaskedLayerNorm normalizes the last axis only; this LayerNorm"
