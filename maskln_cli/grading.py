@@ -24,11 +24,13 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import math
 import sys
 import time
+import traceback
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -470,14 +472,48 @@ def load_target(target: str) -> Fn:
         if isinstance(error, KeyboardInterrupt):
             raise
         where = parsed.path if parsed.path is not None else parsed.module
-        raise MasklnError(f"TARGET {where}: cannot import: {describe_exception(error)}") from None
+        line = _failing_line(error, parsed.path)
+        raise MasklnError(
+            f"TARGET {where}{line}: cannot import: {describe_exception(error)}"
+        ) from None
     try:
         fn = getattr(module, parsed.name)
     except AttributeError:
-        raise MasklnError(f"TARGET {target}: no {parsed.name!r} in it") from None
+        close = difflib.get_close_matches(
+            parsed.name, [name for name, value in vars(module).items() if callable(value)], 1
+        )
+        where = parsed.path if parsed.path is not None else parsed.module
+        hint = f"; did you mean {close[0]!r}? (TARGET {where}:{close[0]})" if close else ""
+        raise MasklnError(f"TARGET {target}: no {parsed.name!r} in it{hint}") from None
     if not callable(fn):
-        raise MasklnError(f"TARGET {target}: {parsed.name} is a {type(fn).__name__}, not callable")
+        raise MasklnError(
+            f"TARGET {target}: {parsed.name} is not callable (its type is {type(fn).__name__})"
+        )
     return fn
+
+
+def _failing_line(error: BaseException, path: Path | None) -> str:
+    """``:LINE`` of the target file where importing it failed (a SyntaxError's own line, else
+    the traceback's last frame in the file), or ``""``.
+
+    Example:
+        >>> try:
+        ...     compile("def f(:", "t.py", "exec")
+        ... except SyntaxError as error:
+        ...     _failing_line(error, Path("t.py"))
+        ':1'
+    """
+    if path is None:
+        return ""
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        same = Path(error.filename).resolve() == path.resolve()
+        return f":{error.lineno}" if same else ""
+    lines = [
+        frame.lineno
+        for frame in traceback.extract_tb(error.__traceback__)
+        if frame.filename and Path(frame.filename).resolve() == path.resolve()
+    ]
+    return f":{lines[-1]}" if lines else ""
 
 
 def _import_file(path: Path) -> Any:
