@@ -402,9 +402,7 @@ def _forward_rows(
             _forward_rows_rescued(y, x, rows, scale, bias, eps, mean, rstd)
 
 
-_NEGLIGIBLE_SHIFT = {
-    dtype: torch.finfo(dtype).eps / 8 for dtype in (torch.float32, torch.float64)
-}
+_NEGLIGIBLE_SHIFT = {dtype: torch.finfo(dtype).eps / 8 for dtype in (torch.float32, torch.float64)}
 """A shift that moves xhat by less than this (an eighth of an ulp of 1) is not applied."""
 
 

@@ -80,7 +80,9 @@ def open_row_mask(spec: str) -> Iterator[RowMask]:
             file = stack.enter_context(open_tensor_file(path))
             mask = file.tensor(key)
             if mask.dim() == 0:
-                raise MasklnError(f"{file.name}: tensor {key!r} is 0-d; a mask has one entry per row")
+                raise MasklnError(
+                    f"{file.name}: tensor {key!r} is 0-d; a mask has one entry per row"
+                )
             keep = as_mask(mask, file.name, key, tuple(mask.shape)).reshape(-1)
         except MasklnError as error:
             raise MasklnError(f"--valid: {error}") from None

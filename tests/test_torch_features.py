@@ -413,7 +413,7 @@ def test_module_masks_bool_and_integer_and_refuses_floating_masks():
     assert repr(norm) == "MaskedLayerNorm((6,), eps=1e-05, elementwise_affine=True)"
     with pytest.raises(ValueError, match="last axis"):
         MaskedLayerNorm.from_layer_norm(nn.LayerNorm([2, 3]))
-    with pytest.raises(TypeError, match="expected an nn.LayerNorm, got RMSNorm"):
+    with pytest.raises(TypeError, match=r"expected an nn\.LayerNorm, got RMSNorm"):
         MaskedLayerNorm.from_layer_norm(nn.RMSNorm(6))  # type: ignore[arg-type]
 
 
