@@ -406,7 +406,13 @@ def _config_hint(params: str | None) -> str:
         return ""
     folder = params if os.path.isdir(params) else os.path.dirname(params)
     config = os.path.join(folder, CONFIG_NAME)
-    return f"; {config} is there: --config {config} reads its eps" if os.path.isfile(config) else ""
+    if not os.path.isfile(config):
+        return ""
+    try:  # suggest only a config that gives an eps, and say which
+        found = config_eps(config)
+    except MasklnError:
+        return ""
+    return f"; {config} gives {found.key} {found.value:g}: --config {config} reads it"
 
 
 def check_eps(eps: float, where: str, dtype: torch.dtype | None = None) -> float:

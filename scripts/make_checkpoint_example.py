@@ -46,7 +46,15 @@ def tiny_esm() -> EsmModel:
         intermediate_size=64,
         max_position_embeddings=64,
     )
-    return EsmModel(config).eval()
+    model = EsmModel(config).eval()
+    # A fresh LayerNorm is ones and zeros, which a kernel that ignores scale and bias passes:
+    # trained-looking values make the walk-through check that they are read and applied.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+    return model
 
 
 def dump_layer_norm(model: EsmModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -154,7 +154,21 @@ def test_default_eps_note_points_at_the_checkpoints_config(tmp_path):
         "normalize", source, tmp_path / "o.safetensors", "--params", folder, "--module", MODULE
     )
     assert result.exit_code == 0, result.stderr
-    assert f"--config {folder / 'config.json'} reads its eps" in result.stderr
+    hint = f"{folder / 'config.json'} gives layer_norm_eps 1e-12: --config {folder / 'config.json'}"
+    assert hint in result.stderr
+
+
+@pytest.mark.parametrize("fields", [{}, {"rms_norm_eps": 1e-6}])
+def test_default_eps_note_is_silent_about_a_config_without_a_layer_norm_eps(tmp_path, fields):
+    source = write(tmp_path / "acts.safetensors", activations())
+    folder = write_sharded(tmp_path / "model", parameters())
+    write_config(folder, **fields)
+    result = invoke(
+        "normalize", source, tmp_path / "o.safetensors", "--params", folder, "--module", MODULE
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "using the default 1e-05" in result.stderr
+    assert "--config" not in result.stderr.split("using the default 1e-05")[1]
 
 
 def test_eps_option_overriding_the_config_is_said(tmp_path):

@@ -215,4 +215,5 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 1
     assert "eps        1e-05, from default" in result.stdout
-    assert f"--config {folder / 'sharded' / 'config.json'} reads its eps" in result.stdout
+    config = folder / "sharded" / "config.json"
+    assert f"{config} gives layer_norm_eps 1e-12: --config {config} reads it" in result.stdout
