@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -217,3 +218,33 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
     assert "eps        1e-05, from default" in result.stdout
     config = folder / "sharded" / "config.json"
     assert f"{config} gives layer_norm_eps 1e-12: --config {config} reads it" in result.stdout
+
+
+def readme_recipe():
+    """The README's code block for MaskedLayerNorm inside a transformers model, executed."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    marker = "<!-- recipe: tests/test_transformers_checkpoints.py runs this block -->"
+    block = readme.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md (recipe)", "exec"), namespace)
+    return namespace["use_masked_layer_norms"]
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_readme_recipe_swaps_every_layer_norm_and_keeps_valid_positions(name):
+    model, _ = build(name)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 40, (len(LENGTHS), max(LENGTHS)), generator=generator)
+    mask = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        state = {key: value.clone() for key, value in model.state_dict().items()}
+        swapped = readme_recipe()(model)
+        after = swapped(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in swapped.modules())
+    assert state.keys() == swapped.state_dict().keys()  # the same parameter names
+    assert all(torch.equal(state[k], v) for k, v in swapped.state_dict().items())
+    valid = mask.bool()
+    torch.testing.assert_close(after[valid], before[valid])
+    assert torch.equal(after[~valid], torch.zeros_like(after[~valid]))  # +0.0, every element
+    assert not torch.signbit(after[~valid]).any()
