@@ -404,7 +404,7 @@ def normalize(
     maskln normalize sample_data/pair_features.safetensors out.safetensors
     maskln normalize - - < in.safetensors | maskln diff - expected.safetensors
     maskln normalize acts.safetensors out.safetensors --params checkpoint/ \\
-        --module encoder.layer.0.output.LayerNorm --config checkpoint/config.json
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/
     maskln normalize dumps/*.safetensors --out-dir normalized/
     ```
     """
@@ -809,7 +809,7 @@ def verify(
     maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
-        --module encoder.layer.0.output.LayerNorm --config checkpoint/config.json \\
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/ \\
         --valid-key attention_mask --valid acts.safetensors:attention_mask
     ```
     """
