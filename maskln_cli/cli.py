@@ -354,6 +354,14 @@ ChunkRows = Annotated[
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors on stderr.")]
+Fsync = Annotated[
+    bool,
+    typer.Option(
+        "--fsync",
+        help="Flush OUTPUT to disk before it replaces an old one, so that it survives a power"
+        " loss or an OS crash too (a killed process never leaves a partial OUTPUT either way).",
+    ),
+]
 
 
 @app.command(cls=PlainHelp, no_args_is_help=True)
@@ -391,6 +399,7 @@ def normalize(
     config: Config = None,
     dtype: Dtype = ComputeDtype.auto,
     chunk_rows: ChunkRows = None,
+    fsync: Fsync = False,
     quiet: Quiet = False,
 ) -> None:
     """Normalize x from INPUT and write the result to OUTPUT under 'out'.
@@ -417,7 +426,7 @@ def normalize(
     for input_path, output_path in jobs:
         try:
             with report.progress_bar(f"normalize {input_path}", enabled=not quiet) as progress:
-                result = normalize_file(input_path, output_path, options, progress)
+                result = normalize_file(input_path, output_path, options, progress, fsync)
         except MasklnError as failure:
             if len(jobs) == 1:
                 raise
@@ -582,6 +591,7 @@ def generate(
             help="dtype of the mask: bool, int64 or uint8 (integers hold 0 and 1).",
         ),
     ] = ValidDtype.bool,
+    fsync: Fsync = False,
     quiet: Quiet = False,
 ) -> None:
     """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
@@ -634,6 +644,7 @@ def generate(
             tensors,
             metadata,
             lambda done, total: progress(sampled + done, sampled + total),
+            fsync,
         )
     if not quiet and output != "-":
         valid = tensors["valid"]

@@ -487,8 +487,10 @@ def normalize_file(
     output_path: str,
     options: NormalizeOptions | None = None,
     progress: Progress | None = None,
+    fsync: bool = False,
 ) -> NormalizeResult:
-    """Normalize INPUT into OUTPUT (``-`` for stdin or stdout), written atomically.
+    """Normalize INPUT into OUTPUT (``-`` for stdin or stdout), written atomically (``fsync``:
+    and flushed to disk before it replaces the old OUTPUT).
 
     OUTPUT holds ``out`` (``options.out_key``), and when the inputs hold an upstream gradient
     ``grad_out``, also ``grad_x``, ``grad_scale`` and ``grad_bias``: the gradients of
@@ -516,7 +518,7 @@ def normalize_file(
         passes = 2 if problem.grad_out is not None else 1
         total = problem.rows * passes
         inputs = (input_path, options.params, options.grad_out)
-        with open_output(output_path, data_bytes(specs), inputs) as stream:
+        with open_output(output_path, data_bytes(specs), inputs, fsync) as stream:
             writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
             for _, stop, out in iter_outputs(problem):
                 writer.write(options.out_key, out)

@@ -394,8 +394,10 @@ def write_tensors(
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    fsync: bool = False,
 ) -> None:
-    """Write whole in-memory tensors to ``path`` (``-`` for stdout), atomically.
+    """Write whole in-memory tensors to ``path`` (``-`` for stdout), atomically (``fsync``: and
+    durably, see :func:`open_output`).
 
     Tensors are laid out by descending element size, then name, as safetensors does, so every
     tensor's data is aligned to its element size. ``progress`` is told (bytes written, total).
@@ -404,7 +406,7 @@ def write_tensors(
     specs = {k: (dtype_name(tensors[k].dtype), tensors[k].shape) for k in order}
     total = data_bytes(specs)
     done = 0
-    with open_output(path, total) as stream:
+    with open_output(path, total, fsync=fsync) as stream:
         writer = SafetensorsWriter(stream, output_name(path), specs, metadata)
         for key in order:
             flat = tensors[key].reshape(-1)
@@ -480,7 +482,9 @@ def data_bytes(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> int:
 
 
 @contextlib.contextmanager
-def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> Iterator[BinaryIO]:
+def open_output(
+    path: str, size: int = 0, inputs: Sequence[str | None] = (), fsync: bool = False
+) -> Iterator[BinaryIO]:
     """A binary stream for OUTPUT: stdout for ``-``, else a temporary file beside ``path``.
 
     The temporary file replaces ``path`` only when the block completes; on any error, Ctrl-C or
@@ -488,6 +492,10 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
     written, is checked against the free disk space first. A symlink is followed (the link
     stays, its target is replaced); a device or FIFO (``/dev/null``) is written to directly.
     ``inputs`` are refused as OUTPUT.
+
+    The rename makes the new file whole or absent for every other process at once, even if
+    this one is killed; surviving a power loss or an OS crash also needs the data and the
+    rename on disk: ``fsync`` flushes the file before the rename and its folder after.
     """
     from maskln_cli.resources import check_disk
 
@@ -517,13 +525,25 @@ def open_output(path: str, size: int = 0, inputs: Sequence[str | None] = ()) -> 
             with os.fdopen(fd, "wb") as stream:
                 yield stream
                 stream.flush()
-                os.fsync(stream.fileno())
+                if fsync:
+                    os.fsync(stream.fileno())
             os.chmod(temporary, _output_mode(target))
             os.replace(temporary, target)
+            if fsync:
+                _fsync_folder(target.parent)
     except BaseException:
         if temporary:
             _remove(temporary)
         raise
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename in it) to disk."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _create_new(name: str, path: str) -> int | None:

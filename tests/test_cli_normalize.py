@@ -579,3 +579,34 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("command", ["normalize", "generate"])
+@pytest.mark.parametrize("durable", [False, True])
+def test_fsync_flushes_the_file_and_then_its_folder_only_when_asked(
+    tmp_path, monkeypatch, command, durable
+):
+    """Without --fsync the output is still renamed into place whole; with it, the file is
+    flushed before the rename and the folder (the rename) after."""
+    import maskln_cli.tensorfile as tensorfile
+
+    source = tmp_path / "in.safetensors"
+    assert invoke("generate", source, "--shape", "3,4,8", "--quiet").exit_code == 0
+    output = tmp_path / "out.safetensors"
+    flushed: list[tuple[str, bool]] = []
+
+    def recording_fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        flushed.append((os.path.basename(path), output.exists()))
+
+    monkeypatch.setattr(tensorfile.os, "fsync", recording_fsync)
+    args = [source, output] if command == "normalize" else [output, "--shape", "3,4,8"]
+    result = invoke(command, *args, *(["--fsync"] if durable else []), "--quiet")
+    assert result.exit_code == 0, result.stderr
+    assert output.exists()
+    if not durable:
+        assert flushed == []
+    else:
+        (file_name, renamed_yet), (folder_name, renamed) = flushed
+        assert file_name.startswith(".out.safetensors.") and file_name.endswith(".partial")
+        assert not renamed_yet and folder_name == tmp_path.name and renamed
