@@ -816,7 +816,8 @@ def verify(
 
     ```
     maskln verify inputs.safetensors kernel_out.safetensors
-    maskln verify in.safetensors kernel.safetensors --result-key grad_x=dx --check out,grad_x
+    maskln verify in.safetensors kernel.safetensors --result-key grad_x=dx \\
+        --check out,grad_x
     maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
@@ -881,7 +882,8 @@ def diff(
     maskln diff kernel_out.safetensors reference.safetensors
     maskln normalize - - < in.safetensors | maskln diff - ref.safetensors -k out
     maskln diff a.safetensors b.safetensors --json --rtol 1e-3
-    maskln diff out.safetensors model_layer.safetensors --valid acts.safetensors:attention_mask
+    maskln diff out.safetensors model_layer.safetensors \\
+        --valid acts.safetensors:attention_mask
     ```
     """
     from maskln_cli.compare import diff_files
@@ -890,7 +892,7 @@ def diff(
     _finish_comparison(result, json_output, quiet)
 
 
-@app.command(no_args_is_help=True)
+@app.command(cls=PlainHelp, no_args_is_help=True)
 @reports_errors
 def grade(
     target: Annotated[
@@ -915,12 +917,17 @@ def grade(
             show_default=False,
         ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the cases (deterministic).")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="SEED", help="Seed of the cases (deterministic).")
+    ] = 0,
     timeout: Annotated[
         float, typer.Option("--timeout", metavar="SECONDS", help="Time limit of each clause.")
     ] = 60.0,
     device: Annotated[
-        str, typer.Option("--device", help="Device the cases are built on (cpu, cuda, ...).")
+        str,
+        typer.Option(
+            "--device", metavar="DEVICE", help="Device the cases are built on (cpu, cuda, ...)."
+        ),
     ] = "cpu",
     json_output: JsonOutput = False,
     quiet: QuietReport = False,

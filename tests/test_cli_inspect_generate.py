@@ -254,18 +254,27 @@ def test_help_and_version_do_not_import_torch(args):
     assert result.stderr.strip().endswith("torch not imported"), result.stderr
 
 
-@pytest.mark.parametrize("command", ["", "normalize", "inspect", "generate", "verify", "diff"])
+@pytest.mark.parametrize(
+    "command", ["", "normalize", "inspect", "generate", "verify", "diff", "grade"]
+)
 def test_help_shows_metavars_as_written_at_80_columns(command):
     """No typer type labels (<bool> after flags, <str>, <list[str]>, <int range> [x>=1]), no
-    {INPUT} in the usage line, and choices never split across lines."""
+    {INPUT} in the usage line, choices never split across lines, and every example a command
+    that pastes: a line of its own, or continued by a backslash."""
     env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
     args = [sys.executable, "-m", "maskln_cli", *([command] if command else []), "--help"]
     result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    for odd in ("<bool>", "<str>", "<list", "<int", "<float", "<path", "{INPUT", "range]", "x>="):
+    labels = ("<bool>", "<str>", "<list", "<int", "<float", "<path", "range]", "x>=")
+    for odd in (*labels, "{INPUT", "{TARGET"):
         assert odd not in text, (odd, text)
     assert max(len(line) for line in text.splitlines()) <= 80
+    examples = text.split("Examples", 1)[1].split("╭", 1)[0] if "Examples" in text else ""
+    continued = False
+    for line in filter(None, (line.strip() for line in examples.splitlines())):
+        assert continued or line.startswith("maskln "), (line, examples)
+        continued = line.endswith("\\")
     if command == "generate":
         assert "bfloat16" in text  # whole: the choice list was split into b and float16
     if command == "verify":
