@@ -389,7 +389,7 @@ def _render_header(console: Console, report: ComparisonReport) -> None:
     lines = [
         ("result", f"{safe(report.actual)} (actual)"),
         ("reference", f"maskln in float64, from {safe(report.expected)} (expected)"),
-        ("eps", f"{context.get('eps')!r}, from {context.get('eps_source')}"),
+        ("eps", f"{context.get('eps')!r}, {_eps_origin(context.get('eps_source'))}"),
         ("rows", f"{valid:,} valid and {rows - valid:,} invalid, of {rows:,}"),
     ]
     if context.get("tolerance") == "budget":
@@ -590,6 +590,16 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
             label,
         )
     return table
+
+
+def _eps_origin(source: object) -> str:
+    """Where eps came from, as the header says it: ``the default``, ``from --eps``...
+
+    Example:
+        >>> _eps_origin("default"), _eps_origin("metadata 'eps'")
+        ('the default', "from metadata 'eps'")
+    """
+    return "the default" if source == "default" else f"from {safe(source)}"
 
 
 def render_grade(report: GradeReport, quiet: bool = False) -> None:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.budget import Precision, SumBudget, Yardstick
+    from maskln_cli.diagnosis import Diagnosis
 
 TENSORS = ("out", *GRADIENT_KEYS)
 """What RESULT may hold, by the names the report uses."""
@@ -671,6 +672,8 @@ class _Job:
                 problem.valid[index], problem.grad_out[index],
             )  # fmt: skip
             found += [nan] if nan is not None else []
+        if problem.eps_source == "default":
+            found = [_eps_may_be_ours(d, problem.eps) for d in found]
         outcome.diagnosis = [d.to_dict() for d in found]
 
     def _sample(self, checked: _Checked, rows: Sequence[int]) -> _Sample:
@@ -814,3 +817,22 @@ def _torch_dtype(name: str | None) -> torch.dtype | None:
     from maskln_cli.tensorfile import torch_dtype
 
     return torch_dtype(name) if name else None
+
+
+def _eps_may_be_ours(found: Diagnosis, eps: float) -> Diagnosis:
+    """An eps mistake seen when nobody gave eps may be the reference's: say so in its fix.
+
+    Example:
+        >>> from maskln_cli.diagnosis import Diagnosis
+        >>> d = Diagnosis("eps_missing", "eps missing", "add eps inside the sqrt", 0.0)
+        >>> print(_eps_may_be_ours(d, 1e-5).fix)  # doctest: +NORMALIZE_WHITESPACE
+        add eps inside the sqrt; or the kernel is right and its eps is not the default 1e-05
+        this run used: give it with --eps or --config
+    """
+    if not found.mistake.startswith("eps_"):
+        return found
+    fix = (
+        f"{found.fix}; or the kernel is right and its eps is not the default {eps:g} this run"
+        " used: give it with --eps or --config"
+    )
+    return dataclasses.replace(found, fix=fix)

@@ -234,7 +234,7 @@ def test_verify_shows_eps_and_its_source(tmp_path):
     # Without the config, the default applies, the check fails, and the report says why.
     default = invoke("verify", source, kernel)
     assert default.exit_code == 1
-    assert "eps        1e-05, from default" in default.stdout
+    assert "eps        1e-05, the default" in default.stdout
     assert "using the default 1e-05" in default.stdout
     as_json = json.loads(invoke("verify", source, kernel, "--json").stdout)
     assert (as_json["eps"], as_json["eps_source"]) == (1e-5, "default")
