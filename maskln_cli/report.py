@@ -491,7 +491,10 @@ def _error_rows(grid: Table, tensor: TensorComparison, report: ComparisonReport)
             if ratio <= 1
             else f"[red]{times(ratio)} what its {what} allows[/]"
         )
-        grid.add_row("  worst element", text)
+        # Invalid rows are judged by being exactly 0, not by the budget: when they fail, this
+        # figure (of the valid rows) must not read as the failure's size.
+        label = "worst valid element" if tensor.invalid_rows_zero is False else "worst element"
+        grid.add_row(f"  {label}", text)
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:

@@ -313,6 +313,9 @@ def test_nonzero_padding_fails_and_says_so(tmp_path):
     assert not out["passed"] and out["invalid_rows_zero"] is False
     assert out["problems"] == [f"only the {invalid:,} invalid rows differ: padding not zeroed"]
     assert out["mismatched_invalid_rows"] == invalid
+    # The budget figure covers the valid rows only: it must not read as the failure's size.
+    block = invoke("verify", source, target).stdout.split("FAIL out", 1)[1].split("\n\n", 1)[0]
+    assert "worst valid element" in block and "worst element" not in block
 
 
 def test_negative_zero_in_the_padding_is_reported_and_fails_under_strict(tmp_path):
