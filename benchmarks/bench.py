@@ -7,7 +7,7 @@ Run from the repository root with the project's interpreter::
     .venv/bin/python benchmarks/bench.py --only core   # groups: core, memory, cli; or figures: 1,3
     .venv/bin/python benchmarks/bench.py --markdown    # the table as Markdown, for the README
 
-Every figure is a ratio "ours / peer" measured side by side in one run, the two contenders
+Every figure but 12 is a ratio "ours / peer" measured side by side in one run, the two contenders
 interleaved run by run (alternating which goes first; in figures 1 and 2, call by call within
 each repetition) so that machine noise hits both alike; the table gives the min, median and
 max of the per-repetition ratios. "peer" is
@@ -30,6 +30,8 @@ max of the per-repetition ratios. "peer" is
     2 ulps apart) / a load_file both, assert_close per key script (peer_diff.py): wall, RSS.
 11. ``maskln verify in res`` on a 512 MiB x (res: F.layer_norm's float32 output, which passes)
     / a load_file, one-liner, assert_close script (peer_verify.py): wall time and peak RSS.
+12. ``maskln grade`` of a correct solution, ``--strict``: absolute wall seconds, each run
+    interleaved with a ``python -c "import torch"`` run, whose seconds are shown beside it.
 
 Progress goes to stderr; the header, table and notes go to stdout.
 """
@@ -65,8 +67,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
-GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8, 10, 11)}
-FIGURES = 11
+GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8, 10, 11, 12)}
+FIGURES = 12
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 SMALL_SHAPE = "4,64,128"
@@ -90,6 +92,7 @@ class Settings:
     big_reps: int
     small_reps: int
     inspect_reps: int
+    grade_reps: int
     cli_warmup: bool  # run each command once, unmeasured, before the figures 5 to 7
 
 
@@ -104,6 +107,7 @@ FULL = Settings(
     big_reps=5,
     small_reps=7,
     inspect_reps=9,
+    grade_reps=5,
     cli_warmup=True,
 )
 QUICK = Settings(
@@ -117,6 +121,7 @@ QUICK = Settings(
     big_reps=1,
     small_reps=2,
     inspect_reps=2,
+    grade_reps=1,
     cli_warmup=False,
 )
 
@@ -619,7 +624,7 @@ def figure_8(settings: Settings, report: Report, workdir: Path) -> None:
     checkpoint.unlink()
 
 
-# Figures 10 and 11: the comparisons -----------------------------------------------------------
+# Figures 10 to 12: the comparisons and the grader ---------------------------------------------
 
 
 def write_diff_pair(actual: Path, expected: Path) -> None:
@@ -680,6 +685,39 @@ def figure_11(settings: Settings, report: Report, workdir: Path) -> None:
     )
     big_rows(figure, ours_runs, peer_runs, (1.0, 0.5), report)
     result.unlink()
+
+
+GRADE_CORRECT = {  # a correct solution, as the README says: every clause passes, strict too
+    "maskln's op": ["maskln_cli:masked_layer_normalization", "--strict"],
+    "tests/solutions/correct.py": [str(ROOT / "tests" / "solutions" / "correct.py"), "--strict"],
+}
+
+
+def figure_12(settings: Settings, report: Report) -> None:
+    """``maskln grade`` of a correct solution, wall seconds, beside ``import torch``'s."""
+    figure = "12 grade a correct solution (s)"
+    import_command = [PYTHON, "-c", "import torch"]
+    imports: list[float] = []
+    if settings.cli_warmup:
+        run_measured(import_command)
+    for name, arguments in GRADE_CORRECT.items():
+        progress.print(f"  {figure}: {name}")
+        command = [MASKLN, "grade", *arguments, "--quiet"]  # exit 0 (pass) or bench fails
+        if settings.cli_warmup:
+            run_measured(command)
+        grades, these_imports = interleaved(
+            lambda command=command: run_measured(command).wall_s,
+            lambda: run_measured(import_command).wall_s,
+            settings.grade_reps,
+        )
+        imports += these_imports
+        label = f"{name}, --strict: wall s"
+        report.rows.append(Row(figure, label, grades, "<= 20 s", statistics.median(grades) <= 20))
+    report.rows.append(Row(figure, "python -c 'import torch': wall s (context)", imports))
+    report.notes.append(
+        "12: absolute seconds, not ratios; each grade run is interleaved with an"
+        " `import torch` run (the grader and its child each import torch)"
+    )
 
 
 @dataclass(frozen=True)
@@ -768,7 +806,7 @@ def print_rich(report: Report, header: Iterable[str]) -> None:
     console = Console(highlight=False, width=max(150, Console().width))
     for line in header:
         console.print(line)
-    table = Table(title="ours / peer (per-repetition ratios)")
+    table = Table(title="ours / peer (per-repetition ratios; figure 12: seconds)")
     for name in COLUMNS:
         table.add_column(name, justify="right" if name in ("min", "median", "max") else "left")
     for row in report.rows:
@@ -841,6 +879,7 @@ def main() -> None:
             9: lambda: figure_9(settings, report),
             10: lambda: figure_10(settings, report, Path(tmp)),
             11: lambda: figure_11(settings, report, Path(tmp)),
+            12: lambda: figure_12(settings, report),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")
