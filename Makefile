@@ -30,8 +30,9 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# BENCH_ARGS: e.g. --quick (a smoke test) or --only 10,11,12; see benchmarks/README.md.
 bench: $(INSTALLED)
-	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/bench.py --markdown $(BENCH_ARGS)
 
 sample-data: $(INSTALLED)
 	$(BIN)/python scripts/make_sample_data.py

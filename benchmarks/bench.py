@@ -7,7 +7,7 @@ Run from the repository root with the project's interpreter::
     .venv/bin/python benchmarks/bench.py --only core   # groups: core, memory, cli; or figures: 1,3
     .venv/bin/python benchmarks/bench.py --markdown    # the table as Markdown, for the README
 
-Every figure is a ratio "ours / peer" measured side by side in one run, the two contenders
+Every figure but 12 is a ratio "ours / peer" measured side by side in one run, the two contenders
 interleaved run by run (alternating which goes first; in figures 1 and 2, call by call within
 each repetition) so that machine noise hits both alike; the table gives the min, median and
 max of the per-repetition ratios. "peer" is
@@ -26,6 +26,12 @@ max of the per-repetition ratios. "peer" is
    load_file and per-tensor min/max/mean/std script (peer_inspect.py): wall time.
 9. The op under ``torch.compile(fullgraph=True)`` / the op eager, forward + backward: the
    compiled graph holds the op as one custom-op node, so this is the cost of that path.
+10. ``maskln diff a b`` of two one-key 512 MiB float32 files that match (every element about
+    2 ulps apart) / a load_file both, assert_close per key script (peer_diff.py): wall, RSS.
+11. ``maskln verify in res`` on a 512 MiB x (res: F.layer_norm's float32 output, which passes)
+    / a load_file, one-liner, assert_close script (peer_verify.py): wall time and peak RSS.
+12. ``maskln grade`` of a correct solution, ``--strict``: absolute wall seconds, each run
+    interleaved with a ``python -c "import torch"`` run, whose seconds are shown beside it.
 
 Progress goes to stderr; the header, table and notes go to stdout.
 """
@@ -61,7 +67,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
-GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8)}
+GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8, 10, 11, 12)}
+FIGURES = 12
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 SMALL_SHAPE = "4,64,128"
@@ -85,6 +92,7 @@ class Settings:
     big_reps: int
     small_reps: int
     inspect_reps: int
+    grade_reps: int
     cli_warmup: bool  # run each command once, unmeasured, before the figures 5 to 7
 
 
@@ -99,6 +107,7 @@ FULL = Settings(
     big_reps=5,
     small_reps=7,
     inspect_reps=9,
+    grade_reps=5,
     cli_warmup=True,
 )
 QUICK = Settings(
@@ -112,6 +121,7 @@ QUICK = Settings(
     big_reps=1,
     small_reps=2,
     inspect_reps=2,
+    grade_reps=1,
     cli_warmup=False,
 )
 
@@ -400,7 +410,7 @@ def figure_4(settings: Settings, report: Report) -> None:
         report.rows.append(Row(figure, label, [ratio], "<= 1.00", ratio <= 1.0))
 
 
-# Figures 5 to 7: the command line -------------------------------------------------------------
+# Figures 5 to 8: the command line -------------------------------------------------------------
 
 
 def figure_5(settings: Settings, report: Report) -> None:
@@ -431,6 +441,12 @@ def generate(path: Path, shape: str) -> None:
     run_checked(command)
 
 
+def settle_writes() -> None:
+    """Flush the inputs just written (safetensors' save_file does not fsync) to disk, so that
+    their writeback, which the kernel starts within about 30 s, lands in no measured run."""
+    os.sync()
+
+
 def measure_fresh(command: list[str], output: Path) -> Measured:
     """Run ``command`` after deleting its ``output`` (outside the timing)."""
     if output.is_dir():
@@ -441,12 +457,62 @@ def measure_fresh(command: list[str], output: Path) -> Measured:
     return run_measured(command)
 
 
+def big_input(workdir: Path) -> Path:
+    """The 512 MiB input of figures 6 and 11 (x of shape BIG_SHAPE, float32), made once."""
+    source = workdir / "big.safetensors"
+    if not source.exists():
+        progress.print("  generating the 512 MiB input")
+        generate(source, BIG_SHAPE)
+    return source
+
+
+def big_case() -> str:
+    return f"[{BIG_SHAPE.replace(',', ', ')}] float32"
+
+
+def big_rows(
+    figure: str,
+    ours_runs: list[Measured],
+    peer_runs: list[Measured],
+    targets: tuple[float, float],
+    report: Report,
+) -> None:
+    """The wall and peak RSS rows (ours / peer) of a 512 MiB figure, and a note of medians."""
+    walls = ratios((r.wall_s for r in ours_runs), (r.wall_s for r in peer_runs))
+    rss = ratios((r.max_rss_bytes for r in ours_runs), (r.max_rss_bytes for r in peer_runs))
+    wall_target, rss_target = targets
+    report.rows.append(
+        Row(
+            figure,
+            f"{big_case()}: wall",
+            walls,
+            f"<= {wall_target:.2f}",
+            statistics.median(walls) <= wall_target,
+        )
+    )
+    report.rows.append(
+        Row(
+            figure,
+            f"{big_case()}: peak RSS",
+            rss,
+            f"<= {rss_target:.2f}",
+            statistics.median(rss) <= rss_target,
+        )
+    )
+    number = figure.split()[0]
+    report.notes.append(
+        f"{number}: medians (n = {len(ours_runs)}): maskln"
+        f" {statistics.median(r.wall_s for r in ours_runs):.2f} s,"
+        f" {mib(statistics.median(r.max_rss_bytes for r in ours_runs))};"
+        f" peer script {statistics.median(r.wall_s for r in peer_runs):.2f} s,"
+        f" {mib(statistics.median(r.max_rss_bytes for r in peer_runs))}"
+    )
+
+
 def figure_6(settings: Settings, report: Report, workdir: Path) -> None:
     """``maskln normalize`` of a 512 MiB x vs a load/one-liner/save script: wall and peak RSS."""
     figure = "6 normalize 512 MiB x"
-    progress.print(f"  {figure}: generating the input")
-    source = workdir / "big.safetensors"
-    generate(source, BIG_SHAPE)
+    source = big_input(workdir)
     ours_out, peer_out = workdir / "big_ours.safetensors", workdir / "big_peer.safetensors"
     ours_command = [MASKLN, "normalize", str(source), str(ours_out)]
     peer_command = [PYTHON, str(HERE / "peer_normalize.py"), str(source), str(peer_out)]
@@ -458,24 +524,8 @@ def figure_6(settings: Settings, report: Report, workdir: Path) -> None:
         lambda: measure_fresh(peer_command, peer_out),
         settings.big_reps,
     )
-    walls = ratios((r.wall_s for r in ours_runs), (r.wall_s for r in peer_runs))
-    rss = ratios((r.max_rss_bytes for r in ours_runs), (r.max_rss_bytes for r in peer_runs))
-    case = f"[{BIG_SHAPE.replace(',', ', ')}] float32"
-    wall_met, rss_met = statistics.median(walls) <= 1.20, statistics.median(rss) <= 1.10
-    report.rows.append(Row(figure, f"{case}: wall", walls, "<= 1.20", wall_met))
-    report.rows.append(Row(figure, f"{case}: peak RSS", rss, "<= 1.10", rss_met))
-    report.notes.append(
-        "6: medians: maskln normalize"
-        f" {statistics.median(r.wall_s for r in ours_runs):.2f} s,"
-        f" {mib(statistics.median(r.max_rss_bytes for r in ours_runs))};"
-        f" peer script {statistics.median(r.wall_s for r in peer_runs):.2f} s,"
-        f" {mib(statistics.median(r.max_rss_bytes for r in peer_runs))}"
-    )
-    report.notes.append(
-        f"6: each peak RSS includes up to {mib(launcher_floor())} inherited from the launcher"
-        " (run_measured.py running `true`)"
-    )
-    for path in (source, ours_out, peer_out):
+    big_rows(figure, ours_runs, peer_runs, (1.20, 1.10), report)
+    for path in (ours_out, peer_out):
         path.unlink(missing_ok=True)
 
 
@@ -556,6 +606,7 @@ def figure_8(settings: Settings, report: Report, workdir: Path) -> None:
     progress.print(f"  {figure}: writing the checkpoint")
     checkpoint = workdir / "bert-base.safetensors"
     write_checkpoint(checkpoint)
+    settle_writes()
     size = checkpoint.stat().st_size
     ours_command = [MASKLN, "inspect", str(checkpoint)]
     peer_command = [PYTHON, str(HERE / "peer_inspect.py"), str(checkpoint)]
@@ -578,6 +629,104 @@ def figure_8(settings: Settings, report: Report, workdir: Path) -> None:
         f" {statistics.median(keys_runs):.2f} s (the file in the page cache, output to /dev/null)"
     )
     checkpoint.unlink()
+
+
+# Figures 10 to 12: the comparisons and the grader ---------------------------------------------
+
+
+def write_diff_pair(actual: Path, expected: Path) -> None:
+    """Two one-key files of 512 MiB (``out``, BIG_SHAPE float32) that ``diff`` passes.
+
+    ``expected`` is random normal; ``actual`` is it times (1 + 2**-22): every element differs
+    (by about 2 ulps, no zeros), all well within float32's default rtol 1.3e-6, so both
+    contenders read and compare every element and pass (exit 0).
+    """
+    from safetensors.torch import save_file
+
+    shape = tuple(int(size) for size in BIG_SHAPE.split(","))
+    out = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    save_file({"out": out}, str(expected))
+    out.mul_(1 + 2**-22)
+    save_file({"out": out}, str(actual))
+    del out
+    gc.collect()
+
+
+def figure_10(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln diff a b`` of two 512 MiB files / load_file both and assert_close: wall, RSS."""
+    figure = "10 diff 512 MiB, passing"
+    progress.print(f"  {figure}: writing the two files")
+    actual, expected = workdir / "diff_actual.safetensors", workdir / "diff_expected.safetensors"
+    write_diff_pair(actual, expected)
+    settle_writes()
+    ours_command = [MASKLN, "diff", str(actual), str(expected)]
+    peer_command = [PYTHON, str(HERE / "peer_diff.py"), str(actual), str(expected)]
+    progress.print(f"  {figure}: measuring")
+    if settings.cli_warmup:  # page cache, .pyc files
+        run_measured(ours_command), run_measured(peer_command)
+    ours_runs, peer_runs = interleaved(
+        lambda: run_measured(ours_command),
+        lambda: run_measured(peer_command),
+        settings.big_reps,
+    )
+    big_rows(figure, ours_runs, peer_runs, (1.0, 0.6), report)
+    for path in (actual, expected):
+        path.unlink()
+
+
+def figure_11(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln verify in res`` on a 512 MiB x / load_file, the one-liner and assert_close."""
+    figure = "11 verify 512 MiB x, passing"
+    source = big_input(workdir)
+    result = workdir / "verify_result.safetensors"
+    progress.print(f"  {figure}: writing RESULT (peer_normalize.py: F.layer_norm in float32)")
+    run_checked([PYTHON, str(HERE / "peer_normalize.py"), str(source), str(result)])
+    settle_writes()
+    ours_command = [MASKLN, "verify", str(source), str(result)]
+    peer_command = [PYTHON, str(HERE / "peer_verify.py"), str(source), str(result)]
+    progress.print(f"  {figure}: measuring")
+    if settings.cli_warmup:
+        run_measured(ours_command), run_measured(peer_command)
+    ours_runs, peer_runs = interleaved(
+        lambda: run_measured(ours_command),
+        lambda: run_measured(peer_command),
+        settings.big_reps,
+    )
+    big_rows(figure, ours_runs, peer_runs, (1.0, 0.5), report)
+    result.unlink()
+
+
+GRADE_CORRECT = {  # a correct solution, as the README says: every clause passes, strict too
+    "maskln's op": ["maskln_cli:masked_layer_normalization", "--strict"],
+    "tests/solutions/correct.py": [str(ROOT / "tests" / "solutions" / "correct.py"), "--strict"],
+}
+
+
+def figure_12(settings: Settings, report: Report) -> None:
+    """``maskln grade`` of a correct solution, wall seconds, beside ``import torch``'s."""
+    figure = "12 grade a correct solution (s)"
+    import_command = [PYTHON, "-c", "import torch"]
+    imports: list[float] = []
+    if settings.cli_warmup:
+        run_measured(import_command)
+    for name, arguments in GRADE_CORRECT.items():
+        progress.print(f"  {figure}: {name}")
+        command = [MASKLN, "grade", *arguments, "--quiet"]  # exit 0 (pass) or bench fails
+        if settings.cli_warmup:
+            run_measured(command)
+        grades, these_imports = interleaved(
+            lambda command=command: run_measured(command).wall_s,
+            lambda: run_measured(import_command).wall_s,
+            settings.grade_reps,
+        )
+        imports += these_imports
+        label = f"{name}, --strict: wall s"
+        report.rows.append(Row(figure, label, grades, "<= 20 s", statistics.median(grades) <= 20))
+    report.rows.append(Row(figure, "python -c 'import torch': wall s (context)", imports))
+    report.notes.append(
+        "12: absolute seconds, not ratios; each grade run is interleaved with an"
+        " `import torch` run (the grader and its child each import torch)"
+    )
 
 
 @dataclass(frozen=True)
@@ -666,7 +815,7 @@ def print_rich(report: Report, header: Iterable[str]) -> None:
     console = Console(highlight=False, width=max(150, Console().width))
     for line in header:
         console.print(line)
-    table = Table(title="ours / peer (per-repetition ratios)")
+    table = Table(title="ours / peer (per-repetition ratios; figure 12: seconds)")
     for name in COLUMNS:
         table.add_column(name, justify="right" if name in ("min", "median", "max") else "left")
     for row in report.rows:
@@ -701,10 +850,12 @@ def parse_only(text: str | None) -> set[int]:
     for token in filter(None, (t.strip() for t in text.split(","))):
         if token in GROUPS:
             chosen.update(GROUPS[token])
-        elif token.isdigit() and 1 <= int(token) <= 9:
+        elif token.isdigit() and 1 <= int(token) <= FIGURES:
             chosen.add(int(token))
         else:
-            raise SystemExit(f"--only: unknown group or figure {token!r} (core, memory, cli, 1-9)")
+            raise SystemExit(
+                f"--only: unknown group or figure {token!r} (core, memory, cli, 1-{FIGURES})"
+            )
     return chosen
 
 
@@ -712,7 +863,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repetitions (a smoke test)")
     parser.add_argument(
-        "--only", metavar="WHAT", help="comma-separated groups (core, memory, cli) or figures 1-9"
+        "--only",
+        metavar="WHAT",
+        help=f"comma-separated groups (core, memory, cli) or figures 1-{FIGURES}",
     )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
@@ -733,12 +886,20 @@ def main() -> None:
             7: lambda: figure_7(settings, report, Path(tmp)),
             8: lambda: figure_8(settings, report, Path(tmp)),
             9: lambda: figure_9(settings, report),
+            10: lambda: figure_10(settings, report, Path(tmp)),
+            11: lambda: figure_11(settings, report, Path(tmp)),
+            12: lambda: figure_12(settings, report),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")
             figure_start = time.perf_counter()
             steps[number]()
             progress.print(f"figure {number}: {time.perf_counter() - figure_start:.0f} s")
+        if figures & {6, 10, 11}:
+            report.notes.append(
+                f"6, 10, 11: each peak RSS includes up to {mib(launcher_floor())} inherited from"
+                " the launcher (run_measured.py running `true`)"
+            )
     end = cpu_snapshot()
     report.notes.append(
         f"ran in {end.wall_s - start.wall_s:.0f} s; other processes kept"

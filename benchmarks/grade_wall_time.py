@@ -4,10 +4,11 @@ repetition (so every run pays Python's and torch's start-up, in both processes).
     .venv/bin/python benchmarks/grade_wall_time.py                # 3 repetitions each
     .venv/bin/python benchmarks/grade_wall_time.py --repeat 5 --timeout 5
 
-Three targets:
+Four targets:
 
-- a correct solution, every clause, strict included: ``maskln grade
-  maskln_cli:masked_layer_normalization --strict`` (target: under 20 s on 2 cores);
+- two correct solutions, every clause, strict included (the ones bench.py's figure 12 times):
+  ``maskln grade maskln_cli:masked_layer_normalization --strict`` and ``maskln grade
+  tests/solutions/correct.py --strict`` (target: under 20 s on 2 cores);
 - the shipped example with one mistake, ``examples/first_attempt.py``;
 - a function that never returns, ``tests/solutions/misbehaving.py:hangs``, with ``--timeout``
   (default 5): two clauses time out (each: the timeout, SIGTERM, a new child), then the grader
@@ -27,15 +28,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench import background_load, cpu_snapshot
+from bench import GRADE_CORRECT, background_load, cpu_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 MASKLN = [sys.executable, "-m", "maskln_cli"]
 
 
 def targets(timeout: float) -> dict[str, list[str]]:
+    """The targets timed, by name: the correct solutions of bench.py's figure 12, then two more."""
     return {
-        "correct (maskln's op), --strict": ["maskln_cli:masked_layer_normalization", "--strict"],
+        **{f"correct ({name}), --strict": args for name, args in GRADE_CORRECT.items()},
         "examples/first_attempt.py": ["examples/first_attempt.py"],
         f"hanging, --timeout {timeout:g}": [
             "tests/solutions/misbehaving.py:hangs",
