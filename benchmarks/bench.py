@@ -308,10 +308,9 @@ def figure_1(settings: Settings, report: Report) -> None:
         check_same_result(inputs)
         return forward_call(ours, inputs), forward_call(peer, inputs)
 
-    rows = timing_rows(figure, make_calls, settings, ("<= 1.60", lambda m: m <= 1.60))
-    medians = [r.median for r in rows]
-    met = statistics.median(medians) <= 1.30 and max(medians) <= 1.60
-    report.rows += [*rows, summary_row(figure, rows, "median <= 1.30, max <= 1.60", met)]
+    rows = timing_rows(figure, make_calls, settings, ("<= 1.00", lambda m: m <= 1.00))
+    met = max(r.median for r in rows) <= 1.00
+    report.rows += [*rows, summary_row(figure, rows, "every shape <= 1.00", met)]
 
 
 def figure_2(settings: Settings, report: Report) -> None:
@@ -327,9 +326,10 @@ def figure_2(settings: Settings, report: Report) -> None:
             forward_backward_call(peer, inputs, grad_out),
         )
 
-    rows = timing_rows(figure, make_calls, settings, None)
-    met = statistics.median(r.median for r in rows) <= 1.50
-    report.rows += [*rows, summary_row(figure, rows, "median <= 1.50", met)]
+    rows = timing_rows(figure, make_calls, settings, ("<= 1.20", lambda m: m <= 1.20))
+    medians = [r.median for r in rows]
+    met = statistics.median(medians) <= 0.80 and max(medians) <= 1.20
+    report.rows += [*rows, summary_row(figure, rows, "median <= 0.80, max <= 1.20", met)]
 
 
 def figure_9(settings: Settings, report: Report) -> None:
@@ -524,7 +524,7 @@ def figure_6(settings: Settings, report: Report, workdir: Path) -> None:
         lambda: measure_fresh(peer_command, peer_out),
         settings.big_reps,
     )
-    big_rows(figure, ours_runs, peer_runs, (1.20, 1.10), report)
+    big_rows(figure, ours_runs, peer_runs, (0.90, 1.10), report)
     for path in (ours_out, peer_out):
         path.unlink(missing_ok=True)
 
@@ -622,7 +622,7 @@ def figure_8(settings: Settings, report: Report, workdir: Path) -> None:
     keys_runs = [run_measured(keys_command).wall_s for _ in range(settings.inspect_reps)]
     values = ratios(ours_runs, peer_runs)
     case = f"{size / 2**20:,.0f} MiB, {len(bert_base_shapes())} float32 tensors: wall"
-    report.rows.append(Row(figure, case, values, "<= 1.50", statistics.median(values) <= 1.5))
+    report.rows.append(Row(figure, case, values, "<= 1.00", statistics.median(values) <= 1.0))
     report.notes.append(
         f"8: medians: maskln inspect {statistics.median(ours_runs):.2f} s, peer script"
         f" {statistics.median(peer_runs):.2f} s, maskln inspect --keys"
