@@ -24,7 +24,7 @@ demo: $(INSTALLED)
 	$(BIN)/maskln grade examples/first_attempt.py || test $$? -eq 1
 
 test: $(INSTALLED)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -212,7 +212,7 @@ def test_statistics_leave_torch_threads_as_they_were(tmp_path):
 
 def terminal(monkeypatch):
     screen = io.StringIO()
-    console = Console(file=screen, force_terminal=True, width=100)
+    console = Console(file=screen, force_terminal=True, width=250)  # room for long tmp paths
     monkeypatch.setattr(report, "stderr_console", lambda: console)
     monkeypatch.setattr(report, "PROGRESS_DELAY", 0.0)
     return screen
