@@ -735,3 +735,20 @@ def test_zero_channels_backward():
     )
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == (3, 0)
+
+
+def test_normalize_leaves_rows_with_a_negligible_shift_bit_identical_to_xc_times_rstd():
+    """The one-pass ``xc * rstd - shift * rstd`` adds -0.0 where the shift is negligible: those
+    rows have exactly the bits of ``xc * rstd``, whatever else is in the block."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        xc = torch.randn(6, 50, generator=generator, dtype=dtype)
+        xc[0] = 0.0  # +0.0 must stay +0.0
+        rstd = torch.rand(6, 1, generator=generator, dtype=dtype) + 0.5
+        shift = torch.tensor([[0.0], [1e-30], [-1e-30], [0.25], [-0.5], [0.0]], dtype=dtype)
+        want = xc * rstd
+        got = core._normalize(xc.clone(), shift, rstd)
+        negligible = torch.tensor([True, True, True, False, False, True])
+        assert torch.equal(got[negligible], want[negligible])
+        assert not got[0].signbit().any()
+        torch.testing.assert_close(got[~negligible], (xc - shift)[~negligible] * rstd[~negligible])
