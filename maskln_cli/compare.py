@@ -134,7 +134,7 @@ class RowErrors:
 
 
 @dataclass
-class _Block:
+class BlockFigures:
     """What :meth:`Comparison.measure` finds in a block of whole rows with finite values: the
     per-row figures, and the elementwise maxima with their indices into the block."""
 
@@ -363,7 +363,7 @@ class Comparison:
             invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
             length = self.row_length
 
-            def one(block: tuple[int, int]) -> _Block | None:
+            def one(block: tuple[int, int]) -> BlockFigures | None:
                 start, stop = block[0] * length, block[1] * length
                 part = [None if t is None else t[start:stop] for t in flat]
                 rows = None if invalid is None else invalid[block[0] : block[1]]
@@ -394,7 +394,7 @@ class Comparison:
         yardstick: torch.Tensor | None = None,
         budget_unit: torch.Tensor | None = None,
         always: torch.Tensor | None = None,
-    ) -> _Block | None:
+    ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
         chunk). Reads no running figure, so blocks can be measured on several threads.
@@ -447,7 +447,7 @@ class Comparison:
                 factor = float(torch.where(beyond, diff / budget_unit.reshape(-1), 0.0).max())
                 if math.isnan(factor):
                     return None
-        block = _Block(
+        block = BlockFigures(
             rows, counts, max_abs, max_rel, max_ratio, factor, row_squares,
             e64.view(rows, length).square().sum(dim=1),
         )  # fmt: skip
@@ -474,7 +474,9 @@ class Comparison:
                 block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
         return block
 
-    def merge(self, blocks: Sequence[_Block], invalid_rows: torch.Tensor | None = None) -> None:
+    def merge(
+        self, blocks: Sequence[BlockFigures], invalid_rows: torch.Tensor | None = None
+    ) -> None:
         """Add the figures of consecutive blocks making up one chunk (``invalid_rows``: one flag
         per row of the chunk), as :meth:`update` of the whole chunk would: sums over rows are
         taken over the whole chunk's rows, in one call, as the general path takes them."""
@@ -547,7 +549,7 @@ class Comparison:
             self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
         self._offset += total
 
-    def _merge_worst(self, blocks: Sequence[_Block], starts: Sequence[int]) -> None:
+    def _merge_worst(self, blocks: Sequence[BlockFigures], starts: Sequence[int]) -> None:
         """The chunk's worst rows from its blocks' candidates, as :meth:`_track_worst` does."""
         import torch
 

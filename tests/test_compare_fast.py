@@ -164,3 +164,49 @@ def test_a_clean_chunk_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> N
     values = torch.randn(20, 4)
     comparison.update(values + 1e-3, values)
     assert comparison.result().mismatched == 80
+
+
+VERIFY_CASES = [
+    ("two_pass", 0.0, "float32", ()),
+    ("two_pass", 1e3, "float32", ()),
+    ("one_pass", 1e3, "float32", ()),
+    ("eps_outside", 0.0, "float32", ("--tolerance", "fixed")),
+    ("padding_returns_bias", 0.0, "float32", ("--strict",)),
+    ("nan_leak", 0.0, "float32", ()),
+    ("torch_layer_norm", 0.0, "bfloat16", ()),
+    ("torch_layer_norm", 0.0, "float16", ("--rtol", "1e-4", "--atol", "0")),
+]
+
+
+@pytest.mark.parametrize(("kernel", "offset", "dtype", "options"), VERIFY_CASES)
+def test_verify_in_blocks_reports_what_whole_chunks_report(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, kernel: str, offset: float, dtype: str,
+    options: tuple[str, ...],
+) -> None:  # fmt: skip
+    """``maskln verify`` without gradients computes a chunk's rows in blocks on worker threads
+    (_Job._chunk_blocks); its JSON is byte for byte that of whole chunks (_Job._chunk)."""
+    from maskln_cli import verify
+    from tests import kernels
+    from tests.clitools import invoke, write
+
+    inputs = kernels.offset_batch(offset, seed=7, shape=(4, 96, 40), dtype=dtype)
+    del inputs["grad_out"]
+    result = kernels.run(getattr(kernels, kernel), inputs)
+    source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
+    target = write(tmp_path / "result.safetensors", {"out": result["out"]})
+    monkeypatch.setattr(compare, "BLOCK_ELEMENTS", 40 * 7)  # blocks of 7 rows
+    monkeypatch.setattr(verify, "CHUNK_ELEMENTS", 40 * 50)  # chunks of 50 rows
+    merged: list[int] = []
+    merge = Comparison.merge
+
+    def counted(self: Comparison, *args: object) -> None:
+        merged.append(1)
+        merge(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Comparison, "merge", counted)
+    blocked = invoke("verify", source, target, "--json", *options)
+    assert merged or kernel == "nan_leak"  # NaN takes the general path
+    monkeypatch.setattr(verify._Job, "_chunk_blocks", lambda *args: False)
+    whole = invoke("verify", source, target, "--json", *options)
+    assert blocked.exit_code == whole.exit_code and blocked.exit_code in (0, 1)
+    assert blocked.stdout == whole.stdout
