@@ -394,6 +394,7 @@ class Comparison:
         yardstick: torch.Tensor | None = None,
         budget_unit: torch.Tensor | None = None,
         always: torch.Tensor | None = None,
+        yardstick_error: torch.Tensor | None = None,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
@@ -402,6 +403,7 @@ class Comparison:
         The float64 values and operations are those of the general path, element by element
         and row by row, so every figure is the same bit for bit; only work whose outcome is
         known is skipped (no NaN or inf to mask, no element beyond when no ratio reaches 1).
+        ``yardstick_error`` is ``|yardstick - expected|`` in float64 when the caller has it.
         """
         import torch
 
@@ -460,7 +462,7 @@ class Comparison:
             block.worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
         if yardstick is not None:
             y = yardstick.detach().reshape(-1).double()
-            y_diff = (y - e64).abs_()
+            y_diff = (y - e64).abs_() if yardstick_error is None else yardstick_error.reshape(-1)
             y_rows = y_diff.view(rows, length).square().sum(dim=1)
             if not math.isfinite(float(y_rows.sum())) and not bool(y_diff.isfinite().all()):
                 y_diff = torch.where(y.isfinite(), y_diff, 0.0)

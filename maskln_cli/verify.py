@@ -508,6 +508,8 @@ class _Job:
         with torch.no_grad():
             truth = masked_layer_normalization(x64, valid, problem.scale, problem.bias, problem.eps)
         judge = yardstick(x, valid, problem.scale, problem.bias, problem.eps, self.judge)
+        # |yardstick - truth|: for the budget and the comparison alike, computed once.
+        error = (judge.out.double() - truth).abs_()
         measured: dict[str, BlockFigures] = {}
         for name in ROW_TENSORS:
             checked = live.get(name)
@@ -522,11 +524,15 @@ class _Job:
                     x64, valid, problem.scale, problem.bias, problem.eps, self.precision
                 )
                 model = budget.out()
-                pieces = self._allowance(checked, model, judge.out, truth, valid.unsqueeze(1))
+                pieces = self._allowance(
+                    checked, model, judge.out, truth, valid.unsqueeze(1), error
+                )
             else:
                 allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
                 pieces = {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
-            figures = comparison.measure(actual, truth, ~valid, yardstick=judge.out, **pieces)
+            figures = comparison.measure(
+                actual, truth, ~valid, yardstick=judge.out, yardstick_error=error, **pieces
+            )
             if figures is None:
                 return None
             measured[name] = figures
@@ -573,9 +579,11 @@ class _Job:
         guess: torch.Tensor,
         reference: torch.Tensor,
         valid: torch.Tensor | None,
+        error: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
-        pieces it is made of, as :meth:`Comparison.update` takes them."""
+        pieces it is made of, as :meth:`Comparison.update` takes them. ``error`` is the
+        yardstick's, ``|guess - reference|``, when the caller has it."""
         import torch
 
         from maskln_cli import budget
@@ -583,11 +591,12 @@ class _Job:
         comparison = checked.comparison
         assert comparison is not None
         dtype = _torch_dtype(comparison.dtype) or self.judge
-        error = (guess.double() - reference).abs_() if YARDSTICK_RAISES else None
-        unit = budget.unit(model, error)
+        if error is None and YARDSTICK_RAISES:
+            error = (guess.double() - reference).abs_()
+        unit = budget.unit(model, error if YARDSTICK_RAISES else None)
         always = budget.floor(reference, dtype, comparison.rtol, comparison.atol)
         allowed = torch.maximum(unit * self.factor, always)
-        if valid is not None:
+        if valid is not None and not bool(valid.all()):  # else masking changes nothing
             allowed.masked_fill_(~valid, 0.0)
             always = always.masked_fill(~valid, math.inf)  # the padding is another matter
         return {"allowance": allowed, "budget_unit": unit, "always": always}
