@@ -142,7 +142,11 @@ class RowBudget:
         self.valid = valid.unsqueeze(1)
         self.precision = p = precision
         self.scale, self.bias = scale, bias
-        x = torch.where(self.valid & x.isfinite(), x, 0.0)
+        # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
+        if not math.isfinite(float(x.sum())):
+            x = torch.where(self.valid & x.isfinite(), x, 0.0)
+        elif not bool(self.valid.all()):
+            x = torch.where(self.valid, x, 0.0)
         channels = x.shape[-1]
         mean = x.mean(dim=-1, keepdim=True)
         centered = x - mean

@@ -13,9 +13,10 @@ import contextlib
 import functools
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.tensorfile import TensorFile, open_tensor_file, torch_dtype
@@ -37,6 +38,38 @@ WORST_ROWS = 5
 """How many of the worst rows a comparison keeps for the report."""
 CHUNK_ELEMENTS = 1 << 22
 """Elements compared at a time (rounded to whole rows): a few float64 temporaries of 32 MiB."""
+BLOCK_ELEMENTS = 1 << 16
+"""Elements of a block of the fast path (whole rows, at least two): its float64 temporaries of
+512 KiB stay in cache, where 32 MiB ones stream through memory on every pass."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[work(item) for item in items]`` in order, on as many worker threads as torch has
+    intra-op threads, each running torch on one thread.
+
+    torch's own parallelism forks and joins its threads on every op, which on blocks this
+    small costs more than the op, and stalls whenever another process holds a core; whole
+    blocks on separate threads (torch releases the GIL) need no synchronization but the last.
+
+    Example:
+        >>> map_blocks(lambda n: n * n, [1, 2, 3])
+        [1, 4, 9]
+    """
+    import torch
+
+    threads = min(torch.get_num_threads(), len(items))
+    if threads <= 1:
+        return [work(item) for item in items]
+    saved = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return list(pool.map(work, items))
+    finally:
+        # set_num_threads in a worker also changes the count threads start with: restored.
+        torch.set_num_threads(saved)
 
 
 @functools.cache
@@ -98,6 +131,26 @@ class RowErrors:
     std: float
     min: float
     max: float
+
+
+@dataclass
+class BlockFigures:
+    """What :meth:`Comparison.measure` finds in a block of whole rows with finite values: the
+    per-row figures, and the elementwise maxima with their indices into the block."""
+
+    rows: int
+    counts: torch.Tensor | None  # elements beyond their allowance, per row (None: none)
+    max_abs: tuple[float, int, float, float, float]  # value, index, actual, expected, allowed
+    max_rel: tuple[float, int]
+    max_ratio: float
+    factor_needed: float
+    row_squares: torch.Tensor
+    row_norms: torch.Tensor
+    # Rows with an element beyond: row, score, index, actual, expected, allowed (tensors).
+    worst: tuple[torch.Tensor, ...] | None = None
+    yardstick_max: float = -1.0
+    yardstick_rows: torch.Tensor | None = None
+    padding: tuple[bool, int] | None = None  # invalid rows: all exactly 0, how many -0.0
 
 
 @dataclass
@@ -218,6 +271,11 @@ class Comparison:
         self._float64_forms = all(
             converts_to_float64(torch_dtype(d)) for d in (dtype, expected_dtype)
         )
+        # Floating dtypes on both sides take the fast path of measure() and merge().
+        self._fast = all(
+            (t := torch_dtype(d)) is not None and t.is_floating_point
+            for d in (dtype, expected_dtype)
+        )
         self.rtol = default_rtol if rtol is None else rtol
         self.atol = default_atol if atol is None else atol
         # Worst rows by how far beyond their allowance (verify's budgets differ by element),
@@ -294,6 +352,241 @@ class Comparison:
         allowance was made, ``max(factor * unit, always)``: the factor each element needed is
         tracked (see :meth:`factor_needed`).
         """
+        a = actual.detach().reshape(-1)
+        e = expected.detach().reshape(-1)
+        if a.numel() != e.numel() or a.numel() % self.row_length:
+            raise ValueError("chunks must hold the same whole rows of both tensors")
+        pieces = (allowance, yardstick, budget_unit, always)
+        blocks = self._block_ranges(a.numel())
+        if blocks:
+            flat = [None if t is None else t.detach().reshape(-1) for t in pieces]
+            invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
+            length = self.row_length
+
+            def one(block: tuple[int, int]) -> BlockFigures | None:
+                start, stop = block[0] * length, block[1] * length
+                part = [None if t is None else t[start:stop] for t in flat]
+                rows = None if invalid is None else invalid[block[0] : block[1]]
+                return self.measure(a[start:stop], e[start:stop], rows, *part)
+
+            measured = map_blocks(one, blocks)
+            if all(b is not None for b in measured):
+                self.merge(measured, invalid)  # type: ignore[arg-type]
+                return
+        self._update_general(actual, expected, invalid_rows, *pieces)
+
+    def _block_ranges(self, numel: int) -> list[tuple[int, int]]:
+        """Blocks of whole rows (two or more, see :func:`maskln_cli.core.row_blocks`) of about
+        :data:`BLOCK_ELEMENTS`; none when the chunk is empty or a dtype has no fast path."""
+        if not numel or not self._fast:
+            return []
+        from maskln_cli.core import row_blocks
+
+        rows = numel // self.row_length
+        return list(row_blocks(rows, max(2, BLOCK_ELEMENTS // self.row_length)))
+
+    def measure(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        invalid_rows: torch.Tensor | None = None,
+        allowance: torch.Tensor | None = None,
+        yardstick: torch.Tensor | None = None,
+        budget_unit: torch.Tensor | None = None,
+        always: torch.Tensor | None = None,
+        yardstick_error: torch.Tensor | None = None,
+    ) -> BlockFigures | None:
+        """The figures of one block of whole rows, as :meth:`update` takes it, for
+        :meth:`merge`; None when a value is NaN or inf (the general path then compares the
+        chunk). Reads no running figure, so blocks can be measured on several threads.
+
+        The float64 values and operations are those of the general path, element by element
+        and row by row, so every figure is the same bit for bit; only work whose outcome is
+        known is skipped (no NaN or inf to mask, no element beyond when no ratio reaches 1).
+        ``yardstick_error`` is ``|yardstick - expected|`` in float64 when the caller has it.
+        """
+        import torch
+
+        length = self.row_length
+        rows = actual.numel() // length
+        a = actual.detach().reshape(-1)
+        a64 = a.double()
+        e64 = expected.detach().reshape(-1).double()
+        diff = torch.sub(a64, e64).abs_()
+        row_squares = diff.view(rows, length).square().sum(dim=1)
+        # NaN or inf on either side makes the difference NaN or inf, and so this sum.
+        if not math.isfinite(float(row_squares.sum())):
+            return None
+        e_abs = e64.abs()
+        if allowance is None:
+            bound = torch.mul(e_abs, self.rtol).add_(self.atol)
+            positive = self.atol > 0  # then bound >= atol everywhere
+        else:
+            bound = allowance.detach().reshape(-1).double()
+            positive = bool(bound.amin() > 0)  # False on NaN
+        ratio = torch.div(diff, bound)
+        if positive:  # no 0/0: the ratio has no NaN to mask
+            max_ratio = float(ratio.max())
+            # diff > bound > 0 makes the ratio 1 or more, even rounded.
+            bad = diff > bound if max_ratio >= 1 else None
+        else:
+            ratio.nan_to_num_(nan=0.0, posinf=math.inf)
+            max_ratio = float(torch.where(bound > 0, ratio, 0.0).max())
+            bad = diff > bound
+        counts = bad.view(rows, length).sum(dim=1) if bad is not None else None
+        if counts is not None and not bool(counts.any()):
+            counts = None
+        value, index = diff.max(dim=0)
+        i = int(index)
+        max_abs = (float(value), i, float(a64[i]), float(e64[i]), float(bound[i]))
+        relative = torch.div(diff, e_abs).nan_to_num_(nan=0.0, posinf=math.inf)
+        value, index = relative.max(dim=0)
+        max_rel = (float(value), int(index))
+        factor = 0.0
+        if budget_unit is not None and always is not None:
+            beyond = diff > always.reshape(-1)
+            if bool(beyond.any()):
+                factor = float(torch.where(beyond, diff / budget_unit.reshape(-1), 0.0).max())
+                if math.isnan(factor):
+                    return None
+        block = BlockFigures(
+            rows, counts, max_abs, max_rel, max_ratio, factor, row_squares,
+            e64.view(rows, length).square().sum(dim=1),
+        )  # fmt: skip
+        if counts is not None and bad is not None:
+            bad_rows = (counts > 0).nonzero().squeeze(1)
+            measure = (ratio if self.rank_by_ratio else diff).view(rows, length)[bad_rows]
+            inside = bad.view(rows, length)[bad_rows]
+            score, channel = torch.where(inside, measure, -1.0).max(dim=1)
+            flat = bad_rows * length + channel
+            block.worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
+        if yardstick is not None:
+            y = yardstick.detach().reshape(-1).double()
+            y_diff = (y - e64).abs_() if yardstick_error is None else yardstick_error.reshape(-1)
+            y_rows = y_diff.view(rows, length).square().sum(dim=1)
+            if not math.isfinite(float(y_rows.sum())) and not bool(y_diff.isfinite().all()):
+                y_diff = torch.where(y.isfinite(), y_diff, 0.0)
+                y_rows = y_diff.view(rows, length).square().sum(dim=1)
+            block.yardstick_max, block.yardstick_rows = float(y_diff.max()), y_rows
+        if invalid_rows is not None:
+            invalid = invalid_rows.reshape(-1)
+            if bool(invalid.any()):
+                padded = a.view(rows, length)[invalid]  # 0 and its sign are exact in any dtype
+                zeros = padded == 0
+                block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
+        return block
+
+    def merge(
+        self, blocks: Sequence[BlockFigures], invalid_rows: torch.Tensor | None = None
+    ) -> None:
+        """Add the figures of consecutive blocks making up one chunk (``invalid_rows``: one flag
+        per row of the chunk), as :meth:`update` of the whole chunk would: sums over rows are
+        taken over the whole chunk's rows, in one call, as the general path takes them."""
+        import torch
+
+        length = self.row_length
+        first_row = self._offset // length
+        starts, total = [], 0
+        for block in blocks:
+            starts.append(total)
+            total += block.rows * length
+        # The first block with the greatest value: where one max over the chunk finds it.
+        top_abs = top_rel = None
+        for block, start in zip(blocks, starts, strict=True):
+            if top_abs is None or block.max_abs[0] > top_abs[0]:
+                top_abs = (block.max_abs[0], start + block.max_abs[1], *block.max_abs[2:])
+            if top_rel is None or block.max_rel[0] > top_rel[0]:
+                top_rel = (block.max_rel[0], start + block.max_rel[1])
+        if top_abs is None or top_rel is None:
+            return
+        if top_abs[0] > self._max_abs[0]:
+            self._max_abs = (top_abs[0], self._offset + top_abs[1], *top_abs[2:])  # type: ignore[assignment]
+        if top_rel[0] > self._max_rel[0]:
+            self._max_rel = (top_rel[0], self._offset + top_rel[1])
+        self._max_ratio = max(self._max_ratio, max(b.max_ratio for b in blocks))
+        self._factor_needed = max(self._factor_needed, max(b.factor_needed for b in blocks))
+        row_squares = torch.cat([b.row_squares for b in blocks])
+        self._diff_squares += float(row_squares.sum())
+        row_norms = torch.cat([b.row_norms for b in blocks])
+        self._expected_squares += float(row_norms.sum())
+        counts = None
+        if any(b.counts is not None for b in blocks):
+            counts = torch.cat([
+                b.counts if b.counts is not None else torch.zeros(b.rows, dtype=torch.long)
+                for b in blocks
+            ])  # fmt: skip
+        chunk_bad = int(counts.sum()) if counts is not None else 0
+        self._mismatched += chunk_bad
+        self.beyond += chunk_bad
+        rows_bad = counts > 0 if counts is not None else None
+        if rows_bad is not None:
+            self._mismatched_rows += int(rows_bad.sum())
+            if len(self.failing_rows) < RECORDED_ROWS:
+                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
+                self.failing_rows += (more + first_row).tolist()
+            self._merge_worst(blocks, starts)
+        yardstick_rows = None
+        if blocks[0].yardstick_rows is not None:
+            self._yardstick_max = max(self._yardstick_max, max(b.yardstick_max for b in blocks))
+            yardstick_rows = torch.cat([b.yardstick_rows for b in blocks])  # type: ignore[misc]
+            self._yardstick_squares += float(yardstick_rows.sum())
+        if invalid_rows is not None:
+            invalid = invalid_rows.reshape(-1)
+            if rows_bad is not None:
+                self._mismatched_invalid_rows = (self._mismatched_invalid_rows or 0) + int(
+                    (rows_bad & invalid).sum()
+                )
+                if counts is not None:
+                    self.beyond_in_invalid_rows += int(counts[invalid].sum())
+            elif self._mismatched_invalid_rows is None:
+                self._mismatched_invalid_rows = 0
+            padding = [b.padding for b in blocks if b.padding is not None]
+            if padding:
+                zero = all(z for z, _ in padding)
+                self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
+                self._negative_zeros = (self._negative_zeros or 0) + sum(n for _, n in padding)
+            elif self._negative_zeros is None:
+                self._negative_zeros = 0
+            usable = ~invalid & (row_norms > 0)
+            self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
+        self._offset += total
+
+    def _merge_worst(self, blocks: Sequence[BlockFigures], starts: Sequence[int]) -> None:
+        """The chunk's worst rows from its blocks' candidates, as :meth:`_track_worst` does."""
+        import torch
+
+        found = [
+            (b.worst, start) for b, start in zip(blocks, starts, strict=True) if b.worst is not None
+        ]
+        if not found:
+            return
+        score = torch.cat([w[1] for w, _ in found])
+        flat = torch.cat([w[2] + start for w, start in found])
+        actual, expected, allowed = (torch.cat([w[k] for w, _ in found]) for k in (3, 4, 5))
+        # Stable sort: among equal scores the earliest rows win, whatever the chunking.
+        order = score.sort(descending=True, stable=True).indices[:WORST_ROWS]
+        for k in order.tolist():
+            entry = (
+                float(score[k]), -(self._offset + int(flat[k])), float(actual[k]),
+                float(expected[k]), float(allowed[k]),
+            )  # fmt: skip
+            if len(self._worst) < WORST_ROWS:
+                heapq.heappush(self._worst, entry)
+            else:
+                heapq.heappushpop(self._worst, entry)
+
+    def _update_general(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        invalid_rows: torch.Tensor | None = None,
+        allowance: torch.Tensor | None = None,
+        yardstick: torch.Tensor | None = None,
+        budget_unit: torch.Tensor | None = None,
+        always: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`update` for any values, NaN and inf included, on the whole chunk in float64
+        (the definition the fast path of :meth:`measure` and :meth:`merge` reproduces)."""
         import torch
 
         a = actual.detach().reshape(-1).double()
@@ -468,6 +761,16 @@ class Comparison:
         usable = ~invalid & (row_norms > 0)
         if not clean:
             usable &= finite.view(-1, length).all(dim=1)
+        self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
+
+    def _track_row_errors(
+        self,
+        usable: torch.Tensor,
+        row_squares: torch.Tensor,
+        row_norms: torch.Tensor,
+        yardstick_rows: torch.Tensor | None,
+    ) -> None:
+        """Each usable row's relative error (and the yardstick's), into the running sums."""
         if not bool(usable.any()):
             return
         norms = row_norms[usable]

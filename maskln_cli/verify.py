@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.budget import Precision, SumBudget, Yardstick
+    from maskln_cli.compare import BlockFigures
     from maskln_cli.diagnosis import Diagnosis
 
 TENSORS = ("out", *GRADIENT_KEYS)
@@ -372,8 +373,12 @@ class _Job:
         gradients = problem.grad_out is not None and any(n in live for n in GRADIENT_KEYS)
         sums = _Sums(problem.channels) if gradients else None
         sum_budget = SumBudget(problem.channels, self.precision) if gradients else None
+        # Without gradients (sums over rows) or --valid, every step is row by row: a chunk's
+        # rows are then computed in blocks on worker threads.
+        blocked = sums is None and self.mask is None
         for start, stop in row_blocks(problem.rows, self.chunk_rows) if live else ():
-            self._chunk(start, stop, live, sums, sum_budget)
+            if not (blocked and self._chunk_blocks(start, stop, live)):
+                self._chunk(start, stop, live, sums, sum_budget)
             if progress:
                 progress(stop, problem.rows)
         if sums is not None and sum_budget is not None:
@@ -460,6 +465,80 @@ class _Job:
             sums.add(truth["grad_scale"], truth["grad_bias"], judge)
             rows.add_to(sum_budget, dy64)
 
+    def _chunk_blocks(self, start: int, stop: int, live: dict[str, _Checked]) -> bool:
+        """:meth:`_chunk` without gradients, its rows in cache-sized blocks measured on worker
+        threads (see :meth:`Comparison.measure`), then merged in order: the same figures, bit
+        for bit, as every step is row by row. False (nothing done) when a block holds NaN or
+        inf on either side: :meth:`_chunk` then compares the chunk."""
+        from maskln_cli.compare import BLOCK_ELEMENTS, map_blocks
+        from maskln_cli.core import row_blocks
+
+        problem = self.problem
+        block_rows = BLOCK_ELEMENTS // problem.channels
+        blocks = [(start + a, start + b) for a, b in row_blocks(stop - start, block_rows)]
+        results = {
+            name: self.result.tensor(checked.key).reshape(-1, problem.channels)
+            for name, checked in live.items()
+        }
+        measured = map_blocks(lambda block: self._measure_block(*block, live, results), blocks)
+        if any(figures is None for figures in measured):
+            return False
+        valid = problem.valid[start:stop]
+        self._note_poison(start, problem.x[start:stop], valid, None)
+        for name in ROW_TENSORS:
+            checked = live.get(name)
+            if checked is not None:
+                assert checked.comparison is not None
+                parts = [figures[name] for figures in measured]  # type: ignore[index]
+                checked.comparison.merge(parts, ~valid)
+        return True
+
+    def _measure_block(
+        self, start: int, stop: int, live: dict[str, _Checked], results: dict[str, torch.Tensor]
+    ) -> dict[str, BlockFigures] | None:
+        """The truth, yardstick and allowance of rows ``start:stop``, as :meth:`_chunk` makes
+        them, measured against RESULT (None when a value is NaN or inf)."""
+        from maskln_cli.budget import RowBudget, yardstick
+        from maskln_cli.core import masked_layer_normalization
+
+        torch = self.torch
+        problem = self.problem
+        x = problem.x[start:stop]
+        valid = problem.valid[start:stop]
+        x64 = x.double()
+        with torch.no_grad():
+            truth = masked_layer_normalization(x64, valid, problem.scale, problem.bias, problem.eps)
+        judge = yardstick(x, valid, problem.scale, problem.bias, problem.eps, self.judge)
+        # |yardstick - truth|: for the budget and the comparison alike, computed once.
+        error = (judge.out.double() - truth).abs_()
+        measured: dict[str, BlockFigures] = {}
+        for name in ROW_TENSORS:
+            checked = live.get(name)
+            if checked is None:
+                continue
+            assert name == "out"  # grad_x is checked only with gradients: not here
+            comparison = checked.comparison
+            assert comparison is not None
+            actual = results[name][start:stop]
+            if self.mode == "budget":
+                budget = RowBudget(
+                    x64, valid, problem.scale, problem.bias, problem.eps, self.precision
+                )
+                model = budget.out()
+                pieces = self._allowance(
+                    checked, model, judge.out, truth, valid.unsqueeze(1), error
+                )
+            else:
+                allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
+                pieces = {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
+            figures = comparison.measure(
+                actual, truth, ~valid, yardstick=judge.out, yardstick_error=error, **pieces
+            )
+            if figures is None:
+                return None
+            measured[name] = figures
+        return measured
+
     def _note_poison(
         self, start: int, x: torch.Tensor, valid: torch.Tensor, grad_out: torch.Tensor | None
     ) -> None:
@@ -467,10 +546,11 @@ class _Job:
         diagnosis looks for them."""
         if len(self.poisoned) >= 64 or bool(valid.all()):
             return
-        bad = ~x.isfinite().all(dim=1)
+        invalid = (~valid).nonzero().squeeze(1)  # only they are looked at
+        bad = ~x[invalid].isfinite().all(dim=1)
         if grad_out is not None:
-            bad |= ~grad_out.isfinite().all(dim=1)
-        rows = (bad & ~valid).nonzero().squeeze(1)[: 64 - len(self.poisoned)]
+            bad |= ~grad_out[invalid].isfinite().all(dim=1)
+        rows = invalid[bad][: 64 - len(self.poisoned)]
         self.poisoned += (rows + start).tolist()
 
     def _compare_sums(self, live: dict[str, _Checked], sums: _Sums, sum_budget: SumBudget) -> None:
@@ -500,9 +580,11 @@ class _Job:
         guess: torch.Tensor,
         reference: torch.Tensor,
         valid: torch.Tensor | None,
+        error: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
-        pieces it is made of, as :meth:`Comparison.update` takes them."""
+        pieces it is made of, as :meth:`Comparison.update` takes them. ``error`` is the
+        yardstick's, ``|guess - reference|``, when the caller has it."""
         import torch
 
         from maskln_cli import budget
@@ -510,11 +592,12 @@ class _Job:
         comparison = checked.comparison
         assert comparison is not None
         dtype = _torch_dtype(comparison.dtype) or self.judge
-        error = (guess.double() - reference).abs_() if YARDSTICK_RAISES else None
-        unit = budget.unit(model, error)
+        if error is None and YARDSTICK_RAISES:
+            error = (guess.double() - reference).abs_()
+        unit = budget.unit(model, error if YARDSTICK_RAISES else None)
         always = budget.floor(reference, dtype, comparison.rtol, comparison.atol)
         allowed = torch.maximum(unit * self.factor, always)
-        if valid is not None:
+        if valid is not None and not bool(valid.all()):  # else masking changes nothing
             allowed.masked_fill_(~valid, 0.0)
             always = always.masked_fill(~valid, math.inf)  # the padding is another matter
         return {"allowance": allowed, "budget_unit": unit, "always": always}
