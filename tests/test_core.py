@@ -613,7 +613,7 @@ def test_blocked_backward_matches_the_differentiable_backward(monkeypatch, block
     dy = torch.randn(x.shape, dtype=x.dtype)
     _, mean, rstd = core.forward(x, valid, scale, bias, 1e-5)
     whole = core.backward_in_place(dy, x, valid, scale, mean, rstd, 1e-5)
-    monkeypatch.setattr(core, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(core, "BACKWARD_BLOCK_BYTES", block_bytes)
     fast = core.backward_in_place(dy, x, valid, scale, mean, rstd, 1e-5)
     plain = gradients(dy, x, valid, scale, 1e-5)
     for got, want in zip(fast, plain, strict=True):
