@@ -246,7 +246,9 @@ Every large op on a block is an OpenMP parallel region, whose threads must all b
 before it ends: on a busy machine each region waited about 10 ms, so time grew with the number
 of blocks. 16 MiB blocks (4 MiB before) cut the forward of a 64 MiB float32 x from 4.8 to 2.3
 times the torch one-liner's time at a load of 8 on 2 cores, and changed nothing on one thread
-(1.15x either way)."""
+(1.15x either way). A block is also at most an eighth of x (and at least a quarter of this),
+so that its temporaries stay small beside the output: a 32 MiB x in 16 MiB blocks needed 1.5
+times its size in extra memory, in 4 MiB blocks 1.2 times (benchmark figure 3)."""
 BACKWARD_BLOCK_BYTES = 4 << 20
 """The backward's blocks: it makes twice the forward's passes over three block-sized arrays (x,
 dy and a workspace of two blocks), and 16 MiB blocks cost it 19-27% more CPU time on one
@@ -319,7 +321,7 @@ def forward(
             )
             return y.copy_(y_contiguous), mean, rstd
         valid_rows = valid.reshape(-1)
-        blocks = list(row_blocks(len(x_rows), _block_rows(x, BLOCK_BYTES)))
+        blocks = list(row_blocks(len(x_rows), _block_rows(x, _forward_block_bytes(x))))
         if mean is None or rstd is None:  # one block's worth of statistics, reused
             largest = max(stop - start for start, stop in blocks)
             mean_rows, rstd_rows = x.new_empty(largest, 1), x.new_empty(largest, 1)
@@ -507,6 +509,11 @@ def _rstd(
     """
     var = sum_of_squares.div(channels).sub_(shift.double().square()).clamp_min_(0.0)
     return var.add_(eps).rsqrt_()
+
+
+def _forward_block_bytes(x: torch.Tensor) -> int:
+    """The forward's block size for x: an eighth of x, within [BLOCK_BYTES / 4, BLOCK_BYTES]."""
+    return min(BLOCK_BYTES, max(BLOCK_BYTES // 4, x.numel() * x.element_size() // 8))
 
 
 def _block_rows(x: torch.Tensor, block_bytes: int) -> int:
