@@ -17,7 +17,7 @@ import unicodedata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from maskln_cli.compare import times
+from maskln_cli.compare import INTEGRAL_DTYPES, times
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -443,6 +443,8 @@ def _tensor_block(tensor: TensorComparison, report: ComparisonReport) -> object:
     if tensor.rtol == tensor.rtol:  # not NaN: a tolerance applied
         label = "  always allowed" if report.context.get("tolerance") == "budget" else "  tolerance"
         extra = ", 2 ulps" if report.context.get("tolerance") == "budget" else ""
+        if INTEGRAL_DTYPES.issuperset((tensor.dtype, tensor.expected_dtype)):
+            extra = ", exactly" if tensor.rtol or tensor.atol else " (integers: exactly equal)"
         grid.add_row(label, f"rtol {tensor.rtol:g}, atol {tensor.atol:g}{extra}")
     return grid
 
@@ -583,13 +585,18 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
         table.add_row(
             str(worst.row),
             "" if worst.row == worst.index else str(worst.index[-1]),
-            f"{worst.actual:.7g}",
-            f"{worst.expected:.7g}",
-            f"{worst.abs_diff:.3g}" if math.isfinite(worst.abs_diff) else "not finite",
+            _value(worst.actual, ".7g"),
+            _value(worst.expected, ".7g"),
+            _value(worst.abs_diff, ".3g") if math.isfinite(worst.abs_diff) else "not finite",
             "" if worst.allowed is None else f"{worst.allowed:.3g}",
             label,
         )
     return table
+
+
+def _value(value: float | int, spec: str) -> str:
+    """A value of the worst rows: an integer exactly, a float to ``spec``."""
+    return f"{value:,}" if isinstance(value, int) else format(value, spec)
 
 
 def render_grade(report: GradeReport, quiet: bool = False) -> None:

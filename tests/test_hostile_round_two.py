@@ -3,6 +3,7 @@ before issue 13, and holds it now."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -199,3 +200,117 @@ def test_large_integers_keep_their_spread_across_chunks(monkeypatch, tmp_path):
     (summary,) = stats.summarize_file(str(tmp_path / "t.safetensors")).tensors
     assert summary.std == pytest.approx(statistics.pstdev([0, 1, 2, 3, 1, 2, 0, 3]), rel=1e-12)
     assert summary.min == 2**62 and summary.max == 2**62 + 3
+
+
+# --- 1. integers and bool compare exactly -------------------------------------------------------
+
+
+def uint64(values: list[int]) -> torch.Tensor:
+    """A uint64 tensor of ``values`` (torch makes none from ints of 2**63 and up)."""
+    return torch.tensor([v - 2**64 if v >= 2**63 else v for v in values]).view(torch.uint64)
+
+
+def diff_json(tmp_path: Path, actual: dict, expected: dict, *options: str) -> tuple[int, dict]:
+    a = write(tmp_path / "a.safetensors", actual)
+    e = write(tmp_path / "e.safetensors", expected)
+    result = invoke("diff", a, e, "--json", *options)
+    assert result.exit_code in (0, 1), result.stderr
+    return result.exit_code, json.loads(result.stdout)
+
+
+def test_int64_that_float64_cannot_tell_apart_differ(tmp_path):
+    actual = torch.tensor([2**60, 2**53 + 1, -(2**62)])
+    expected = torch.tensor([2**60 + 1, 2**53, -(2**62) + 100])
+    code, document = diff_json(tmp_path, {"t": actual}, {"t": expected})
+    assert code == 1 and document["passed"] is False
+    (tensor,) = document["tensors"]
+    assert tensor["mismatched"] == 3 and tensor["mismatched_rows"] == 3
+    assert tensor["max_abs_diff"] == 100 and type(tensor["max_abs_diff"]) is int
+    assert tensor["max_abs_index"] == [2]
+    worst = {tuple(w["index"]): w for w in tensor["worst"]}
+    assert worst[(0,)]["actual"] == 2**60 and worst[(0,)]["expected"] == 2**60 + 1
+    assert worst[(1,)]["actual"] == 2**53 + 1 and worst[(1,)]["abs_diff"] == 1
+    assert worst[(2,)]["expected"] == -(2**62) + 100 and worst[(2,)]["abs_diff"] == 100
+    assert tensor["max_rel_diff"] == 1 / 2**53  # 1 / 2**53 at index 1, exactly
+
+
+def test_uint64_beyond_2_63_compares_exactly(tmp_path):
+    code, document = diff_json(tmp_path, {"u": uint64([2**63 + 5])}, {"u": uint64([2**63 + 6])})
+    assert code == 1
+    (tensor,) = document["tensors"]
+    assert tensor["mismatched"] == 1 and tensor["max_abs_diff"] == 1
+    assert tensor["worst"][0]["actual"] == 2**63 + 5
+    assert tensor["worst"][0]["expected"] == 2**63 + 6
+    assert diff_json(tmp_path, {"u": uint64([2**64 - 1])}, {"u": uint64([2**64 - 1])})[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "difference"),
+    [
+        (torch.tensor([-(2**63)]), torch.tensor([2**63 - 1]), 2**64 - 1),
+        (uint64([0]), uint64([2**64 - 1]), 2**64 - 1),
+        (torch.tensor([-1]), uint64([2**64 - 1]), 2**64),  # int64 against uint64: a dtype problem
+        (torch.tensor([2**31 - 1], dtype=torch.int32), torch.tensor([-(2**31)]), 2**32 - 1),
+        (torch.tensor([True, False]), torch.tensor([False, False]), 1),
+    ],
+)
+def test_integer_differences_are_exact_at_the_extremes(tmp_path, actual, expected, difference):
+    code, document = diff_json(tmp_path, {"t": actual}, {"t": expected})
+    assert code == 1
+    (tensor,) = document["tensors"]
+    assert tensor["max_abs_diff"] == difference and tensor["mismatched"] == 1
+
+
+def test_integer_tolerances_are_evaluated_exactly(tmp_path):
+    # rtol * |e| is 5 - 5 / 2**62 at e = 2**62 - 1: a difference of 5 is beyond it, though in
+    # float64 (where e rounds to 2**62) the bound is 5.
+    expected = torch.tensor([2**62 - 1, 2**62 - 1, 10])
+    within = torch.tensor([2**62 + 3, 2**62 - 5, 10])
+    beyond = torch.tensor([2**62 + 4, 2**62 - 5, 10])
+    options = ("--rtol", repr(5 * 2.0**-62))
+    assert diff_json(tmp_path, {"t": within}, {"t": expected}, *options)[0] == 0
+    code, document = diff_json(tmp_path, {"t": beyond}, {"t": expected}, *options)
+    assert code == 1 and document["tensors"][0]["mismatched"] == 1
+    assert document["tensors"][0]["worst"][0]["abs_diff"] == 5
+    # --atol alone: |a - e| <= atol, exactly, at any magnitude
+    huge = torch.tensor([2**62, -(2**62)])
+    off_by_one = torch.tensor([2**62 + 1, -(2**62) - 1])
+    assert diff_json(tmp_path, {"t": off_by_one}, {"t": huge}, "--atol", "1")[0] == 0
+    assert diff_json(tmp_path, {"t": off_by_one}, {"t": huge}, "--atol", "0.999")[0] == 1
+
+
+def test_integer_comparison_across_chunks_keeps_the_first_worst(tmp_path, monkeypatch):
+    from maskln_cli import compare
+
+    monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 4)
+    expected = torch.full((6, 4), 2**62)
+    actual = expected.clone()
+    actual[1, 2] += 3
+    actual[4, 0] -= 3  # as far off as [1, 2], later: [1, 2] stays the max
+    actual[5, 3] += 1
+    code, document = diff_json(tmp_path, {"t": actual}, {"t": expected})
+    (tensor,) = document["tensors"]
+    assert code == 1 and tensor["mismatched"] == 3 and tensor["mismatched_rows"] == 3
+    assert tensor["max_abs_diff"] == 3 and tensor["max_abs_index"] == [1, 2]
+    assert [w["index"] for w in tensor["worst"]] == [[1, 2], [4, 0], [5, 3]]
+
+
+def test_integer_report_shows_exact_figures(tmp_path):
+    a = write(tmp_path / "a.safetensors", {"t": torch.tensor([2**60, 7])})
+    e = write(tmp_path / "e.safetensors", {"t": torch.tensor([2**60 + 1, 7])})
+    result = invoke("diff", a, e)
+    assert result.exit_code == 1
+    assert "max abs diff  1 at [0]" in result.stdout
+    assert f"{2**60:,}" in result.stdout and f"{2**60 + 1:,}" in result.stdout
+
+
+def test_integers_with_a_valid_mask_compare_exactly(tmp_path):
+    mask = write(tmp_path / "mask.safetensors", {"valid": torch.tensor([True, False])})
+    options = ("--valid", str(mask))
+    actual = {"t": uint64([2**63 + 1, 2**63 + 1, 5, 5]).reshape(2, 2)}
+    expected = {"t": uint64([2**63 + 1, 2**63 + 2, 5, 9]).reshape(2, 2)}
+    code, document = diff_json(tmp_path, actual, expected, *options)
+    assert code == 1 and document["tensors"][0]["max_abs_diff"] == 1
+    expected = {"t": uint64([2**63 + 1, 2**63 + 1, 5, 9]).reshape(2, 2)}  # only the left-out row
+    code, document = diff_json(tmp_path, actual, expected, *options)
+    assert code == 0 and document["tensors"][0]["rows_left_out"] == 1
