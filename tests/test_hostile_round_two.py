@@ -314,3 +314,18 @@ def test_integers_with_a_valid_mask_compare_exactly(tmp_path):
     expected = {"t": uint64([2**63 + 1, 2**63 + 1, 5, 9]).reshape(2, 2)}  # only the left-out row
     code, document = diff_json(tmp_path, actual, expected, *options)
     assert code == 0 and document["tensors"][0]["rows_left_out"] == 1
+
+
+def test_float8_tensors_compare_on_the_valid_rows_only(tmp_path):
+    # float8 has no masked_fill: the rows left out are zeroed in float64 instead.
+    mask = write(tmp_path / "mask.safetensors", {"valid": torch.tensor([True, False])})
+    f8 = torch.float8_e4m3fn
+    actual = {"t": torch.tensor([[1.0, 2.0], [3.0, 4.0]]).to(f8)}
+    left_out_differs = {"t": torch.tensor([[1.0, 2.0], [8.0, 8.0]]).to(f8)}
+    kept_differs = {"t": torch.tensor([[1.0, 2.5], [3.0, 4.0]]).to(f8)}
+    code, document = diff_json(tmp_path, actual, left_out_differs, "--valid", str(mask))
+    assert code == 0 and document["tensors"][0]["rows_left_out"] == 1
+    code, document = diff_json(tmp_path, actual, kept_differs, "--valid", str(mask))
+    (tensor,) = document["tensors"]
+    assert code == 1 and tensor["mismatched"] == 1 and tensor["max_abs_index"] == [0, 1]
+    assert tensor["max_abs_diff"] == 0.5
