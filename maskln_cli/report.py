@@ -10,7 +10,6 @@ import contextlib
 import functools
 import json
 import math
-import re
 import sys
 import time
 import unicodedata
@@ -117,18 +116,31 @@ def _closed_pipe_ends_quietly() -> Iterator[None]:
 def to_json(data: object) -> str:
     """Indented JSON, with lists of numbers (shapes, indices) kept on one line.
 
+    Every string (a key, a metadata value) is encoded by the json module and nothing else
+    touches it: ``"w[ 1,  2 ]"`` stays as it is.
+
     Example:
-        >>> print(to_json({"shape": [2, 3], "max": float("inf")}))
+        >>> print(to_json({"shape": [2, 3], "max": float("inf"), "key": "w[ 1,  2 ]"}))
         {
           "shape": [2, 3],
-          "max": null
+          "max": null,
+          "key": "w[ 1,  2 ]"
         }
     """
-    text = json.dumps(_json_safe(data), indent=2)
-    return _NUMBER_LIST.sub(lambda match: "[" + re.sub(r"\s+", " ", match[1]) + "]", text)
+    return _encode(_json_safe(data), "")
 
 
-_NUMBER_LIST = re.compile(r"\[\s*((?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*)\s*\]")
+def _encode(value: object, indent: str) -> str:
+    """``json.dumps(value, indent=2)``, but for lists of numbers and nulls, on one line."""
+    inner = indent + "  "
+    if isinstance(value, dict) and value:
+        items = (f"{inner}{json.dumps(k)}: {_encode(v, inner)}" for k, v in value.items())
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    if isinstance(value, list) and value:
+        if all(v is None or type(v) in (int, float) for v in value):  # not bool
+            return "[" + ", ".join(json.dumps(v) for v in value) + "]"
+        return "[\n" + ",\n".join(inner + _encode(v, inner) for v in value) + f"\n{indent}]"
+    return json.dumps(value)
 
 
 def _json_safe(value: object) -> object:

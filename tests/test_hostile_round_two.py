@@ -329,3 +329,41 @@ def test_float8_tensors_compare_on_the_valid_rows_only(tmp_path):
     (tensor,) = document["tensors"]
     assert code == 1 and tensor["mismatched"] == 1 and tensor["max_abs_index"] == [0, 1]
     assert tensor["max_abs_diff"] == 0.5
+
+
+# --- 3. JSON carries every key and metadata value as it is -------------------------------------
+
+JSON_LOOKING = ["w[ 1,  2 ]", "[ 3,   4 ]", "[1,\n 2]", "[null,  -1e5 ]", 'q"uote\\back',
+                "line\u2028sep", "é ∑ 💥", "{\"a\": [1, 2]}", "tab\there"]  # fmt: skip
+
+
+def test_json_carries_keys_and_metadata_byte_for_byte(tmp_path):
+    keys = {f"{text}": torch.ones(2) for text in JSON_LOOKING}
+    metadata = {f"m{i}": text for i, text in enumerate(JSON_LOOKING)}
+    a = write(tmp_path / "a.safetensors", keys, **metadata)
+    e = write(tmp_path / "e.safetensors", {k: torch.zeros(2) for k in keys})
+    inspected = invoke("inspect", "--json", a)
+    assert inspected.exit_code == 0
+    document = json.loads(inspected.stdout)
+    assert document["metadata"] == metadata
+    assert sorted(t["name"] for t in document["tensors"]) == sorted(keys)
+    keys_only = json.loads(invoke("inspect", "--keys", "--json", a).stdout)
+    assert sorted(t["name"] for t in keys_only["tensors"]) == sorted(keys)
+    diffed = invoke("diff", a, e, "--json")
+    assert diffed.exit_code == 1
+    assert sorted(t["name"] for t in json.loads(diffed.stdout)["tensors"]) == sorted(keys)
+    for text in JSON_LOOKING:  # each string as the json module writes it, untouched
+        assert json.dumps(text) in inspected.stdout and json.dumps(text) in diffed.stdout
+    assert '"shape": [2]' in inspected.stdout  # number lists still on one line
+
+
+def test_to_json_is_the_json_module_but_for_number_lists():
+    from maskln_cli.report import to_json
+
+    document = {"a": [1, 2.5, None, -3e-300], "b": [[1, 2], [3]], "c": [True, 1], "d": [],
+                "e": {}, "f": ["[ 1,  2 ]", 1], "g": {"h": [{"i": "[ 5 ]"}]}}  # fmt: skip
+    text = to_json(document)
+    assert json.loads(text) == document
+    assert '"a": [1, 2.5, null, -3e-300]' in text and "[1, 2]" in text
+    plain = json.dumps(document, indent=2)
+    assert text.replace(" ", "").replace("\n", "") == plain.replace(" ", "").replace("\n", "")
