@@ -1,7 +1,8 @@
 """What people read: rich tables, notes, errors and progress, from the plain data of the library.
 
 Everything shown that came from a file (keys, metadata) goes through :func:`safe` first, so a
-hostile file cannot inject terminal control sequences or rich markup.
+hostile file cannot inject terminal control sequences or rich markup; the consoles replace no
+``:name:`` emoji codes, so ``enc:warning:w`` is shown as it is.
 """
 
 from __future__ import annotations
@@ -46,14 +47,14 @@ def stdout_console() -> Console:
         raise MasklnError("<stdout>: is closed")
     # Off a terminal (a pipe, a file) nothing is wrapped to a guessed width of 80 columns.
     width = None if sys.stdout.isatty() else 400
-    return StdoutConsole(highlight=False, soft_wrap=False, width=width)
+    return StdoutConsole(highlight=False, soft_wrap=False, width=width, emoji=False)
 
 
 @functools.cache
 def stderr_console() -> Console:
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, emoji=False)
 
 
 def safe(text: object) -> str:
@@ -297,7 +298,7 @@ def progress_bar(description: str, enabled: bool = True) -> Iterator[Progress]:
             )
 
             bar = Progress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),  # a path, shown as it is
                 BarColumn(),
                 TextColumn("{task.percentage:>3.0f}%"),
                 TimeElapsedColumn(),
@@ -306,7 +307,7 @@ def progress_bar(description: str, enabled: bool = True) -> Iterator[Progress]:
                 transient=True,
             )
             bar.start()
-            task = bar.add_task(safe(description), total=total)
+            task = bar.add_task(plain_safe(description), total=total)
         bar.update(task, completed=done, total=total)
 
     try:

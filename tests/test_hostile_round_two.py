@@ -367,3 +367,73 @@ def test_to_json_is_the_json_module_but_for_number_lists():
     assert '"a": [1, 2.5, null, -3e-300]' in text and "[1, 2]" in text
     plain = json.dumps(document, indent=2)
     assert text.replace(" ", "").replace("\n", "") == plain.replace(" ", "").replace("\n", "")
+
+
+# --- 4. no :emoji: codes ----------------------------------------------------------------------
+
+EMOJI = ("\u26a0", "\U0001f44d", "\U0001f199", "\u274c")
+
+
+def test_emoji_codes_from_files_and_paths_are_shown_as_they_are(tmp_path):
+    source = write(
+        tmp_path / "run:up:1.safetensors",
+        {"enc:warning:w": torch.ones(2), "x": torch.randn(2, 4)},
+        note=":thumbs_up: ok",
+    )
+    other = write(tmp_path / "other.safetensors", {"enc:warning:w": torch.zeros(2)})
+    outputs = {
+        "inspect": invoke("inspect", source).stdout,
+        "inspect --keys": invoke("inspect", "--keys", source).stdout,
+        "diff": invoke("diff", source, other).stdout,
+        "diff --quiet": invoke("diff", source, other, "--quiet").stdout,
+    }
+    for label, text in outputs.items():
+        assert not any(e in text for e in EMOJI), (label, text)
+        assert "enc:warning:w" in text, label
+        if label != "diff --quiet":
+            assert "run:up:1.safetensors" in text, label
+    assert ":thumbs_up: ok" in outputs["inspect"]
+    out = tmp_path / "o.safetensors"
+    missing = invoke("normalize", source, out, "--valid-key", "layer:x:weight")
+    assert missing.exit_code == 2
+    assert_one_line_error(missing.stderr, "run:up:1.safetensors", "'layer:x:weight'")
+    assert not any(e in missing.stderr for e in EMOJI)
+    written = invoke("normalize", source, tmp_path / "out:cross_mark:.safetensors")
+    assert written.exit_code == 0 and "out:cross_mark:.safetensors" in written.stderr
+
+
+def test_verify_shows_emoji_codes_as_they_are(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, generator=generator)
+    inputs = {"x": x, "valid": torch.tensor([True, True, False]), "scale": torch.ones(4),
+              "bias": torch.zeros(4)}  # fmt: skip
+    source = write(tmp_path / "run:up:1.safetensors", inputs, eps="1e-05")
+    out = torch.nn.functional.layer_norm(x, (4,), eps=1e-5) * inputs["valid"][:, None]
+    result = write(tmp_path / "res:x:.safetensors", {"enc:warning:w": out})
+    passed = invoke("verify", source, result, "--result-key", "out=enc:warning:w", "--check", "out")
+    assert passed.exit_code == 0, passed.stdout
+    for name in ("run:up:1.safetensors", "res:x:.safetensors", "PASS out"):
+        assert name in passed.stdout, name
+    failed = invoke("verify", source, result, "--result-key", "out=layer:x:weight")
+    assert failed.exit_code == 1
+    assert "no key 'layer:x:weight' (it holds 'enc:warning:w'" in failed.stdout
+    for text in (passed.stdout, failed.stdout):
+        assert not any(e in text for e in EMOJI)
+
+
+def test_the_progress_bar_shows_a_path_as_it_is(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from maskln_cli import report
+
+    stream = io.StringIO()
+    console = Console(file=stream, force_terminal=True, emoji=False, width=120)
+    monkeypatch.setattr(report, "stderr_console", lambda: console)
+    monkeypatch.setattr(report, "PROGRESS_DELAY", 0.0)
+    with report.progress_bar("inspect run:up:1.safetensors [red]x") as update:
+        update(1, 2)
+        console.file.flush()
+        shown = stream.getvalue()
+    assert "run:up:1.safetensors [red]x" in shown and "\U0001f199" not in shown
