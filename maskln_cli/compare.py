@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.tensorfile import TensorFile, open_tensor_file, torch_dtype
+from maskln_cli.tensorfile import TensorFile, TensorInfo, open_tensor_file, torch_dtype
 from maskln_cli.tensorfile import dtype_name as _dtype_name
 
 if TYPE_CHECKING:
@@ -65,6 +65,18 @@ def converts_to_float64(dtype: torch.dtype | None) -> bool:
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True
+
+
+def has_values(dtype: str) -> bool:
+    """Whether a tensor of ``dtype`` (a name from :data:`~maskln_cli.tensorfile.DTYPE_NAMES`, or
+    a safetensors code torch has no dtype for) has values maskln can read: not complex, F4
+    (float4_e2m1fn_x2 in torch, two values a byte) or F6; those are compared bit for bit.
+
+    Example:
+        >>> has_values("float8_e4m3fn"), has_values("F6_E2M3"), has_values("complex64")
+        (True, False, False)
+    """
+    return dtype == "bool" or converts_to_float64(torch_dtype(dtype))
 
 
 def default_tolerance(*dtypes: str) -> tuple[float, float]:
@@ -1000,10 +1012,48 @@ def _compare_keys(
             info = actual.info(name)
             yield missing(name, "expected", info.shape, info.dtype)
         else:
-            keep = mask.keep if mask and mask.applies_to(actual.info(name).shape) else None
+            info, expected_info = actual.info(name), expected.info(name)
+            if not (has_values(info.dtype) and has_values(expected_info.dtype)):
+                yield _compare_stored_bytes(actual, expected, info, expected_info)
+                continue
+            keep = mask.keep if mask and mask.applies_to(info.shape) else None
             yield compare_tensors(
                 name, actual.tensor(name), expected.tensor(name), rtol, atol, keep
             )
+
+
+COMPARED_BYTES = 1 << 24
+"""Bytes of a tensor without values read from each file at a time."""
+
+
+def _compare_stored_bytes(
+    actual: TensorFile, expected: TensorFile, info: TensorInfo, expected_info: TensorInfo
+) -> TensorComparison:
+    """A tensor whose values maskln cannot read (complex, F4, F6): its shape and dtype as the
+    headers say, and its data compared bit for bit, as stored."""
+    name, dtype = info.name, info.dtype
+    comparison = Comparison(
+        name, info.shape, dtype, expected_info.shape, expected_info.dtype, 0.0, 0.0
+    )
+    problems = []
+    if dtype != expected_info.dtype:
+        problems.append(f"values not compared: {dtype} vs {expected_info.dtype}")
+    elif comparison.same_shape and not _same_bytes(actual, expected, name):
+        problems.append(
+            f"{dtype} values differ (compared bit for bit: {dtype} has no float64 form)"
+        )
+    return comparison.result(problems, compared=False)
+
+
+def _same_bytes(actual: TensorFile, expected: TensorFile, name: str) -> bool:
+    size = actual.data_size(name)
+    if size != expected.data_size(name):
+        return False
+    for start in range(0, size, COMPARED_BYTES):
+        stop = start + COMPARED_BYTES
+        if actual.read_data(name, start, stop) != expected.read_data(name, start, stop):
+            return False
+    return True
 
 
 def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:

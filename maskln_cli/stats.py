@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from maskln_cli.checkpoint import Tensors, open_checkpoint
-from maskln_cli.compare import converts_to_float64
+from maskln_cli.compare import converts_to_float64, has_values
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +132,10 @@ def summarize_file(
 
             with _one_thread():
                 for summary in summaries:
-                    add_statistics(summary, file.tensor(summary.name), advance)
+                    if has_values(summary.dtype):
+                        add_statistics(summary, file.tensor(summary.name), advance)
+                    else:  # complex, F4, F6_E2M3...: listed, with no statistics
+                        advance(summary.bytes)
         return FileSummary(
             file=file.name,
             metadata=file.metadata,

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import statistics
+import struct
 import subprocess
 import sys
 from fractions import Fraction
@@ -437,3 +438,92 @@ def test_the_progress_bar_shows_a_path_as_it_is(monkeypatch):
         console.file.flush()
         shown = stream.getvalue()
     assert "run:up:1.safetensors [red]x" in shown and "\U0001f199" not in shown
+
+
+# --- 9. dtypes maskln cannot decode -------------------------------------------------------------
+
+
+def raw_file(path: Path, entries: list[tuple[str, str, list[int], bytes]], **metadata) -> Path:
+    """A safetensors file written by hand: (key, dtype code, shape, data) in order."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, code, shape, data in entries:
+        header[key] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(e[3] for e in entries))
+    return path
+
+
+EXOTIC = [
+    ("f4", "F4", [2, 4], b"\x12\x34\x56\x78"),  # 4 bits a value: 8 values in 4 bytes
+    ("f6a", "F6_E2M3", [4], b"\x01\x02\x03"),  # 6 bits a value: 4 values in 3 bytes
+    ("f6b", "F6_E3M2", [2, 4], b"\x04\x05\x06\x07\x08\x09"),
+    ("c", "C64", [1], struct.pack("<2f", 1.0, -1.0)),
+    ("e8", "F8_E8M0", [2], b"\x7f\x80"),
+    ("x", "F32", [3], struct.pack("<3f", 1.0, 2.0, 4.0)),
+]
+
+
+def test_inspect_lists_tensors_it_cannot_decode_and_shows_the_rest(tmp_path):
+    source = raw_file(tmp_path / "exotic.safetensors", EXOTIC, eps="1e-05")
+    result = invoke("inspect", "--json", source)
+    assert result.exit_code == 0, result.stderr
+    document = json.loads(result.stdout)
+    listed = {t["name"]: t for t in document["tensors"]}
+    for key, _, shape, data in EXOTIC:
+        assert listed[key]["shape"] == shape and listed[key]["bytes"] == len(data), key
+        assert listed[key]["numel"] == math.prod(shape), key
+    assert [listed[k]["dtype"] for k in ("f4", "f6a", "f6b")] == ["F4", "F6_E2M3", "F6_E3M2"]
+    assert listed["x"]["mean"] == pytest.approx(7 / 3) and listed["x"]["max"] == 4.0
+    assert listed["e8"]["min"] == 1.0 and listed["e8"]["max"] == 2.0
+    assert listed["f6a"]["min"] is None and listed["c"]["min"] is None
+    assert document["metadata"] == {"eps": "1e-05"}
+    table = invoke("inspect", source)
+    assert table.exit_code == 0
+    lines = {line.split()[0]: line for line in table.stdout.splitlines() if line.strip()}
+    assert lines["f4"].split()[1:4] == ["F4", "2\N{MULTIPLICATION SIGN}4", "4"]
+    assert "no statistics" in lines["f4"]
+    assert lines["f6a"].split()[1:4] == ["F6_E2M3", "4", "3"]
+    assert "min=1" in lines["x"]
+
+
+def test_an_f4_tensor_shows_its_true_size_and_shape(tmp_path):
+    # The issue's case: 4 F4 values are 2 bytes (torch reads them as 2 float4_e2m1fn_x2).
+    entries = [("q", "F4", [4], b"\x12\x34"), ("x", "F32", [1], struct.pack("<f", 1.0))]
+    source = raw_file(tmp_path / "f4.safetensors", entries)
+    (q, x) = json.loads(invoke("inspect", "--json", source).stdout)["tensors"]
+    assert (q["name"], q["dtype"], q["shape"], q["numel"], q["bytes"]) == ("q", "F4", [4], 4, 2)
+    assert x["min"] == 1.0
+    row = next(line for line in invoke("inspect", source).stdout.splitlines() if "F4" in line)
+    assert row.split()[:5] == ["q", "F4", "4", "2", "B"]
+    compared = json.loads(invoke("diff", source, source, "--json").stdout)["tensors"][0]
+    assert compared["passed"] is True
+    assert compared["shape"] == [4] and compared["expected_shape"] == [4]
+    text = invoke("diff", source, source).stdout
+    assert next(line for line in text.splitlines() if "PASS q" in line).split() == [
+        "PASS", "q", "F4", "[4]"]  # fmt: skip
+
+
+def test_diff_compares_undecodable_tensors_bit_for_bit_in_their_header_shape(tmp_path):
+    a = raw_file(tmp_path / "a.safetensors", EXOTIC)
+    changed = [(k, c, s, (d[:-1] + bytes([d[-1] ^ 1])) if k != "x" else d) for k, c, s, d in EXOTIC]
+    b = raw_file(tmp_path / "b.safetensors", changed)
+    same = invoke("diff", a, a, "--json")
+    assert same.exit_code == 0, same.stderr
+    document = json.loads(invoke("diff", a, b, "--json").stdout)
+    results = {t["name"]: t for t in document["tensors"]}
+    for key, _, shape, _ in EXOTIC:
+        assert results[key]["shape"] == shape and results[key]["expected_shape"] == shape, key
+    for key in ("f4", "f6a", "f6b", "c"):
+        assert results[key]["passed"] is False
+        assert "compared bit for bit" in results[key]["problems"][0], results[key]["problems"]
+    assert results["f4"]["dtype"] == "F4" and results["f6a"]["dtype"] == "F6_E2M3"
+    assert results["x"]["passed"] is True and results["e8"]["passed"] is False
+    text = invoke("diff", a, b).stdout
+    assert "F4 [2, 4]" in text and "F6_E2M3 [4]" in text
+    shaped = raw_file(tmp_path / "s.safetensors", [("f6a", "F6_E2M3", [2, 2], b"\x01\x02\x03")])
+    other = json.loads(invoke("diff", shaped, a, "--json", "--key", "f6a").stdout)["tensors"][0]
+    assert other["passed"] is False and other["shape"] == [2, 2]
+    assert other["expected_shape"] == [4]
