@@ -45,3 +45,60 @@ def test_safe_escapes_control_and_format_characters():
     for raw in ("\x1b", "\x07", "\u202e", "\u2028"):
         assert raw not in shown
     assert "\\x1b" in shown and "\\u202e" in shown and "\\[bold]" in shown
+
+
+def test_simple_tables_print_as_rich_prints_them():
+    """print_simple_table is a fast path of rich's own table layout: same characters, same
+    styles, for cells with wide, combining and markup characters and trailing spaces."""
+    import random
+
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    def table() -> Table:
+        made = Table(box=box.SIMPLE_HEAD)
+        made.add_column("key", style="bold", no_wrap=True)
+        made.add_column("dtype", no_wrap=True)
+        made.add_column("size", justify="right", no_wrap=True)
+        made.add_column("values")
+        return made
+
+    def styled_characters(text: str) -> list[tuple[str, str]]:
+        parsed = Text.from_ansi(text)
+        styles = [""] * len(parsed.plain)
+        for span in parsed.spans:
+            for i in range(span.start, span.end):
+                styles[i] += f"{span.style};"
+        return list(zip(parsed.plain, styles, strict=True))
+
+    generator = random.Random(0)
+    alphabet = "ab[]:.\\ é∑\u0301💥中"
+    printed = 0
+    for _ in range(150):
+        rows: list[list[str | Text]] = []
+        for _ in range(generator.randint(0, 4)):
+            row: list[str | Text] = [
+                "".join(generator.choice(alphabet) for _ in range(generator.randint(0, 12)))
+                for _ in range(3)
+            ]
+            values = generator.choice(["min=1  max=2", "[red]NaN=3[/]  ", "no statistics"])
+            rows.append([*row, Text.from_markup(values)])
+        width = generator.choice([30, 60, 120])
+        for options in ({"color_system": None}, {"color_system": "truecolor"}):
+            fast, slow = (Console(width=width, force_terminal=True, **options) for _ in "ab")
+            with fast.capture() as fast_output:
+                done = report.print_simple_table(fast, table(), rows)
+            reference = table()
+            for row in rows:
+                reference.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))
+            with slow.capture() as slow_output:
+                slow.print(reference)
+            if not done:  # too wide: rich wraps it
+                assert fast_output.get() == ""
+                continue
+            printed += 1
+            assert styled_characters(fast_output.get()) == styled_characters(slow_output.get())
+            if options["color_system"] is None:
+                assert fast_output.get() == slow_output.get()
+    assert printed > 150
