@@ -12,11 +12,12 @@ compares two files key by key; :mod:`maskln_cli.verify` feeds recomputed chunks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,46 @@ RECORDED_ROWS = 4096
 """How many failing rows a comparison remembers (by index), for a diagnosis afterwards."""
 
 
+def plain_data(value: object) -> object:
+    """``value`` as plain data, as :func:`dataclasses.asdict` makes it (dataclasses as dicts of
+    their fields, lists, tuples and dicts copied, all the way down), several times faster:
+    asdict deep-copies every number, which is most of the time ``diff --json`` spends on a
+    file of many tiny tensors.
+
+    Example:
+        >>> plain_data(WorstRow([1], [1, 2], 3.0, 4, 1))
+        {'row': [1], 'index': [1, 2], 'actual': 3.0, 'expected': 4, 'abs_diff': 1, 'allowed': None}
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list:
+        return [plain_data(v) for v in value]  # type: ignore[attr-defined]
+    if kind is dict:
+        return {plain_data(k): plain_data(v) for k, v in value.items()}  # type: ignore[attr-defined]
+    if is_dataclass(value) and not isinstance(value, type):
+        document = {name: getattr(value, name) for name in _field_names(kind)}
+        for name, item in document.items():
+            if type(item) not in _SCALARS:
+                document[name] = plain_data(item)
+        return document
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple: as asdict
+        return kind(*(plain_data(v) for v in value))
+    if isinstance(value, list | tuple):
+        return kind(plain_data(v) for v in value)  # type: ignore[call-arg]
+    if isinstance(value, dict):
+        return kind((plain_data(k), plain_data(v)) for k, v in value.items())  # type: ignore[call-arg]
+    return copy.deepcopy(value)
+
+
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(kind))
+
+
 @dataclass
 class WorstRow:
     """A mismatched row: its leading index, the channel of its worst element, both values, and
@@ -167,7 +208,7 @@ class TensorComparison:
     diagnosis: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return plain_data(self)  # type: ignore[return-value]
 
 
 @dataclass

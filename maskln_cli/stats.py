@@ -20,11 +20,11 @@ import contextlib
 import fnmatch
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from maskln_cli.checkpoint import Tensors, open_checkpoint
-from maskln_cli.compare import converts_to_float64, has_values
+from maskln_cli.compare import converts_to_float64, has_values, plain_data
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ class TensorSummary:
     true: int | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return plain_data(self)  # type: ignore[return-value]
 
 
 @dataclass

@@ -199,3 +199,18 @@ def test_values_without_a_float64_form_are_compared_bit_for_bit():
     assert not other.passed and "bit for bit" in other.problems[0]
     against_float = compare_tensors("c", a, torch.ones(2))
     assert not against_float.passed
+
+
+def test_plain_data_is_asdict():
+    import dataclasses
+
+    from maskln_cli.compare import RowErrors, plain_data
+
+    result = compare_tensors("t", torch.tensor([[1.0, 2.0], [3.0, 9.0]]), torch.ones(2, 2))
+    result.row_rel_error = RowErrors(2, 0.5, 0.1, 0.4, 0.6)
+    result.diagnosis = [{"description": "x", "rows": [1, 2], "pair": (1, {"a": [2]})}]
+    plain = plain_data(result)
+    assert plain == dataclasses.asdict(result) and repr(plain) == repr(dataclasses.asdict(result))
+    plain["worst"][0]["index"].append(99)  # a copy, as asdict makes
+    plain["diagnosis"][0]["rows"].append(3)
+    assert result.worst[0].index == [1, 1] and result.diagnosis[0]["rows"] == [1, 2]
