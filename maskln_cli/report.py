@@ -132,30 +132,44 @@ def to_json(data: object) -> str:
           "key": "w[ 1,  2 ]"
         }
     """
-    return _encode(_json_safe(data), "")
+    return _encode(data, "")
 
 
 def _encode(value: object, indent: str) -> str:
-    """``json.dumps(value, indent=2)``, but for lists of numbers and nulls, on one line."""
+    """``json.dumps(value, indent=2)`` with NaN and inf as null, but for lists of numbers
+    (and nulls), which stay on one line. Scalars are encoded as the json module encodes them
+    (strings by its own encoder), without a json.dumps call each: a report of 10,000 tensors
+    holds 400,000 of them."""
+    kind = type(value)
+    if kind is str:
+        return _encode_string(value)  # type: ignore[arg-type]
+    if kind is int:
+        return int.__repr__(value)  # type: ignore[arg-type]
+    if kind is float:
+        return float.__repr__(value) if math.isfinite(value) else "null"  # type: ignore[arg-type]
+    if value is None:
+        return "null"
+    if kind is bool:
+        return "true" if value else "false"
     inner = indent + "  "
-    if isinstance(value, dict) and value:
-        items = (f"{inner}{json.dumps(k)}: {_encode(v, inner)}" for k, v in value.items())
-        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
-    if isinstance(value, list) and value:
-        if all(v is None or type(v) in (int, float) for v in value):  # not bool
-            return "[" + ", ".join(json.dumps(v) for v in value) + "]"
-        return "[\n" + ",\n".join(inner + _encode(v, inner) for v in value) + f"\n{indent}]"
-    return json.dumps(value)
-
-
-def _json_safe(value: object) -> object:
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        if not value:
+            return "{}"
+        items = (f"{inner}{_encode_string(str(k))}: {_encode(v, inner)}" for k, v in value.items())
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
+        if not value:
+            return "[]"
+        if all(v is None or type(v) in (int, float) for v in value):  # not bool
+            return "[" + ", ".join(_encode(v, inner) for v in value) + "]"
+        return "[\n" + ",\n".join(inner + _encode(v, inner) for v in value) + f"\n{indent}]"
+    if isinstance(value, float):
+        return _encode(float(value), indent)
+    return json.dumps(value)  # what the json module makes of it, or its TypeError
+
+
+_encode_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+"""What json.dumps does with a string (``ensure_ascii``, the default)."""
 
 
 def human_bytes(count: int) -> str:

@@ -102,3 +102,22 @@ def test_simple_tables_print_as_rich_prints_them():
             if options["color_system"] is None:
                 assert fast_output.get() == slow_output.get()
     assert printed > 150
+
+
+def test_to_json_encodes_as_the_json_module_does():
+    """Every scalar as json.dumps writes it (strings escaped to ASCII, floats by repr); the
+    layout is json.dumps(indent=2)'s but for lists of numbers, on one line."""
+    document = {
+        "text": 'k[ 1,  2 ] "q" \\ é 💥 \u2028 \x00',
+        "numbers": [1, -2.5e-300, 1e300, 2**70, None, float("nan")],
+        "flags": [True, False],
+        "nested": [{"a": []}, {}, [[1, 2], [3]], ("t", 1)],
+        7: 0.1,
+    }
+    text = report.to_json(document)
+    assert '"numbers": [1, -2.5e-300, 1e+300, 1180591620717411303424, null, null]' in text
+    assert json.loads(text) == json.loads(
+        json.dumps({**document, "numbers": [*document["numbers"][:5], None]})
+    )
+    without_number_lists = {k: v for k, v in document.items() if k not in ("numbers", "nested")}
+    assert report.to_json(without_number_lists) == json.dumps(without_number_lists, indent=2)
