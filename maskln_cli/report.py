@@ -21,6 +21,8 @@ from maskln_cli.compare import INTEGRAL_DTYPES, times
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.segment import Segment
+    from rich.style import Style
     from rich.table import Table
     from rich.text import Text
 
@@ -270,6 +272,7 @@ def print_simple_table(console: Console, table: Table, rows: list[list[str | Tex
         ['', '  key      size', ' ───────────────', '  weight   12 B', '']
     """
     from rich import box
+    from rich.segment import Segment, Segments
     from rich.text import Span, Text
 
     columns = table.columns
@@ -300,38 +303,39 @@ def print_simple_table(console: Console, table: Table, rows: list[list[str | Tex
     header = console.get_style("table.header")
     styles = [console.get_style(c.style) if c.style else None for c in columns]
     right = [c.justify == "right" for c in columns]
-    parts = [" " * (inner + 2), "\n"]
-    spans: list[Span] = []
-    position = inner + 3
+    line = Segment.line()
+    edge = Segment(" " * (inner + 2))
+    segments = [edge, line]
 
-    def add_line(row: list[tuple[str, list[Span]]], row_styles: list[object]) -> None:
-        nonlocal position
-        position += 1  # the left edge
-        parts.append(" ")
+    def add_line(row: list[tuple[str, list[Span]]], row_styles: list[Style | None]) -> None:
+        plain = [" "]  # the left edge
         for i, (text, text_spans) in enumerate(row):
             if right[i]:  # rich strips trailing spaces before it justifies right
                 text = text.rstrip()
             pad = widths[i] - _cells(text)
-            cell = f" {' ' * pad}{text} " if right[i] else f" {text}{' ' * pad} "
-            if styled:
-                if row_styles[i]:
-                    spans.append(Span(position, position + len(cell), row_styles[i]))
-                start = position + 1 + (pad if right[i] else 0)
-                spans.extend(Span(start + s.start, start + min(s.end, len(text)), s.style)
-                             for s in text_spans)  # fmt: skip
-            parts.append(cell + " ")
-            position += len(cell) + 1
-        parts.append("\n")
-        position += 1
+            left, after = (pad, 0) if right[i] else (0, pad)
+            if not styled:
+                plain.append(f" {' ' * left}{text}{' ' * after}  ")
+                continue
+            style = row_styles[i]
+            if text_spans:
+                segments.append(Segment("".join(plain)))
+                segments.append(Segment(" " * (1 + left), style))
+                spans = [Span(s.start, min(s.end, len(text)), s.style) for s in text_spans]
+                segments.extend(Text(text, style=style or "", spans=spans).render(console))
+                segments.append(Segment(" " * (after + 1), style))
+            else:
+                segments.append(Segment("".join(plain)))
+                segments.append(Segment(f" {' ' * left}{text}{' ' * after} ", style))
+            plain = [" "]  # the space between columns (or the right edge)
+        segments.extend((Segment("".join(plain)), line))
 
     add_line([(c.header, []) for c in columns], [header] * len(columns))
-    parts.append(" " + "\N{BOX DRAWINGS LIGHT HORIZONTAL}" * inner + " \n")
-    position += inner + 3
+    segments += [Segment(" " + "\N{BOX DRAWINGS LIGHT HORIZONTAL}" * inner + " "), line]
     for row in cells:
         add_line(row, styles)
-    parts.append(" " * (inner + 2))
-    text = Text("".join(parts), spans=spans, no_wrap=True, overflow="ignore")
-    console.print(text, soft_wrap=True)
+    segments += [edge, line]
+    console.print(Segments(segments), soft_wrap=True)
     return True
 
 
@@ -481,15 +485,18 @@ def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
             compact = len(report.tensors) > COMPACT_AFTER
             if compact:
                 console.print()
+            lines: list[list[Segment]] = []  # consecutive one-line tensors, printed at once
             for tensor in report.tensors:
                 if compact and tensor.passed:
-                    console.print(_tensor_line(tensor), soft_wrap=True)
+                    lines.append(_tensor_line(tensor))
                     continue
+                _print_lines(console, lines)
                 console.print()
                 console.print(_tensor_block(tensor, report))
                 if tensor.worst and not tensor.passed:
                     console.print()
                     console.print(_worst_rows_table(tensor, report))
+            _print_lines(console, lines)
             for message in report.notes:
                 console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
             console.print()
@@ -663,14 +670,39 @@ def _padding(tensor: TensorComparison) -> str:
     return "exactly +0.0 at every invalid position"
 
 
-def _tensor_line(tensor: TensorComparison) -> str:
-    """One line for a tensor that passed, in a long report."""
+def _tensor_line(tensor: TensorComparison) -> list[Segment]:
+    """One line for a tensor that passed, in a long report, as segments: a report may hold
+    10,000 of them, and parsing each one's markup took longer than comparing the tensor."""
+    from rich.segment import Segment
+
     figures = ""
     if tensor.max_abs_diff is not None:
         figures = f"  max abs diff {number(tensor.max_abs_diff)}, rel L2 {number(tensor.rel_l2)}"
     if tensor.rows_left_out:
         figures += f", {tensor.rows_left_out:,} rows left out"
-    return f"[bold green]PASS[/] [bold]{safe(tensor.name)}[/]  {_shapes(tensor)}{figures}"
+    return [
+        Segment("PASS", _style("bold green")),
+        Segment(" "),
+        Segment(plain_safe(tensor.name), _style("bold")),
+        Segment(f"  {_shapes(tensor)}{figures}"),
+        Segment.line(),
+    ]
+
+
+@functools.cache
+def _style(definition: str) -> Style:
+    from rich.style import Style
+
+    return Style.parse(definition)
+
+
+def _print_lines(console: Console, lines: list[list[Segment]]) -> None:
+    """Print ``lines`` (of segments, each ending in a new line) at once, and empty the list."""
+    if lines:
+        from rich.segment import Segments
+
+        console.print(Segments(segment for line in lines for segment in line), soft_wrap=True)
+        lines.clear()
 
 
 def _shapes(tensor: TensorComparison, verify: bool = False) -> str:
