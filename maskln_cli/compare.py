@@ -798,15 +798,21 @@ class IntegerComparison(Comparison):
     ) -> None:
         """Compare the next chunk of rows; ``keep`` (bool, one per element) leaves the other
         elements out (they compare equal)."""
+        import torch
+
         if any(v is not None for v in (invalid_rows, allowance, yardstick, budget_unit, always)):
             raise ValueError("integer comparisons take no allowance, yardstick or invalid rows")
-        a = ExactIntegers.of(actual.detach().reshape(-1)).masked(keep)
-        e = ExactIntegers.of(expected.detach().reshape(-1)).masked(keep)
-        count = a.high.numel()
-        if count != e.high.numel() or count % self.row_length:
+        actual, expected = actual.detach().reshape(-1), expected.detach().reshape(-1)
+        count = actual.numel()
+        if count != expected.numel() or count % self.row_length:
             raise ValueError("chunks must hold the same whole rows of both tensors")
         if count == 0:
             return
+        if keep is None and actual.dtype == expected.dtype and torch.equal(actual, expected):
+            self._update_equal(ExactIntegers.of(expected))  # the usual case, at once
+            return
+        a = ExactIntegers.of(actual).masked(keep)
+        e = ExactIntegers.of(expected).masked(keep)
         difference = a.minus(e).magnitude()
         scale = e.magnitude()
         diff, magnitude = difference.as_float64(), scale.as_float64()
@@ -846,6 +852,20 @@ class IntegerComparison(Comparison):
                 self.failing_rows += (more + self._offset // length).tolist()
             self._track_worst_exact(bad, difference, a, e)
         self._offset += count
+
+    def _update_equal(self, values: ExactIntegers) -> None:
+        """What :meth:`update` does with a chunk whose actual and expected ``values`` are
+        equal: every difference is 0, at index 0 first, and only ``|e|``'s squares add up."""
+        if self._max_abs[0] < 0:
+            first = values.value(0)
+            self._max_abs = (0, self._offset, first, first, self._allowed(first))
+        if self._max_rel[0] < 0:
+            self._max_rel = (0.0, self._offset)
+        if self.atol > 0 or (self.rtol > 0 and bool(values.nonzero_mask().any())):
+            self._max_ratio = max(self._max_ratio, 0.0)  # 0 of a bound above 0
+        # |e| rounds to float64 as e does, but for its sign: the squares are the same
+        self._expected_squares += float(values.as_float64().square().sum())
+        self._offset += values.high.numel()
 
     def _beyond(
         self,

@@ -214,3 +214,34 @@ def test_plain_data_is_asdict():
     plain["worst"][0]["index"].append(99)  # a copy, as asdict makes
     plain["diagnosis"][0]["rows"].append(3)
     assert result.worst[0].index == [1, 1] and result.diagnosis[0]["rows"] == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.uint64])
+@pytest.mark.parametrize(("rtol", "atol"), [(0.0, 0.0), (0.0, 2.0), (1e-3, 0.0), (1e-3, 1.0)])
+def test_equal_integer_chunks_take_a_shortcut_to_the_same_result(dtype, rtol, atol):
+    """IntegerComparison.update skips the exact arithmetic for a chunk whose two sides are
+    equal; the outcome is the one the full path gives (a keep mask of all True takes it)."""
+    from maskln_cli.compare import IntegerComparison
+
+    generator = torch.Generator().manual_seed(0)
+    high = 2 if dtype == torch.bool else 2**7 if dtype == torch.uint8 else 2**31
+    base = torch.randint(-high if dtype.is_signed else 0, high, (6, 4), generator=generator)
+    if dtype == torch.uint64:
+        base = (base.abs() * 2**32 + 5).view(torch.uint64)  # values of 2**63 and up
+    base = base.to(dtype)
+    zeros, changed = torch.zeros_like(base), base.clone()
+    if dtype == torch.bool:
+        changed[3, 1] = ~changed[3, 1]
+    else:  # through int64 bits: torch adds no uint64
+        bits = changed.view(torch.int64) if dtype == torch.uint64 else changed
+        bits[3, 1] += 1
+    for actual, expected in ((base, base), (zeros, zeros), (changed, base), (base, changed)):
+        outcomes = []
+        for keep in (None, torch.ones(8, dtype=torch.bool)):
+            comparison = IntegerComparison("t", [6, 4], str(dtype)[6:], [6, 4], str(dtype)[6:],
+                                           rtol, atol)  # fmt: skip
+            for start in range(0, 24, 8):  # three chunks of two rows
+                chunk = slice(start, start + 8)
+                comparison.update(actual.reshape(-1)[chunk], expected.reshape(-1)[chunk], keep=keep)
+            outcomes.append(comparison.result().to_dict())
+        assert outcomes[0] == outcomes[1]
