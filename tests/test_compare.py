@@ -245,3 +245,51 @@ def test_equal_integer_chunks_take_a_shortcut_to_the_same_result(dtype, rtol, at
                 comparison.update(actual.reshape(-1)[chunk], expected.reshape(-1)[chunk], keep=keep)
             outcomes.append(comparison.result().to_dict())
         assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize(("rtol", "atol"), [(None, None), (0.0, 0.0), (0.5, 0.0), (0.0, 1e-3)])
+def test_small_tensors_compared_together_as_one_by_one(tmp_path, monkeypatch, rtol, atol):
+    """diff compares small floating tensors many at a time (Comparison.update_many); every
+    figure of every outcome is the one comparing them one by one gives."""
+    from safetensors.torch import save_file
+
+    from maskln_cli.report import to_json
+
+    generator = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+    shapes = [(1,), (5,), (3, 4), (2, 3, 2), (1, 1), ()]
+    actual, expected = {}, {}
+    for i in range(420):
+        dtype, shape = dtypes[i % 5], shapes[i // 5 % 6]
+        e = torch.randn(shape, generator=generator, dtype=torch.float64) * 10.0 ** (i % 7 - 3)
+        kind = i // 30 % 7
+        if kind == 1:  # nudged, within float32's tolerance
+            a = e * (1 + 1e-7)
+        elif kind == 2:  # zeros and ties: the first index of a maximum counts
+            e = e.abs().round().clamp(max=2.0)
+            a = e.flip(-1) if e.dim() else e
+        elif kind == 3:  # beyond tolerance somewhere
+            a = e + 1
+        elif kind == 4:  # NaN and inf: compared one by one
+            a = e.clone()
+            a.reshape(-1)[0] = math.nan if i % 2 else math.inf
+        elif kind == 5:  # an expected 0, an actual within atol: relative difference inf
+            e = e * 0
+            a = e + 1e-6
+        else:
+            a = e.clone()
+        actual[f"t{i}"], expected[f"t{i}"] = a.to(dtype), e.to(dtype)
+    save_file(actual, str(tmp_path / "a.safetensors"))
+    save_file(expected, str(tmp_path / "e.safetensors"))
+
+    def report() -> str:
+        compared = compare.diff_files(
+            str(tmp_path / "a.safetensors"), str(tmp_path / "e.safetensors"), rtol=rtol, atol=atol
+        )
+        return to_json(compared.to_dict())
+
+    together = report()
+    monkeypatch.setattr(compare, "SMALL_ELEMENTS", 0)
+    assert together == report()
+    passed = json.loads(together)["tensors"]
+    assert 100 < sum(t["passed"] for t in passed) < len(passed)
