@@ -1228,19 +1228,16 @@ def _compare_small(
 ) -> dict[str, TensorComparison]:
     """Tensors of one dtype and shape on both sides, small: compared many at a time, those
     not all finite and within tolerance one by one."""
-    import torch
 
-    actuals = [actual.tensor(name) for name in names]
-    expecteds = [expected.tensor(name) for name in names]
+    actuals, expecteds = actual.stacked(names), expected.stacked(names)
     comparisons = [Comparison(name, shape, dtype, shape, dtype, rtol, atol) for name in names]
-    stacked = [torch.stack(t).reshape(len(names), -1) for t in (actuals, expecteds)]
-    with threads_for(stacked[0].numel()):
-        fed = Comparison.update_many(comparisons, *stacked)
+    with threads_for(actuals.numel()):
+        fed = Comparison.update_many(comparisons, actuals, expecteds)
     return {
         name: comparison.result()
         if done
-        else compare_tensors(name, actual_tensor, expected_tensor, rtol, atol)
-        for name, comparison, done, actual_tensor, expected_tensor in zip(
+        else compare_tensors(name, a.reshape(shape), e.reshape(shape), rtol, atol)
+        for name, comparison, done, a, e in zip(
             names, comparisons, fed, actuals, expecteds, strict=True
         )
     }

@@ -174,9 +174,8 @@ def _add_small_statistics(
     overflow, is summarized alone by :func:`add_statistics`."""
     import torch
 
-    values = torch.stack([file.tensor(s.name).reshape(-1) for s in summaries])
-    if values.dtype not in (torch.float32, torch.float64):
-        values = values.float()  # as add_finite does
+    stored = file.stacked([s.name for s in summaries])
+    values = stored if stored.dtype in (torch.float32, torch.float64) else stored.float()
     count = values.shape[1]
     low, high = torch.aminmax(values, dim=1)
     totals = values.sum(dim=1).tolist()
@@ -184,16 +183,16 @@ def _add_small_statistics(
     deviations = values - shifts[:, None]
     deviation_sums = deviations.sum(dim=1).tolist()
     squares = deviations.square_().sum(dim=1).tolist()
-    rows = zip(values, summaries, low.tolist(), high.tolist(), totals, shifts.tolist(),
+    rows = zip(stored, values, summaries, low.tolist(), high.tolist(), totals, shifts.tolist(),
                deviation_sums, squares, strict=True)  # fmt: skip
-    for row, summary, row_low, row_high, total, shift, deviation_sum, row_squares in rows:
+    for tensor, row, summary, row_low, row_high, total, shift, deviation_sum, row_squares in rows:
         if row_low == 0 or row_high == 0:  # which of -0.0 and 0.0: as the tensor's own aminmax
             row_low, row_high = (float(v) for v in torch.aminmax(row))
         moments = _Moments()
         finite = all(map(math.isfinite, (row_low, row_high, total)))
         if not (finite and moments.add_deviations(count, row_low, row_high, shift,
                                                   deviation_sum, row_squares)):  # fmt: skip
-            add_statistics(summary, file.tensor(summary.name), advance)
+            add_statistics(summary, tensor, advance)
             continue
         summary.nan = summary.inf = 0
         summary.min, summary.max = moments.min, moments.max
