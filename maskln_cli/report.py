@@ -248,15 +248,48 @@ def render_file_summary(summary: FileSummary) -> None:
             console.print("no metadata", style="dim")
 
 
-def print_simple_table(console: Console, table: Table, rows: list[list[str | Text]]) -> bool:
-    """Print ``table`` (given with no rows) holding ``rows`` (cells of plain text, or Text) as
-    rich would; or print nothing and return False unless it is a plain ``SIMPLE_HEAD`` table
-    whose rows fit the console's width unwrapped.
+def print_table(console: Console, table: Table, pending: list[Segment] | None = None) -> None:
+    """``console.print(table)``, fast for the tables and grids reports are made of (see
+    :func:`print_simple_table`): a diff where 8,000 tensors fail prints 16,000 of them. With
+    ``pending``, the table's segments are added to it, to be printed with others (and what it
+    holds is printed first if rich must lay the table out).
+    """
+    from rich.text import Text
 
-    rich lays a table out cell by cell, at about 0.6 ms a row: 6 s for 10,000 tensors. Such a
-    table is simple (every column as wide as its widest cell, padded with a space each side,
-    a space at each edge and between columns, a rule under the header), so it is built here as
-    one Text, with the header's and the columns' styles.
+    rows: list[list[str | Text]] = []
+    for cells in zip(*(column.cells for column in table.columns), strict=True):
+        if not all(isinstance(cell, str | Text) for cell in cells):
+            rows = []
+            break
+        rows.append([_markup(console, c) if isinstance(c, str) else c for c in cells])
+    if not (rows and print_simple_table(console, table, rows, filled=True, pending=pending)):
+        _flush(console, pending or [])
+        console.print(table)
+
+
+def _markup(console: Console, text: str) -> str | Text:
+    """A table's str cell as rich shows it: markup (and emoji codes, on a console that
+    replaces them), unless it has neither."""
+    return console.render_str(text, highlight=False) if "[" in text or ":" in text else text
+
+
+def print_simple_table(
+    console: Console,
+    table: Table,
+    rows: list[list[str | Text]],
+    filled: bool = False,
+    pending: list[Segment] | None = None,
+) -> bool:
+    """Print ``table`` holding ``rows`` (cells of plain text, or Text; the table is given
+    without them unless ``filled``) as rich would; or print nothing and return False unless
+    it is a ``SIMPLE_HEAD`` table with a header (and a left-justified title or none), or a
+    grid (``Table.grid``), whose rows fit the console's width unwrapped. With ``pending``,
+    the segments are added to it instead of printed.
+
+    rich lays a table out cell by cell, at about 0.6 ms a row: 6 s for the inspect table of
+    10,000 tensors. These are simple (every column as wide as its widest cell and its padding,
+    the same characters at the edges and between columns), so they are built here as
+    segments, with the title's, the header's and the columns' styles.
 
     Example:
         >>> from rich import box
@@ -273,69 +306,105 @@ def print_simple_table(console: Console, table: Table, rows: list[list[str | Tex
     """
     from rich import box
     from rich.segment import Segment, Segments
+    from rich.style import Style
     from rich.text import Span, Text
 
     columns = table.columns
     cells = [[(c, []) if isinstance(c, str) else (c.plain, c.spans) for c in row] for row in rows]
+    headed = table.box is box.SIMPLE_HEAD and table.show_header and table.show_edge
+    grid = table.box is None and not table.show_header and not table.show_edge
     simple = (
-        table.box is box.SIMPLE_HEAD and table.show_header and table.show_edge
-        and not table.show_footer and not table.show_lines and table.padding == (0, 1, 0, 1)
-        and table.pad_edge and not table.collapse_padding and not table.expand
-        and table.width is None and table.min_width is None and not table.title
+        (headed or grid) and not table.show_footer and not table.show_lines
+        and not table.expand and table.width is None and table.min_width is None
         and not table.caption and table.style in ("", "none") and not table.row_styles
         and not table.border_style and table.header_style == "table.header"
-        and console.encoding.lower().startswith("utf") and not console.legacy_windows
+        and not table.highlight and console.encoding.lower().startswith("utf")
+        and not console.legacy_windows and columns and (filled or not columns[0]._cells)
+        and (not table.title or (isinstance(table.title, str) and table.title_justify == "left"))
         and all(isinstance(c.header, str) and not c.header_style and c.justify in ("left", "right")
                 and c.width is None and c.min_width is None and c.max_width is None
-                and c.ratio is None for c in columns)
+                and c.ratio is None and not c.highlight for c in columns)
         and all(len(row) == len(columns) for row in cells)
         and not any("\n" in text or "\t" in text for row in cells for text, _ in row)
     )  # fmt: skip
     if not simple:
         return False
-    widths = [_cells(c.header) for c in columns]
+    count = len(columns)
+    # Each column's padding, as rich works it out (Table._get_cells).
+    top, right_pad, bottom, left_pad = table.padding
+    pads = []
+    for i in range(count):
+        left, right = left_pad, right_pad
+        if table.collapse_padding and i:
+            left = max(0, left - right)
+        if not table.pad_edge:
+            left = 0 if i == 0 else left
+            right = 0 if i == count - 1 else right
+        pads.append((left, right))
+    if top or bottom:
+        return False
+    widths = [_cells(c.header) if headed else 0 for c in columns]
     for row in cells:
         widths = [max(w, _cells(text)) for w, (text, _) in zip(widths, row, strict=True)]
-    inner = sum(widths) + 3 * len(widths) - 1  # between the two edges
-    if inner + 2 > console.width:
+    padded = [w + left + right for w, (left, right) in zip(widths, pads, strict=True)]
+    edge, between = (" ", " ") if headed else ("", "")
+    table_width = sum(padded) + len(between) * (count - 1) + 2 * len(edge)
+    if table_width > console.width:
         return False  # rich would wrap a column: let it
+    segments: list[Segment] = []
+    if table.title:
+        title = console.render_str(
+            table.title, style=Style.pick_first(table.title_style, "table.title"), highlight=False
+        )
+        if "\n" in title.plain or _cells(title.plain) > table_width:
+            return False  # rich would wrap it
+        options = console.options.update(width=table_width, justify="left", highlight=False)
+        segments += console.render(title, options)  # one line, padded, as Table renders it
     styled = console.color_system is not None  # else rich writes no styles at all
-    header = console.get_style("table.header")
     styles = [console.get_style(c.style) if c.style else None for c in columns]
     right = [c.justify == "right" for c in columns]
     line = Segment.line()
-    edge = Segment(" " * (inner + 2))
-    segments = [edge, line]
 
     def add_line(row: list[tuple[str, list[Span]]], row_styles: list[Style | None]) -> None:
-        plain = [" "]  # the left edge
+        plain = [edge]
         for i, (text, text_spans) in enumerate(row):
             if right[i]:  # rich strips trailing spaces before it justifies right
                 text = text.rstrip()
             pad = widths[i] - _cells(text)
-            left, after = (pad, 0) if right[i] else (0, pad)
+            left, after = (
+                (pads[i][0] + pad, pads[i][1]) if right[i] else (pads[i][0], pad + pads[i][1])
+            )
             if not styled:
-                plain.append(f" {' ' * left}{text}{' ' * after}  ")
+                plain.append(f"{' ' * left}{text}{' ' * after}{between if i < count - 1 else edge}")
                 continue
             style = row_styles[i]
+            segments.append(Segment("".join(plain)))
             if text_spans:
-                segments.append(Segment("".join(plain)))
-                segments.append(Segment(" " * (1 + left), style))
+                segments.append(Segment(" " * left, style))
                 spans = [Span(s.start, min(s.end, len(text)), s.style) for s in text_spans]
                 segments.extend(Text(text, style=style or "", spans=spans).render(console))
-                segments.append(Segment(" " * (after + 1), style))
+                segments.append(Segment(" " * after, style))
             else:
-                segments.append(Segment("".join(plain)))
-                segments.append(Segment(f" {' ' * left}{text}{' ' * after} ", style))
-            plain = [" "]  # the space between columns (or the right edge)
+                segments.append(Segment(f"{' ' * left}{text}{' ' * after}", style))
+            plain = [between if i < count - 1 else edge]
         segments.extend((Segment("".join(plain)), line))
 
-    add_line([(c.header, []) for c in columns], [header] * len(columns))
-    segments += [Segment(" " + "\N{BOX DRAWINGS LIGHT HORIZONTAL}" * inner + " "), line]
+    if headed:
+        segments += [Segment(" " * table_width), line]
+        header = console.get_style("table.header")
+        add_line([(c.header, []) for c in columns], [header] * count)
+        segments += [
+            Segment(" " + "\N{BOX DRAWINGS LIGHT HORIZONTAL}" * (table_width - 2) + " "),
+            line,
+        ]
     for row in cells:
         add_line(row, styles)
-    segments += [edge, line]
-    console.print(Segments(segments), soft_wrap=True)
+    if headed:
+        segments += [Segment(" " * table_width), line]
+    if pending is None:
+        console.print(Segments(segments), soft_wrap=True)
+    else:
+        pending += segments
     return True
 
 
@@ -479,24 +548,27 @@ COMPACT_AFTER = 8
 def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
     """The human report of ``maskln diff`` and ``maskln verify``: a header, a block per tensor,
     the worst rows of each mismatched tensor, notes, and the verdict line last."""
+    from rich.segment import Segment
+
     with plain_when_piped() as console:
         if not quiet:
             _render_header(console, report)
             compact = len(report.tensors) > COMPACT_AFTER
             if compact:
                 console.print()
-            lines: list[list[Segment]] = []  # consecutive one-line tensors, printed at once
+            # Lines and tables are printed at once: a print each was much of what a report of
+            # 10,000 tensors took.
+            pending: list[Segment] = []
             for tensor in report.tensors:
                 if compact and tensor.passed:
-                    lines.append(_tensor_line(tensor))
+                    pending += _tensor_line(tensor)
                     continue
-                _print_lines(console, lines)
-                console.print()
-                console.print(_tensor_block(tensor, report))
+                pending.append(Segment.line())
+                print_table(console, _tensor_block(tensor, report), pending)
                 if tensor.worst and not tensor.passed:
-                    console.print()
-                    console.print(_worst_rows_table(tensor, report))
-            _print_lines(console, lines)
+                    pending.append(Segment.line())
+                    print_table(console, _worst_rows_table(tensor, report), pending)
+            _flush(console, pending)
             for message in report.notes:
                 console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
             console.print()
@@ -696,13 +768,13 @@ def _style(definition: str) -> Style:
     return Style.parse(definition)
 
 
-def _print_lines(console: Console, lines: list[list[Segment]]) -> None:
-    """Print ``lines`` (of segments, each ending in a new line) at once, and empty the list."""
-    if lines:
+def _flush(console: Console, pending: list[Segment]) -> None:
+    """Print ``pending`` (segments ending in a new line) at once, and empty it."""
+    if pending:
         from rich.segment import Segments
 
-        console.print(Segments(segment for line in lines for segment in line), soft_wrap=True)
-        lines.clear()
+        console.print(Segments(pending), soft_wrap=True)
+        pending.clear()
 
 
 def _shapes(tensor: TensorComparison, verify: bool = False) -> str:

@@ -47,19 +47,24 @@ def test_safe_escapes_control_and_format_characters():
     assert "\\x1b" in shown and "\\u202e" in shown and "\\[bold]" in shown
 
 
-def test_simple_tables_print_as_rich_prints_them():
-    """print_simple_table is a fast path of rich's own table layout: same characters, same
-    styles, for cells with wide, combining and markup characters and trailing spaces."""
+def test_simple_tables_and_grids_print_as_rich_prints_them():
+    """print_simple_table and print_table are fast paths of rich's own table layout: same
+    characters, same styles, for cells with wide, combining and markup characters and
+    trailing spaces, in tables with a header and a title, and in grids."""
     import random
 
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    def table() -> Table:
-        made = Table(box=box.SIMPLE_HEAD)
+    def make(kind: str, title: str | None) -> Table:
+        if kind == "grid":
+            made = Table.grid(padding=(0, 2))
+            made.add_column(style="bold", no_wrap=True)
+            made.add_column()
+            return made
+        made = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
         made.add_column("key", style="bold", no_wrap=True)
-        made.add_column("dtype", no_wrap=True)
         made.add_column("size", justify="right", no_wrap=True)
         made.add_column("values")
         return made
@@ -74,34 +79,43 @@ def test_simple_tables_print_as_rich_prints_them():
 
     generator = random.Random(0)
     alphabet = "ab[]:.\\ é∑\u0301💥中"
-    printed = 0
-    for _ in range(150):
-        rows: list[list[str | Text]] = []
+
+    def text() -> str:
+        return "".join(generator.choice(alphabet) for _ in range(generator.randint(0, 12)))
+
+    printed = {"table": 0, "grid": 0, "given": 0}
+    for trial in range(450):
+        kind = ("table", "grid", "given")[trial % 3]
+        columns = 2 if kind == "grid" else 3
+        rows = []
         for _ in range(generator.randint(0, 4)):
-            row: list[str | Text] = [
-                "".join(generator.choice(alphabet) for _ in range(generator.randint(0, 12)))
-                for _ in range(3)
-            ]
-            values = generator.choice(["min=1  max=2", "[red]NaN=3[/]  ", "no statistics"])
-            rows.append([*row, Text.from_markup(values)])
+            markup = generator.choice(["min=1  max=2", "[red]NaN=3[/]  ", "[bold red]FAIL[/] x"])
+            rows.append([*(text() for _ in range(columns - 1)), markup])
+        title = generator.choice([None, "worst rows of " + text()])
         width = generator.choice([30, 60, 120])
         for options in ({"color_system": None}, {"color_system": "truecolor"}):
             fast, slow = (Console(width=width, force_terminal=True, **options) for _ in "ab")
-            with fast.capture() as fast_output:
-                done = report.print_simple_table(fast, table(), rows)
-            reference = table()
-            for row in rows:
-                reference.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))
+            reference = make(kind, title)
+            for row in rows:  # inspect's cells are plain text but the last, Text
+                given = [Text(c) for c in row[:-1]] + [Text.from_markup(row[-1])]
+                reference.add_row(*(given if kind == "given" else row))
             with slow.capture() as slow_output:
                 slow.print(reference)
+            with fast.capture() as fast_output:
+                if kind == "given":  # as inspect gives them
+                    given = [[*row[:-1], Text.from_markup(row[-1])] for row in rows]
+                    done = report.print_simple_table(fast, make(kind, title), given)
+                else:
+                    report.print_table(fast, reference)
+                    done = True
             if not done:  # too wide: rich wraps it
                 assert fast_output.get() == ""
                 continue
-            printed += 1
+            printed[kind] += 1
             assert styled_characters(fast_output.get()) == styled_characters(slow_output.get())
             if options["color_system"] is None:
                 assert fast_output.get() == slow_output.get()
-    assert printed > 150
+    assert min(printed.values()) > 100
 
 
 def test_to_json_encodes_as_the_json_module_does():
