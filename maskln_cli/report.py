@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import sys
 import time
 import unicodedata
@@ -61,15 +62,33 @@ def stderr_console() -> Console:
 
 
 def safe(text: object) -> str:
-    """``text`` with control characters escaped and rich markup neutralized.
+    r"""``text`` with control characters escaped (:func:`plain_safe`), as rich markup that
+    shows it as it is, whatever markup comes before or after it.
+
+    rich's own ``escape`` is not that: ``\[`` shows as ``[``, and a trailing backslash is
+    doubled, or escapes a tag that follows. Here every ``[`` is written ``\[`` (a bracket,
+    whatever follows it), and a run of backslashes before a bracket or at the end is doubled
+    and closed by an empty ``[none][/none]`` (rich halves the backslashes before a tag).
 
     Example:
-        >>> safe("key\\x1b[2J[bold]")
-        'key\\\\x1b[2J\\\\[bold]'
+        >>> safe("key\x1b[2J[bold]")
+        'key\\x1b\\[2J\\[bold]'
+        >>> from rich.markup import render
+        >>> [render(f"[bold]{safe(t)}[/]").plain for t in ("a\\[b]", "\\", "[x")]
+        ['a\\[b]', '\\', '[x']
     """
-    from rich.markup import escape
+    return _MARKUP_SPECIAL.sub(_escape_markup, plain_safe(text))
 
-    return escape(plain_safe(text))
+
+_MARKUP_SPECIAL = re.compile(r"(\\*)(\[|\Z)|(\\+)")
+
+
+def _escape_markup(match: re.Match[str]) -> str:
+    backslashes, bracket, other = match.groups()
+    if other:  # backslashes before any other character are shown as they are
+        return other
+    closed = backslashes * 2 + "[none][/none]" if backslashes else ""
+    return closed + ("\\[" if bracket else "")
 
 
 def plain_safe(text: object) -> str:
@@ -423,7 +442,7 @@ def _key_count(summary: FileSummary) -> str:
     tensors = "tensor" if summary.keys_total == 1 else "tensors"
     if not summary.patterns:
         return f"{summary.keys_total:,} {tensors}, {size}"
-    patterns = " or ".join(repr(safe(p)) for p in summary.patterns)
+    patterns = " or ".join(safe(repr(p)) for p in summary.patterns)
     verb = "matches" if len(summary.tensors) == 1 else "match"
     return f"{len(summary.tensors):,} of {summary.keys_total:,} {tensors} {verb} {patterns}, {size}"
 
