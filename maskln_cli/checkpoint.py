@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import TYPE_CHECKING
@@ -180,6 +180,21 @@ class ShardedFile:
 
     def tensor(self, key: str) -> torch.Tensor:
         return self._shard_for(key).tensor(key)
+
+    def stacked(self, keys: Sequence[str]) -> torch.Tensor:
+        """As :meth:`TensorFile.stacked <maskln_cli.tensorfile.TensorFile.stacked>`, from
+        whichever shards hold the keys."""
+        import torch
+
+        by_shard: dict[TensorFile, list[int]] = {}
+        for position, key in enumerate(keys):
+            by_shard.setdefault(self._shard_for(key), []).append(position)
+        if len(by_shard) == 1:
+            return next(iter(by_shard)).stacked(keys)
+        parts = [shard.stacked([keys[i] for i in group]) for shard, group in by_shard.items()]
+        order = [i for group in by_shard.values() for i in group]
+        stacked = torch.cat(parts)
+        return stacked[torch.tensor(order).argsort()]
 
     def _shard_for(self, key: str) -> TensorFile:
         if key not in self._map:

@@ -1,25 +1,29 @@
 """Comparing tensors, chunk by chunk, into plain data (``maskln diff`` and ``maskln verify``).
 
 An element passes when ``|actual - expected| <= atol + rtol * |expected|`` (computed in float64);
-NaN matches NaN only at the same position, and inf matches only the same inf. A
-:class:`Comparison` is fed consecutive chunks of whole rows and keeps only running figures, so
-multi-GB tensors compare in bounded memory. :func:`diff_files` compares two files key by key;
-:mod:`maskln_cli.verify` feeds recomputed chunks. Rendering is :mod:`maskln_cli.report`'s job.
+NaN matches NaN only at the same position, and inf matches only the same inf. Integers and bool
+are compared exactly instead, in their own values (:class:`IntegerComparison`): float64 cannot
+tell ``2**53 + 1`` from ``2**53``. A :class:`Comparison` is fed consecutive chunks of whole rows
+and keeps only running figures, so multi-GB tensors compare in bounded memory. :func:`diff_files`
+compares two files key by key; :mod:`maskln_cli.verify` feeds recomputed chunks. Rendering is
+:mod:`maskln_cli.report`'s job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, TypeVar
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.tensorfile import TensorFile, open_tensor_file, torch_dtype
+from maskln_cli.tensorfile import TensorFile, TensorInfo, open_tensor_file, torch_dtype
 from maskln_cli.tensorfile import dtype_name as _dtype_name
 
 if TYPE_CHECKING:
@@ -38,6 +42,11 @@ WORST_ROWS = 5
 """How many of the worst rows a comparison keeps for the report."""
 CHUNK_ELEMENTS = 1 << 22
 """Elements compared at a time (rounded to whole rows): a few float64 temporaries of 32 MiB."""
+INTEGRAL_DTYPES = frozenset(
+    ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
+)
+"""The dtypes compared exactly, in their own values (:class:`IntegerComparison`)."""
+LOW_BITS = 2**32 - 1
 BLOCK_ELEMENTS = 1 << 16
 """Elements of a block of the fast path (whole rows, at least two): its float64 temporaries of
 512 KiB stay in cache, where 32 MiB ones stream through memory on every pass."""
@@ -92,6 +101,18 @@ def converts_to_float64(dtype: torch.dtype | None) -> bool:
     return True
 
 
+def has_values(dtype: str) -> bool:
+    """Whether a tensor of ``dtype`` (a name from :data:`~maskln_cli.tensorfile.DTYPE_NAMES`, or
+    a safetensors code torch has no dtype for) has values maskln can read: not complex, F4
+    (float4_e2m1fn_x2 in torch, two values a byte) or F6; those are compared bit for bit.
+
+    Example:
+        >>> has_values("float8_e4m3fn"), has_values("F6_E2M3"), has_values("complex64")
+        (True, False, False)
+    """
+    return dtype == "bool" or converts_to_float64(torch_dtype(dtype))
+
+
 def default_tolerance(*dtypes: str) -> tuple[float, float]:
     """``(rtol, atol)`` for comparing these dtypes: the loosest of their defaults.
 
@@ -107,6 +128,46 @@ RECORDED_ROWS = 4096
 """How many failing rows a comparison remembers (by index), for a diagnosis afterwards."""
 
 
+def plain_data(value: object) -> object:
+    """``value`` as plain data, as :func:`dataclasses.asdict` makes it (dataclasses as dicts of
+    their fields, lists, tuples and dicts copied, all the way down), several times faster:
+    asdict deep-copies every number, which is most of the time ``diff --json`` spends on a
+    file of many tiny tensors.
+
+    Example:
+        >>> plain_data(WorstRow([1], [1, 2], 3.0, 4, 1))
+        {'row': [1], 'index': [1, 2], 'actual': 3.0, 'expected': 4, 'abs_diff': 1, 'allowed': None}
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list:
+        return [plain_data(v) for v in value]  # type: ignore[attr-defined]
+    if kind is dict:
+        return {plain_data(k): plain_data(v) for k, v in value.items()}  # type: ignore[attr-defined]
+    if is_dataclass(value) and not isinstance(value, type):
+        document = {name: getattr(value, name) for name in _field_names(kind)}
+        for name, item in document.items():
+            if type(item) not in _SCALARS:
+                document[name] = plain_data(item)
+        return document
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple: as asdict
+        return kind(*(plain_data(v) for v in value))
+    if isinstance(value, list | tuple):
+        return kind(plain_data(v) for v in value)  # type: ignore[call-arg]
+    if isinstance(value, dict):
+        return kind((plain_data(k), plain_data(v)) for k, v in value.items())  # type: ignore[call-arg]
+    return copy.deepcopy(value)
+
+
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(kind))
+
+
 @dataclass
 class WorstRow:
     """A mismatched row: its leading index, the channel of its worst element, both values, and
@@ -114,9 +175,9 @@ class WorstRow:
 
     row: list[int]
     index: list[int]
-    actual: float
-    expected: float
-    abs_diff: float
+    actual: float | int
+    expected: float | int
+    abs_diff: float | int
     allowed: float | None = None
 
 
@@ -159,7 +220,8 @@ class TensorComparison:
 
     Value figures are ``None`` when the values could not be compared (a key missing on one side,
     or shapes that differ). Indices are lists of ints into the tensor; ``max_rel_diff`` is
-    ``inf`` when the largest relative difference is at an expected 0.
+    ``inf`` when the largest relative difference is at an expected 0. For integer and bool
+    tensors ``max_abs_diff`` and the values in ``worst`` are exact Python ints.
     """
 
     name: str
@@ -176,7 +238,7 @@ class TensorComparison:
     mismatched: int | None = None
     mismatched_fraction: float | None = None
     mismatched_rows: int | None = None
-    max_abs_diff: float | None = None
+    max_abs_diff: float | int | None = None
     max_abs_index: list[int] | None = None
     max_rel_diff: float | None = None
     max_rel_index: list[int] | None = None
@@ -199,7 +261,7 @@ class TensorComparison:
     diagnosis: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return plain_data(self)  # type: ignore[return-value]
 
 
 @dataclass
@@ -671,6 +733,84 @@ class Comparison:
             )
         self._offset += a.numel()
 
+    @staticmethod
+    def update_many(
+        comparisons: Sequence[Comparison], actual: torch.Tensor, expected: torch.Tensor
+    ) -> list[bool]:
+        """Feed many small tensors at once, row ``k`` of ``actual`` and ``expected`` (2-d,
+        ``[len(comparisons), numel]``) being the whole of comparison ``k``'s tensors; return
+        which were fed: those whose every element is finite and within tolerance, whose
+        figures take a few torch calls for all. Each other comparison is fed nothing, and
+        must go through :meth:`update`.
+
+        A tiny tensor's comparison is some 45 torch calls on a handful of elements, 180 us in
+        all; ``diff`` of 10,000 such tensors spent most of its time there. Each figure here is
+        the one :meth:`update` computes, by the same operations, row by row (a test checks
+        them against it); the comparisons must all have the same shape, dtypes, rtol and
+        atol, and be fresh.
+
+        Example:
+            >>> import torch
+            >>> made = [Comparison(n, [2], "float32", [2], "float32") for n in "ab"]
+            >>> Comparison.update_many(made, torch.tensor([[1.0, 2.0], [3.0, 4.5]]),
+            ...                        torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+            [True, False]
+            >>> made[0].result().passed  # made[1] (4.5 against 4.0) must go through update
+            True
+        """
+        import torch
+
+        first = comparisons[0]
+        count, length = len(comparisons), first.row_length
+        a, e = actual.detach().double(), expected.detach().double()
+        diff = (a - e).abs_()
+        bound = e.abs().mul_(first.rtol).add_(first.atol)
+        fed = (a.isfinite() & e.isfinite() & (diff <= bound)).all(dim=1)
+        if not bool(fed.any()):
+            return [False] * count
+        max_abs, max_abs_index = diff.max(dim=1)
+        at = max_abs_index[:, None]
+        max_abs_a, max_abs_e, max_abs_bound = (t.gather(1, at)[:, 0] for t in (a, e, bound))
+        relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
+        max_rel, max_rel_index = relative.max(dim=1)
+        ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
+        max_ratio = torch.where(bound > 0, ratio, 0.0).max(dim=1).values
+        diff_squares = diff.view(count, -1, length).square().sum(dim=2).sum(dim=1)
+        expected_squares = e.view(count, -1, length).square().sum(dim=2).sum(dim=1)
+        columns = zip(
+            fed.tolist(), max_abs.tolist(), max_abs_index.tolist(), max_abs_a.tolist(),
+            max_abs_e.tolist(), max_abs_bound.tolist(), max_rel.tolist(), max_rel_index.tolist(),
+            max_ratio.tolist(), diff_squares.tolist(), expected_squares.tolist(), strict=True,
+        )  # fmt: skip
+        for comparison, (ok, *figures) in zip(comparisons, columns, strict=True):
+            if ok:
+                comparison._add_passing(*figures)
+        return fed.tolist()
+
+    def _add_passing(
+        self,
+        max_abs: float,
+        max_abs_index: int,
+        max_abs_actual: float,
+        max_abs_expected: float,
+        max_abs_bound: float,
+        max_rel: float,
+        max_rel_index: int,
+        max_ratio: float,
+        diff_squares: float,
+        expected_squares: float,
+    ) -> None:
+        """Record a whole tensor compared by :meth:`update_many`: finite, and within
+        tolerance everywhere (so no mismatch, no worst row to keep)."""
+        if self._offset:
+            raise ValueError("update_many takes whole tensors, to comparisons not yet fed")
+        self._max_abs = (max_abs, max_abs_index, max_abs_actual, max_abs_expected, max_abs_bound)
+        self._max_rel = (max_rel, max_rel_index)
+        self._max_ratio = max(self._max_ratio, max_ratio)
+        self._diff_squares += diff_squares
+        self._expected_squares += expected_squares
+        self._offset = self.numel
+
     def factor_needed(self) -> float:
         """The smallest factor by which the budget units fed to :meth:`update` would let every
         finite element pass (elements within what is always allowed count for nothing)."""
@@ -889,6 +1029,304 @@ class Comparison:
         return index[::-1]
 
 
+def is_integral(dtype: torch.dtype | None) -> bool:
+    """Whether ``dtype`` holds integers (bool included): compared exactly, not as float64.
+
+    Example:
+        >>> import torch
+        >>> is_integral(torch.uint64), is_integral(torch.bool), is_integral(torch.float16)
+        (True, True, False)
+    """
+    return dtype is not None and _dtype_name(dtype) in INTEGRAL_DTYPES
+
+
+class ExactIntegers:
+    """Integers of any dtype (bool, int8 to int64, uint8 to uint64) as exact pairs of int64
+    tensors, ``value = high * 2**32 + low`` with ``0 <= low < 2**32``.
+
+    torch has no integer wider than 64 bits, and barely computes with uint64; as pairs, sums,
+    differences and their magnitudes (up to 2**65) stay exact, and comparisons are
+    lexicographic. uint64 values of 2**63 and up are read from their bits.
+
+    Example:
+        >>> import torch
+        >>> a = ExactIntegers.of(torch.tensor([2**62, -5]))
+        >>> b = ExactIntegers.of(torch.tensor([-(2**62), 3]))
+        >>> d = a.minus(b).magnitude()
+        >>> d.value(0) == 2**63, d.value(1)
+        (True, 8)
+    """
+
+    __slots__ = ("high", "low")
+
+    def __init__(self, high: torch.Tensor, low: torch.Tensor) -> None:
+        self.high = high
+        self.low = low
+
+    @classmethod
+    def of(cls, values: torch.Tensor) -> ExactIntegers:
+        import torch
+
+        if values.dtype == torch.uint64:
+            bits = values.view(torch.int64)  # the same bits; >> is arithmetic, hence the mask
+            return cls((bits >> 32) & LOW_BITS, bits & LOW_BITS)
+        bits = values.long()
+        return cls(bits >> 32, bits & LOW_BITS)
+
+    def minus(self, other: ExactIntegers) -> ExactIntegers:
+        """``self - other``, exactly (a borrow from the low halves is carried)."""
+        low = self.low - other.low  # in (-2**32, 2**32)
+        high = self.high - other.high + (low >> 32)  # >> 32 is -1 for a negative low, else 0
+        return ExactIntegers(high, low & LOW_BITS)
+
+    def magnitude(self) -> ExactIntegers:
+        """``|self|``, exactly."""
+        import torch
+
+        negative = self.high < 0
+        borrow = negative & (self.low != 0)
+        high = torch.where(negative, -self.high - borrow.long(), self.high)
+        low = torch.where(borrow, (1 << 32) - self.low, self.low)
+        return ExactIntegers(high, low)
+
+    def nonzero_mask(self) -> torch.Tensor:
+        """Where the value is not 0."""
+        return (self.high != 0) | (self.low != 0)
+
+    def greater_than(self, bound: int) -> torch.Tensor:
+        """Where the value exceeds the integer ``bound``, exactly."""
+        high, low = bound >> 32, bound & LOW_BITS
+        return (self.high > high) | ((self.high == high) & (self.low > low))
+
+    def as_float64(self) -> torch.Tensor:
+        """The values rounded to float64 (rounded once: ``high * 2**32`` is exact)."""
+        return self.high.double().mul_(2.0**32).add_(self.low)
+
+    def value(self, index: int) -> int:
+        return int(self.high[index]) * 2**32 + int(self.low[index])
+
+    def masked(self, keep: torch.Tensor | None) -> ExactIntegers:
+        """Every value set to 0 where ``keep`` (bool, same shape) is False."""
+        if keep is None:
+            return self
+        return ExactIntegers(self.high * keep, self.low * keep)
+
+    def rows(self, length: int) -> ExactIntegers:
+        return ExactIntegers(self.high.view(-1, length), self.low.view(-1, length))
+
+    def argmax(self) -> tuple[int, int]:
+        """The greatest value and its first index (the values are 1-d and not all masked out,
+        see :meth:`row_max`)."""
+        import torch
+
+        high = self.high.max()
+        low, index = torch.where(self.high == high, self.low, -1).max(dim=0)
+        return int(high) * 2**32 + int(low), int(index)
+
+    def row_max(self) -> tuple[ExactIntegers, torch.Tensor]:
+        """Each row's greatest value (of a 2-d pair) and its first column."""
+        import torch
+
+        high = self.high.max(dim=1).values
+        low, column = torch.where(self.high == high[:, None], self.low, -1).max(dim=1)
+        return ExactIntegers(high, low), column
+
+    def descending(self, candidates: torch.Tensor) -> torch.Tensor:
+        """``candidates`` (1-d indices) ordered by value, greatest first; equal values keep
+        their order (two stable sorts: by the low halves, then by the high ones)."""
+        order = self.low[candidates].sort(descending=True, stable=True).indices
+        candidates = candidates[order]
+        order = self.high[candidates].sort(descending=True, stable=True).indices
+        return candidates[order]
+
+
+def _exact_ratio(numerator: int, denominator: int) -> float:
+    """``numerator / denominator`` rounded once; inf over 0 (0 for 0 / 0)."""
+    if denominator == 0:
+        return math.inf if numerator else 0.0
+    return float(Fraction(numerator, denominator))
+
+
+class IntegerComparison(Comparison):
+    """:class:`Comparison` of integer or bool tensors, exactly, in their own values.
+
+    ``|actual - expected|`` is exact (as :class:`ExactIntegers`), and so is the verdict: with the
+    default tolerance (0 and 0) the values must be equal; ``atol`` and ``rtol`` allow
+    ``|a - e| <= atol + rtol * |e|``, decided exactly (by rational arithmetic where float64 is
+    too close to call). ``max_abs_diff`` and the worst rows' values are exact Python ints;
+    ``max_rel_diff``, ``rel_l2`` and ``budget_ratio`` are ratios, rounded once to float64.
+    There are no allowances, yardsticks or invalid rows (``verify`` judges floating results).
+
+    Example:
+        >>> import torch
+        >>> comparison = IntegerComparison("t", [2], "int64", [2], "int64")
+        >>> comparison.update(torch.tensor([2**62, 7]), torch.tensor([2**62 + 1, 7]))
+        >>> result = comparison.result()
+        >>> result.passed, result.max_abs_diff, result.worst[0].actual == 2**62
+        (False, 1, True)
+    """
+
+    def update(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        invalid_rows: torch.Tensor | None = None,
+        allowance: torch.Tensor | None = None,
+        yardstick: torch.Tensor | None = None,
+        budget_unit: torch.Tensor | None = None,
+        always: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Compare the next chunk of rows; ``keep`` (bool, one per element) leaves the other
+        elements out (they compare equal)."""
+        import torch
+
+        if any(v is not None for v in (invalid_rows, allowance, yardstick, budget_unit, always)):
+            raise ValueError("integer comparisons take no allowance, yardstick or invalid rows")
+        actual, expected = actual.detach().reshape(-1), expected.detach().reshape(-1)
+        count = actual.numel()
+        if count != expected.numel() or count % self.row_length:
+            raise ValueError("chunks must hold the same whole rows of both tensors")
+        if count == 0:
+            return
+        if keep is None and actual.dtype == expected.dtype and torch.equal(actual, expected):
+            self._update_equal(ExactIntegers.of(expected))  # the usual case, at once
+            return
+        a = ExactIntegers.of(actual).masked(keep)
+        e = ExactIntegers.of(expected).masked(keep)
+        difference = a.minus(e).magnitude()
+        scale = e.magnitude()
+        diff, magnitude = difference.as_float64(), scale.as_float64()
+        bad, bound = self._beyond(difference, scale, diff, magnitude)
+        chunk_bad = int(bad.sum())
+        self._mismatched += chunk_bad
+        self.beyond += chunk_bad
+
+        value, index = difference.argmax()
+        if value > self._max_abs[0]:
+            expected_value = e.value(index)
+            self._max_abs = (
+                value, self._offset + index, a.value(index), expected_value,
+                self._allowed(expected_value),
+            )  # fmt: skip
+        relative = (diff / magnitude).nan_to_num_(nan=0.0, posinf=math.inf)
+        index = int(relative.argmax())
+        ratio = _exact_ratio(difference.value(index), scale.value(index))
+        if ratio > self._max_rel[0]:
+            self._max_rel = (ratio, self._offset + index)
+        if bound is not None:
+            allowed = bound > 0
+            if bool(allowed.any()):
+                ratio = float((diff[allowed] / bound[allowed]).max())
+                self._max_ratio = max(self._max_ratio, ratio)
+        elif self.atol > 0:
+            self._max_ratio = max(self._max_ratio, float(diff.max()) / self.atol)
+        self._diff_squares += float(diff.square().sum())
+        self._expected_squares += float(magnitude.square().sum())
+
+        if chunk_bad:
+            length = self.row_length
+            rows_bad = bad.view(-1, length).any(dim=1)
+            self._mismatched_rows += int(rows_bad.sum())
+            if len(self.failing_rows) < RECORDED_ROWS:
+                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
+                self.failing_rows += (more + self._offset // length).tolist()
+            self._track_worst_exact(bad, difference, a, e)
+        self._offset += count
+
+    def _update_equal(self, values: ExactIntegers) -> None:
+        """What :meth:`update` does with a chunk whose actual and expected ``values`` are
+        equal: every difference is 0, at index 0 first, and only ``|e|``'s squares add up."""
+        if self._max_abs[0] < 0:
+            first = values.value(0)
+            self._max_abs = (0, self._offset, first, first, self._allowed(first))
+        if self._max_rel[0] < 0:
+            self._max_rel = (0.0, self._offset)
+        if self.atol > 0 or (self.rtol > 0 and bool(values.nonzero_mask().any())):
+            self._max_ratio = max(self._max_ratio, 0.0)  # 0 of a bound above 0
+        # |e| rounds to float64 as e does, but for its sign: the squares are the same
+        self._expected_squares += float(values.as_float64().square().sum())
+        self._offset += values.high.numel()
+
+    def _beyond(
+        self,
+        difference: ExactIntegers,
+        scale: ExactIntegers,
+        diff: torch.Tensor,
+        magnitude: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where ``|a - e| > atol + rtol * |e|``, exactly; and the bounds in float64 (None when
+        they are all ``atol``)."""
+        if self.rtol == 0:  # an integer is beyond atol exactly when it is beyond floor(atol)
+            return difference.greater_than(min(math.floor(self.atol), 2**66)), None
+        bound = magnitude.mul(self.rtol).add_(self.atol)
+        # float64 errs by a few units in the 53rd bit on both sides; 2**-48 leaves a margin.
+        slack = bound.mul(2.0**-48)
+        bad = diff > bound + slack
+        unsure = (diff >= bound - slack) & ~bad & difference.nonzero_mask()
+        atol, rtol = Fraction(self.atol), Fraction(self.rtol)
+        for index in unsure.nonzero().squeeze(1).tolist():
+            bad[index] = difference.value(index) > atol + rtol * scale.value(index)
+        return bad, bound
+
+    def _allowed(self, expected: int) -> float:
+        """What an element whose expected value is ``expected`` may differ by."""
+        return float(Fraction(self.atol) + Fraction(self.rtol) * abs(expected))
+
+    def _track_worst_exact(
+        self, bad: torch.Tensor, difference: ExactIntegers, a: ExactIntegers, e: ExactIntegers
+    ) -> None:
+        """Keep the worst rows, each mismatched row's worst element, ranked exactly."""
+        candidates = difference.masked(bad)  # 0 where within tolerance: never a row's worst
+        worst, column = candidates.rows(self.row_length).row_max()
+        rows = worst.nonzero_mask().nonzero().squeeze(1)
+        for row in worst.descending(rows)[:WORST_ROWS].tolist():
+            flat = row * self.row_length + int(column[row])
+            expected = e.value(flat)
+            entry = (
+                worst.value(row), -(self._offset + flat), a.value(flat), expected,
+                self._allowed(expected),
+            )  # fmt: skip
+            if len(self._worst) < WORST_ROWS:
+                heapq.heappush(self._worst, entry)  # type: ignore[arg-type]
+            else:
+                heapq.heappushpop(self._worst, entry)  # type: ignore[arg-type]
+
+
+ONE_THREAD_BELOW = 1 << 15
+"""Tensors of fewer elements are compared on one thread (see :func:`threads_for`)."""
+
+
+@contextlib.contextmanager
+def threads_for(numel: int) -> Iterator[None]:
+    """torch on one thread for the block when a tensor of ``numel`` elements is small.
+
+    Threads gain nothing on so little work (torch splits no elementwise kernel below 32,768
+    elements), and some reductions start them anyway: with 2 threads on a busy machine a
+    ``max(dim=1)`` of shape ``[2, 1]`` took 3.2 ms, against 3 µs on one thread, and diffing
+    2,000 tensors of 2 elements that all differ took 25 s. Large tensors keep every thread.
+
+    Example:
+        >>> import torch
+        >>> before = torch.get_num_threads()
+        >>> with threads_for(8):
+        ...     inside = torch.get_num_threads()
+        >>> inside, torch.get_num_threads() == before
+        (1, True)
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if numel >= ONE_THREAD_BELOW or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def compare_tensors(
     name: str,
     actual: torch.Tensor,
@@ -909,7 +1347,8 @@ def compare_tensors(
         >>> result.passed, result.nan_mismatched
         (True, 0)
     """
-    comparison = Comparison(
+    integers = is_integral(actual.dtype) and is_integral(expected.dtype)
+    comparison = (IntegerComparison if integers else Comparison)(
         name,
         list(actual.shape),
         _dtype_name(actual.dtype),
@@ -923,17 +1362,24 @@ def compare_tensors(
     from maskln_cli.validrows import count_left_out, leave_out
 
     if comparison.comparable and comparison.numel:
-        step = comparison.chunk_rows() * comparison.row_length
+        length = comparison.row_length
+        step = comparison.chunk_rows() * length
         flat_actual, flat_expected = actual.reshape(-1), expected.reshape(-1)
-        for start in range(0, comparison.numel, step):
-            chunk_actual = flat_actual[start : start + step]
-            chunk_expected = flat_expected[start : start + step]
-            if keep_rows is not None:
-                row = start // comparison.row_length
-                rows = chunk_actual.numel() // comparison.row_length
-                keep = keep_rows[row : row + rows]
-                chunk_actual, chunk_expected = leave_out(chunk_actual, chunk_expected, keep)
-            comparison.update(chunk_actual, chunk_expected)
+        with threads_for(comparison.numel):
+            for start in range(0, comparison.numel, step):
+                chunk_actual = flat_actual[start : start + step]
+                chunk_expected = flat_expected[start : start + step]
+                if keep_rows is None:
+                    comparison.update(chunk_actual, chunk_expected)
+                    continue
+                row = start // length
+                keep = keep_rows[row : row + chunk_actual.numel() // length]
+                if isinstance(comparison, IntegerComparison):
+                    keep = keep.repeat_interleave(length)
+                    comparison.update(chunk_actual, chunk_expected, keep=keep)
+                else:  # in float64: not every dtype has masked_fill (float8 has not)
+                    chunk_actual, chunk_expected = chunk_actual.double(), chunk_expected.double()
+                    comparison.update(*leave_out(chunk_actual, chunk_expected, keep))
     outcome = comparison.result()
     if keep_rows is not None and comparison.comparable:
         count_left_out(outcome, int((~keep_rows).sum()))
@@ -1029,6 +1475,13 @@ def _shape(actual: TensorFile, expected: TensorFile, name: str) -> tuple[int, ..
     return (actual if name in actual else expected).info(name).shape
 
 
+SMALL_ELEMENTS = 1024
+"""Floating tensors of at most this many elements are compared many at a time
+(:meth:`Comparison.update_many`)."""
+SMALL_BATCH = 4096
+"""How many such tensors at a time, at most."""
+
+
 def _compare_keys(
     actual: TensorFile,
     expected: TensorFile,
@@ -1036,19 +1489,95 @@ def _compare_keys(
     rtol: float | None,
     atol: float | None,
     mask: RowMask | None = None,
-) -> Iterator[TensorComparison]:
+) -> list[TensorComparison]:
+    outcomes: dict[str, TensorComparison] = {}
+    small: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # by dtype and shape
     for name in names:
         if name not in actual:
             info = expected.info(name)
-            yield missing(name, "actual", info.shape, info.dtype)
+            outcomes[name] = missing(name, "actual", info.shape, info.dtype)
         elif name not in expected:
             info = actual.info(name)
-            yield missing(name, "expected", info.shape, info.dtype)
+            outcomes[name] = missing(name, "expected", info.shape, info.dtype)
         else:
-            keep = mask.keep if mask and mask.applies_to(actual.info(name).shape) else None
-            yield compare_tensors(
+            info, expected_info = actual.info(name), expected.info(name)
+            if not (has_values(info.dtype) and has_values(expected_info.dtype)):
+                outcomes[name] = _compare_stored_bytes(actual, expected, info, expected_info)
+                continue
+            keep = mask.keep if mask and mask.applies_to(info.shape) else None
+            same = (info.dtype, info.shape) == (expected_info.dtype, expected_info.shape)
+            floating = info.dtype not in INTEGRAL_DTYPES  # integers: IntegerComparison
+            if same and floating and keep is None and 0 < info.numel <= SMALL_ELEMENTS:
+                small.setdefault((info.dtype, info.shape), []).append(name)
+                continue
+            outcomes[name] = compare_tensors(
                 name, actual.tensor(name), expected.tensor(name), rtol, atol, keep
             )
+    for (dtype, shape), group in small.items():
+        for start in range(0, len(group), SMALL_BATCH):
+            batch = group[start : start + SMALL_BATCH]
+            outcomes.update(_compare_small(actual, expected, batch, dtype, shape, rtol, atol))
+    return [outcomes[name] for name in names]
+
+
+def _compare_small(
+    actual: TensorFile,
+    expected: TensorFile,
+    names: list[str],
+    dtype: str,
+    shape: tuple[int, ...],
+    rtol: float | None,
+    atol: float | None,
+) -> dict[str, TensorComparison]:
+    """Tensors of one dtype and shape on both sides, small: compared many at a time, those
+    not all finite and within tolerance one by one."""
+
+    actuals, expecteds = actual.stacked(names), expected.stacked(names)
+    comparisons = [Comparison(name, shape, dtype, shape, dtype, rtol, atol) for name in names]
+    with threads_for(actuals.numel()):
+        fed = Comparison.update_many(comparisons, actuals, expecteds)
+    return {
+        name: comparison.result()
+        if done
+        else compare_tensors(name, a.reshape(shape), e.reshape(shape), rtol, atol)
+        for name, comparison, done, a, e in zip(
+            names, comparisons, fed, actuals, expecteds, strict=True
+        )
+    }
+
+
+COMPARED_BYTES = 1 << 24
+"""Bytes of a tensor without values read from each file at a time."""
+
+
+def _compare_stored_bytes(
+    actual: TensorFile, expected: TensorFile, info: TensorInfo, expected_info: TensorInfo
+) -> TensorComparison:
+    """A tensor whose values maskln cannot read (complex, F4, F6): its shape and dtype as the
+    headers say, and its data compared bit for bit, as stored."""
+    name, dtype = info.name, info.dtype
+    comparison = Comparison(
+        name, info.shape, dtype, expected_info.shape, expected_info.dtype, 0.0, 0.0
+    )
+    problems = []
+    if dtype != expected_info.dtype:
+        problems.append(f"values not compared: {dtype} vs {expected_info.dtype}")
+    elif comparison.same_shape and not _same_bytes(actual, expected, name):
+        problems.append(
+            f"{dtype} values differ (compared bit for bit: {dtype} has no float64 form)"
+        )
+    return comparison.result(problems, compared=False)
+
+
+def _same_bytes(actual: TensorFile, expected: TensorFile, name: str) -> bool:
+    size = actual.data_size(name)
+    if size != expected.data_size(name):
+        return False
+    for start in range(0, size, COMPARED_BYTES):
+        stop = start + COMPARED_BYTES
+        if actual.read_data(name, start, stop) != expected.read_data(name, start, stop):
+            return False
+    return True
 
 
 def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:

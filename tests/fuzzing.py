@@ -974,3 +974,138 @@ def check_normalize_output(
         f"out differs from the float64 reference at rows {wrong.nonzero().flatten().tolist()[:5]}:"
         f" max error {float(error[wrong].max())}"
     )
+
+
+# --- values and text the reports must carry exactly (issue 13) ---------------------------------
+
+INTEGER_RANGES = {
+    torch.int64: (-(2**63), 2**63 - 1),
+    torch.uint64: (0, 2**64 - 1),
+    torch.int32: (-(2**31), 2**31 - 1),
+    torch.bool: (0, 1),
+}
+
+
+def integer_tensor(values: list[int], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``values`` as a tensor of ``dtype`` (uint64 through int64 bits: torch makes none from
+    ints of 2**63 and up)."""
+    if dtype == torch.uint64:
+        bits = [v - 2**64 if v >= 2**63 else v for v in values]
+        return torch.tensor(bits, dtype=torch.int64).view(torch.uint64).reshape(shape)
+    return torch.tensor(values, dtype=torch.int64).to(dtype).reshape(shape)
+
+
+@dataclasses.dataclass
+class IntegerPair:
+    """Two integer tensors of one dtype and shape, equal but at ``changed`` (flat indices),
+    where they are one unit apart."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    actual: list[int]
+    expected: list[int]
+    changed: list[int]
+
+
+@st.composite
+def integers_one_unit_apart(draw) -> IntegerPair:
+    """int64, uint64, int32 or bool values, mostly at magnitudes float64 cannot tell apart
+    (beyond 2**53, near the dtype's limits), and the same values one unit off at some places:
+    each is a mismatch with a difference of exactly 1."""
+    dtype = draw(st.sampled_from(list(INTEGER_RANGES)), label="dtype")
+    shape = draw(st.sampled_from([(1,), (5,), (2, 3), (3, 1, 4)]), label="shape")
+    low, high = INTEGER_RANGES[dtype]
+    near = [st.integers(low, min(high, low + 2**10)), st.integers(max(low, high - 2**10), high)]
+    if high > 2**53:  # where float64 has no odd integers
+        near.append(st.integers(2**53 - 4, 2**53 + 4))
+    if low < -(2**53):
+        near.append(st.integers(-(2**53) - 4, -(2**53) + 4))
+    values = draw(
+        st.lists(st.one_of(*near, st.integers(low, high)), min_size=math.prod(shape),
+                 max_size=math.prod(shape)),
+        label="values",
+    )  # fmt: skip
+    changed = sorted(
+        draw(st.sets(st.integers(0, len(values) - 1), min_size=1, max_size=len(values)))
+    )
+    expected = list(values)
+    for index in changed:
+        expected[index] += 1 if values[index] < high else -1
+    return IntegerPair(dtype, shape, values, expected, changed)
+
+
+EMOJI_CODES = [":warning:", ":thumbs_up:", ":x:", ":up:", ":smile:", ":cross_mark:", ":+1:"]
+JSON_PIECES = ["[", "]", "{", "}", ",", ", ", ":", " ", "   ", '"', "\\", "\\n", "null", "true",
+               "-2.5e3", "1", "[bold]", "[/]", "[red]x[/red]", "\\[", "\t", "\n"]  # fmt: skip
+
+
+@st.composite
+def json_looking_text(draw, min_size: int = 0, max_size: int = 40) -> str:
+    """Text a report must carry as it is: number lists with odd spacing (``[ 3,   4 ]``),
+    JSON punctuation, quotes and backslashes, rich markup, ``:emoji:`` codes, any Unicode."""
+    number = st.integers(-99, 999) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    number_list = st.builds(
+        lambda numbers, separator, inside: f"[{inside}{separator.join(map(str, numbers))}{inside}]",
+        st.lists(number, max_size=4),
+        st.sampled_from([",", ", ", " ,  ", ",\n", ",\t"]),
+        st.sampled_from(["", " ", "  "]),
+    )
+    characters = st.characters(exclude_categories=("Cs",))  # UTF-8 has no lone surrogates
+    piece = st.one_of(
+        st.sampled_from(EMOJI_CODES + JSON_PIECES), number_list, st.text(characters, max_size=4)
+    )
+    text = "".join(draw(st.lists(piece, min_size=1, max_size=6)))[:max_size]
+    return text if len(text) >= min_size else text + "k" * (min_size - len(text))
+
+
+# Commands naming a file, where {s} is the special file; {i} an input, {r} a result, {o} an
+# output (regular files).
+FILE_ARGUMENTS = [
+    ("inspect", "{s}"),
+    ("inspect", "--keys", "{s}"),
+    ("inspect", "--json", "{s}"),
+    ("normalize", "{s}", "{o}"),
+    ("normalize", "{i}", "{o}", "--params", "{s}"),
+    ("normalize", "{i}", "{o}", "--grad-out", "{s}"),
+    ("normalize", "{i}", "{o}", "--config", "{s}"),
+    ("verify", "{s}", "{r}"),
+    ("verify", "{i}", "{s}"),
+    ("verify", "{i}", "{r}", "--params", "{s}"),
+    ("verify", "{i}", "{r}", "--config", "{s}"),
+    ("verify", "{i}", "{r}", "--valid", "{s}"),
+    ("diff", "{s}", "{i}"),
+    ("diff", "{i}", "{s}", "--json"),
+    ("diff", "{i}", "{i}", "--valid", "{s}"),
+]
+SPECIAL_KINDS = {"fifo": "FIFO", "socket": "socket", "device": "character device"}
+"""Each kind of file that is no regular file, and the word the error line uses for it."""
+SPECIAL_NAMES = ["p", "in.safetensors", "run:up:1.safetensors", "[bold]x", "é ∑ 💥", "a b"]
+
+
+@contextlib.contextmanager
+def special_file(kind: str, folder: Path, name: str) -> Iterator[Path]:
+    """``folder/name`` as a FIFO, a listening UNIX socket, or a symlink to /dev/zero.
+
+    The FIFO has a writer attached that has written 8 bytes no safetensors parser accepts (a
+    header of 2**64 - 1 bytes), and the socket listens: should maskln ever open them, it fails
+    at once, with some other message, instead of blocking the test.
+    """
+    path = folder / name
+    if kind == "fifo":
+        os.mkfifo(path)
+        writer = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # opens without a reader
+        os.write(writer, b"\xff" * 8)
+        try:
+            yield path
+        finally:
+            os.close(writer)
+    elif kind == "socket":
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))
+            server.listen()
+            yield path
+    else:
+        path.symlink_to("/dev/zero")
+        yield path

@@ -494,3 +494,16 @@ def test_inspect_keys_of_a_sharded_checkpoint(tmp_path):
     shapes = {t["name"]: t["shape"] for t in document["tensors"]}
     assert shapes[f"{MODULE}.weight"] == [CHANNELS]
     assert document["metadata"] == {"total_size": "123"}
+
+
+def test_inspect_of_a_sharded_checkpoint_is_that_of_one_file(tmp_path):
+    # Small tensors are read many at a time (ShardedFile.stacked), from several shards at once.
+    params = parameters()
+    folder = write_sharded(tmp_path / "checkpoint", params)
+    single = write(tmp_path / "one.safetensors", params)
+    sharded = json.loads(invoke("inspect", "--json", folder).stdout)["tensors"]
+    whole = json.loads(invoke("inspect", "--json", single).stdout)["tensors"]
+    assert len(sharded) == len(params) == len(whole)
+    assert {t["name"]: t for t in sharded} == {t["name"]: t for t in whole}
+    first = next(t for t in whole if t["name"] == "encoder.layer.0.dense.bias")
+    assert first["max"] == float(params["encoder.layer.0.dense.bias"].max())

@@ -113,6 +113,35 @@ def test_inspect_statistics_do_not_depend_on_chunking(tmp_path, monkeypatch):
     assert whole["tensors"][0]["std"] == pytest.approx(finite.std(unbiased=False).item(), rel=1e-12)
 
 
+def test_small_tensors_summarized_together_as_one_by_one(tmp_path, monkeypatch):
+    """inspect summarizes small floating tensors many at a time; every statistic is the one
+    summarizing them one by one gives, NaN, inf and overflowing sums included."""
+    from maskln_cli.report import to_json
+
+    generator = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+              torch.float8_e5m2, torch.float8_e8m0fnu]  # fmt: skip
+    tensors = {}
+    for i in range(350):
+        dtype, shape = dtypes[i % 7], [(1,), (7,), (3, 5), (), (2, 2, 3)][i // 7 % 5]
+        values = torch.randn(shape, generator=generator, dtype=torch.float64)
+        kind = i // 35 % 5
+        if kind == 1:  # one NaN or inf: summarized alone
+            values.reshape(-1)[0] = (math.nan, math.inf, -math.inf)[i % 3]
+        elif kind == 2:  # near the dtype's limit: sums overflow
+            values = values.sign() * torch.finfo(dtype).max
+        elif kind == 3:  # a large common offset: the shift does its work
+            values = values + 1e4
+        elif kind == 4:
+            values = values * 1e-30
+        tensors[f"t{i}"] = values.to(dtype)
+    source = write(tmp_path / "small.safetensors", tensors)
+    together = to_json(stats.summarize_file(str(source)).to_dict())
+    monkeypatch.setattr(stats, "SMALL_ELEMENTS", 0)
+    assert together == to_json(stats.summarize_file(str(source)).to_dict())
+    assert '"nan": 1' in together and '"inf": 1' in together
+
+
 def test_inspect_from_stdin():
     result = run("inspect", "--json", "-", input=WORKED.read_bytes())
     assert result.returncode == 0

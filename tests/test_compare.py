@@ -199,3 +199,97 @@ def test_values_without_a_float64_form_are_compared_bit_for_bit():
     assert not other.passed and "bit for bit" in other.problems[0]
     against_float = compare_tensors("c", a, torch.ones(2))
     assert not against_float.passed
+
+
+def test_plain_data_is_asdict():
+    import dataclasses
+
+    from maskln_cli.compare import RowErrors, plain_data
+
+    result = compare_tensors("t", torch.tensor([[1.0, 2.0], [3.0, 9.0]]), torch.ones(2, 2))
+    result.row_rel_error = RowErrors(2, 0.5, 0.1, 0.4, 0.6)
+    result.diagnosis = [{"description": "x", "rows": [1, 2], "pair": (1, {"a": [2]})}]
+    plain = plain_data(result)
+    assert plain == dataclasses.asdict(result) and repr(plain) == repr(dataclasses.asdict(result))
+    plain["worst"][0]["index"].append(99)  # a copy, as asdict makes
+    plain["diagnosis"][0]["rows"].append(3)
+    assert result.worst[0].index == [1, 1] and result.diagnosis[0]["rows"] == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.uint64])
+@pytest.mark.parametrize(("rtol", "atol"), [(0.0, 0.0), (0.0, 2.0), (1e-3, 0.0), (1e-3, 1.0)])
+def test_equal_integer_chunks_take_a_shortcut_to_the_same_result(dtype, rtol, atol):
+    """IntegerComparison.update skips the exact arithmetic for a chunk whose two sides are
+    equal; the outcome is the one the full path gives (a keep mask of all True takes it)."""
+    from maskln_cli.compare import IntegerComparison
+
+    generator = torch.Generator().manual_seed(0)
+    high = 2 if dtype == torch.bool else 2**7 if dtype == torch.uint8 else 2**31
+    base = torch.randint(-high if dtype.is_signed else 0, high, (6, 4), generator=generator)
+    if dtype == torch.uint64:
+        base = (base.abs() * 2**32 + 5).view(torch.uint64)  # values of 2**63 and up
+    base = base.to(dtype)
+    zeros, changed = torch.zeros_like(base), base.clone()
+    if dtype == torch.bool:
+        changed[3, 1] = ~changed[3, 1]
+    else:  # through int64 bits: torch adds no uint64
+        bits = changed.view(torch.int64) if dtype == torch.uint64 else changed
+        bits[3, 1] += 1
+    for actual, expected in ((base, base), (zeros, zeros), (changed, base), (base, changed)):
+        outcomes = []
+        for keep in (None, torch.ones(8, dtype=torch.bool)):
+            comparison = IntegerComparison("t", [6, 4], str(dtype)[6:], [6, 4], str(dtype)[6:],
+                                           rtol, atol)  # fmt: skip
+            for start in range(0, 24, 8):  # three chunks of two rows
+                chunk = slice(start, start + 8)
+                comparison.update(actual.reshape(-1)[chunk], expected.reshape(-1)[chunk], keep=keep)
+            outcomes.append(comparison.result().to_dict())
+        assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize(("rtol", "atol"), [(None, None), (0.0, 0.0), (0.5, 0.0), (0.0, 1e-3)])
+def test_small_tensors_compared_together_as_one_by_one(tmp_path, monkeypatch, rtol, atol):
+    """diff compares small floating tensors many at a time (Comparison.update_many); every
+    figure of every outcome is the one comparing them one by one gives."""
+    from safetensors.torch import save_file
+
+    from maskln_cli.report import to_json
+
+    generator = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+    shapes = [(1,), (5,), (3, 4), (2, 3, 2), (1, 1), ()]
+    actual, expected = {}, {}
+    for i in range(420):
+        dtype, shape = dtypes[i % 5], shapes[i // 5 % 6]
+        e = torch.randn(shape, generator=generator, dtype=torch.float64) * 10.0 ** (i % 7 - 3)
+        kind = i // 30 % 7
+        if kind == 1:  # nudged, within float32's tolerance
+            a = e * (1 + 1e-7)
+        elif kind == 2:  # zeros and ties: the first index of a maximum counts
+            e = e.abs().round().clamp(max=2.0)
+            a = e.flip(-1) if e.dim() else e
+        elif kind == 3:  # beyond tolerance somewhere
+            a = e + 1
+        elif kind == 4:  # NaN and inf: compared one by one
+            a = e.clone()
+            a.reshape(-1)[0] = math.nan if i % 2 else math.inf
+        elif kind == 5:  # an expected 0, an actual within atol: relative difference inf
+            e = e * 0
+            a = e + 1e-6
+        else:
+            a = e.clone()
+        actual[f"t{i}"], expected[f"t{i}"] = a.to(dtype), e.to(dtype)
+    save_file(actual, str(tmp_path / "a.safetensors"))
+    save_file(expected, str(tmp_path / "e.safetensors"))
+
+    def report() -> str:
+        compared = compare.diff_files(
+            str(tmp_path / "a.safetensors"), str(tmp_path / "e.safetensors"), rtol=rtol, atol=atol
+        )
+        return to_json(compared.to_dict())
+
+    together = report()
+    monkeypatch.setattr(compare, "SMALL_ELEMENTS", 0)
+    assert together == report()
+    passed = json.loads(together)["tensors"]
+    assert 100 < sum(t["passed"] for t in passed) < len(passed)

@@ -9,7 +9,9 @@ at the format: the header length field, the header JSON's structure, dtypes, sha
 data_offsets, metadata (eps), truncation, appended and flipped bytes. Each mutated file goes
 through normalize, inspect, verify and diff, from a path and from stdin, in-process (fast); a few
 run through the real entry point in a subprocess. Explicit regression cases cover the nastiest
-hand-made files.
+hand-made files. Three more generators (issue 13) aim at the reports: integer tensors one unit
+apart at magnitudes float64 cannot tell apart, keys and metadata of JSON-looking text, markup
+and ``:emoji:`` codes, and FIFOs, sockets and devices wherever a command takes a file.
 
 ``MASKLN_FUZZ_EXAMPLES=5000`` runs each fuzz test on that many files (default 25, so that
 `make test` stays quick); ``MASKLN_FUZZ_SUBPROCESS_EXAMPLES`` likewise for the subprocess test.
@@ -22,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -31,14 +34,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 from safetensors import safe_open as open_safetensors
 
 from tests.fuzzing import (
+    EMOJI_CODES,
+    FILE_ARGUMENTS,
+    SPECIAL_KINDS,
+    SPECIAL_NAMES,
     Bases,
     Case,
     Entry,
+    IntegerPair,
     Layout,
     assemble,
     base_tensors,
@@ -48,6 +56,9 @@ from tests.fuzzing import (
     crash_site,
     encode_json,
     hidden_files,
+    integer_tensor,
+    integers_one_unit_apart,
+    json_looking_text,
     mutated_files,
     nbytes,
     read_file,
@@ -56,6 +67,7 @@ from tests.fuzzing import (
     run_subprocess,
     save_base,
     snapshot,
+    special_file,
 )
 
 EXAMPLES = int(os.environ.get("MASKLN_FUZZ_EXAMPLES", "25"))
@@ -752,3 +764,132 @@ def test_workspace_bases_are_valid(workspace):
             verified = run_in_process("verify", path, workspace.expected[name], spool_dir=spool)
             check_outcome(verified, {0})
             assert snapshot(folder / "out").keys() == {"o.safetensors"}
+
+
+# --- issue 13: integers compared exactly, text carried as it is, special files refused ---------
+
+EXACT = settings(
+    max_examples=max(1, EXAMPLES * 2 // 5),  # 10 by default: each example runs several commands
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+EMOJI = {"\u26a0", "\U0001f44d", "\u274c", "\U0001f199", "\U0001f604"}
+"""What rich makes of EMOJI_CODES: none may appear unless the input holds it."""
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    index = []
+    for size in reversed(shape):
+        flat, position = divmod(flat, size)
+        index.append(position)
+    return index[::-1]
+
+
+@EXACT
+@given(pair=integers_one_unit_apart())
+def test_fuzz_integers_one_unit_apart_differ_by_exactly_one(pair: IntegerPair):
+    """int64, uint64, int32 and bool values one unit apart, at any magnitude: each such
+    place is a mismatch, the differences and values reported are exact ints (JSON and the
+    report alike), and each tensor matches itself."""
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        (root / "spool").mkdir()
+        tensors = [integer_tensor(v, pair.dtype, pair.shape) for v in (pair.actual, pair.expected)]
+        a = save_base(root / "a.safetensors", {"t": tensors[0]}, None)
+        e = save_base(root / "e.safetensors", {"t": tensors[1]}, None)
+        outcome = run_in_process("diff", a, e, "--json", spool_dir=root / "spool")
+        check_outcome(outcome, {1})
+        (tensor,) = _strict_json(outcome.stdout.decode())["tensors"]
+        first = _unravel(pair.changed[0], pair.shape)
+        assert tensor["mismatched"] == len(pair.changed)
+        assert tensor["max_abs_diff"] == 1 and tensor["max_abs_index"] == first
+        assert tensor["worst"], tensor
+        for worst in tensor["worst"]:
+            flat = sum(i * math.prod(pair.shape[d + 1 :]) for d, i in enumerate(worst["index"]))
+            assert flat in pair.changed, worst
+            assert (worst["actual"], worst["expected"], worst["abs_diff"]) == (
+                pair.actual[flat], pair.expected[flat], 1
+            )  # fmt: skip
+        report = run_in_process("diff", a, e, spool_dir=root / "spool")
+        check_outcome(report, {1})
+        text = report.stdout.decode()
+        assert re.search(rf"max abs diff +1 at {re.escape(str(first))}", text), text
+        worst = tensor["worst"][0]
+        assert f"{worst['actual']:,}" in text and f"{worst['expected']:,}" in text, text
+        check_outcome(run_in_process("diff", a, a, "--json", spool_dir=root / "spool"), {0})
+
+
+@EXACT
+@given(
+    keys=st.lists(json_looking_text(min_size=1), min_size=1, max_size=4, unique=True),
+    metadata=st.dictionaries(json_looking_text(), json_looking_text(), max_size=4),
+)
+def test_fuzz_keys_and_metadata_are_carried_as_they_are(keys, metadata):
+    """Keys and metadata holding JSON-looking text, markup and :emoji: codes: --json carries
+    each string as the json module writes it, the reports show each as it is (control
+    characters escaped), and no emoji appears that the file does not hold."""
+    from maskln_cli.report import plain_safe
+
+    assume("__metadata__" not in keys and "__metadata__" not in metadata)
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        spool = root / "spool"
+        spool.mkdir()
+        a = save_base(root / "a.safetensors", {k: torch.ones(2) for k in keys}, metadata or None)
+        e = save_base(root / "e.safetensors", {k: torch.zeros(2) for k in keys}, None)
+        strings = [*keys, *metadata, *metadata.values()]
+        held = {c for c in EMOJI if any(c in text for text in strings)}
+
+        inspected = run_in_process("inspect", "--json", a, spool_dir=spool)
+        diffed = run_in_process("diff", a, e, "--json", spool_dir=spool)
+        check_outcome(inspected, {0})
+        check_outcome(diffed, {1})
+        document = _strict_json(inspected.stdout.decode())
+        assert document["metadata"] == metadata
+        assert sorted(t["name"] for t in document["tensors"]) == sorted(keys)
+        compared = _strict_json(diffed.stdout.decode())
+        assert sorted(t["name"] for t in compared["tensors"]) == sorted(keys)
+        for text in strings:
+            assert json.dumps(text) in inspected.stdout.decode(), text
+        for key in keys:
+            assert json.dumps(key) in diffed.stdout.decode(), key
+
+        table = run_in_process("inspect", a, spool_dir=spool)
+        report = run_in_process("diff", a, e, spool_dir=spool)
+        check_outcome(table, {0})
+        check_outcome(report, {1})
+        for shown in (table.stdout.decode(), report.stdout.decode()):
+            for key in keys:
+                assert plain_safe(key) in shown, (key, shown)
+            assert {c for c in EMOJI if c in shown} <= held, shown
+        for text in [*metadata, *metadata.values()]:  # line ends are stripped off a terminal
+            assert plain_safe(text).rstrip() in table.stdout.decode(), text
+        absent = keys[0] + "?"
+        if absent not in keys:
+            error = run_in_process("diff", a, e, "--key", absent, spool_dir=spool)
+            check_outcome(error, {2})
+            assert repr(absent) in error.stderr and not {c for c in EMOJI if c in error.stderr}
+
+
+@settings(EXACT, max_examples=EXAMPLES)
+@given(
+    kind=st.sampled_from(sorted(SPECIAL_KINDS)),
+    name=st.sampled_from(SPECIAL_NAMES),
+    command=st.sampled_from(FILE_ARGUMENTS),
+)
+def test_fuzz_fifos_sockets_and_devices_are_refused_at_once(workspace, kind, name, command):
+    """A FIFO, a socket or a device wherever a command takes a file: exit 2, one line naming
+    the file as given and what it is, before it is opened (a FIFO with no writer would block
+    the open), and no output written."""
+    assert any(" " in n or ":" in n for n in SPECIAL_NAMES) and ":up:" in EMOJI_CODES
+    with workspace.scratch() as folder, special_file(kind, folder, name) as special:
+        output = folder / "out" / "o.safetensors"
+        names = {"s": special, "i": workspace.inputs["f32"], "r": workspace.expected["f32"],
+                 "o": output}  # fmt: skip
+        args = [part.format(**names) for part in command]
+        outcome = run_in_process(*args, spool_dir=folder / "spool")
+        check_outcome(outcome, {2})
+        assert str(special) in outcome.stderr, outcome.describe()
+        assert f"is a {SPECIAL_KINDS[kind]}" in outcome.stderr, outcome.describe()
+        assert not output.exists()

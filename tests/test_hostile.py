@@ -416,8 +416,12 @@ def test_reports_to_a_full_stdout_exit_2(command):
 )
 def test_a_report_piped_into_head_ends_quietly_with_its_verdict(tmp_path, other, flags, code):
     """As git and grep do: no message when the reader goes, and the verdict's exit code."""
-    many = write(tmp_path / "many.safetensors", {f"t{i}": torch.ones(2) for i in range(2000)})
-    write(tmp_path / "other.safetensors", {f"t{i}": torch.zeros(2) for i in range(2000)})
+    # Every report names each key at least once: 200 keys of 700 characters make it longer
+    # than a pipe holds (64 KiB), so that writing it fails once head has gone.
+    names = [f"{i:03d}" + "k" * 697 for i in range(200)]
+    assert sum(map(len, names)) > 2 * 64 * 1024
+    many = write(tmp_path / "many.safetensors", {name: torch.ones(2) for name in names})
+    write(tmp_path / "other.safetensors", {name: torch.zeros(2) for name in names})
     pipeline = subprocess.run(
         f"{sys.executable} -m maskln_cli diff {many} {tmp_path / other}.safetensors {flags}"
         " | head -c 10 >/dev/null; echo ${PIPESTATUS[0]}",
