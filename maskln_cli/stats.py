@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from maskln_cli.checkpoint import Tensors, open_checkpoint
 from maskln_cli.compare import converts_to_float64, has_values, plain_data
+from maskln_cli.tensorfile import torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -159,8 +160,6 @@ SMALL_BATCH = 4096
 
 
 def _floating(dtype: str) -> bool:
-    from maskln_cli.tensorfile import torch_dtype
-
     torch_type = torch_dtype(dtype)
     return torch_type is not None and torch_type.is_floating_point
 
