@@ -224,6 +224,9 @@ def test_signal_during_a_large_write_leaves_output_untouched(tmp_path, large_inp
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,
+        # pytest-xdist's workers ignore SIGINT, and an ignored SIGINT is inherited (and rightly
+        # respected by Python): the child gets the default disposition, as from a shell.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not leftovers(tmp_path):  # wait for the temporary file: the write has begun
