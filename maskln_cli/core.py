@@ -52,6 +52,7 @@ from maskln_cli.functional import (
     normalized_rows,
     row_means,
 )
+from maskln_cli.threads import map_blocks
 
 __all__ = ["masked_layer_normalization"]
 
@@ -238,21 +239,25 @@ def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
     return dtype != torch.float64 and eps <= 2.0**-150
 
 
-BLOCK_BYTES = 16 << 20
-"""Rows are processed in blocks of about this many bytes of x: the several passes over a block
-then hit the (last-level) cache instead of memory, and the per-call overhead stays small.
+BLOCK_BYTES = 4 << 20
+"""Rows are processed in blocks of at most about this many bytes of x (an eighth of x, and at
+least MIN_BLOCK_BYTES): the several passes over a block then hit the cache instead of memory.
 
-Every large op on a block is an OpenMP parallel region, whose threads must all be scheduled
-before it ends: on a busy machine each region waited about 10 ms, so time grew with the number
-of blocks. 16 MiB blocks (4 MiB before) cut the forward of a 64 MiB float32 x from 4.8 to 2.3
-times the torch one-liner's time at a load of 8 on 2 cores, and changed nothing on one thread
-(1.15x either way). A block is also at most an eighth of x (and at least a quarter of this),
-so that its temporaries stay small beside the output: a 32 MiB x in 16 MiB blocks needed 1.5
-times its size in extra memory, in 4 MiB blocks 1.2 times (benchmark figure 3)."""
+The blocks run on worker threads, each with torch on one thread (:mod:`maskln_cli.threads`),
+not one after the other with each op forked over torch's threads: every op on a block was an
+OpenMP parallel region, which on a busy machine waits for all threads to be scheduled. Blocks
+of an eighth of x give every worker several, so that one delayed worker holds up little.
+Measured forward / the torch one-liner, 2 threads, loadavg 3 to 7 (interleaved medians, 8
+cases of 3 to 64 MiB): ops forked over torch's threads 0.8 to 11.9 times, blocks on workers
+0.4 to 1.1 times. On the 64 MiB inputs 4 MiB blocks did best among 0.5 to 4 MiB (0.79 to
+1.14, against 0.94 to 1.38 with 512 KiB blocks)."""
 BACKWARD_BLOCK_BYTES = 4 << 20
-"""The backward's blocks: it makes twice the forward's passes over three block-sized arrays (x,
-dy and a workspace of two blocks), and 16 MiB blocks cost it 19-27% more CPU time on one
-thread than 4 MiB ones (cache misses). Blocking never changes a result's bits."""
+"""The backward's largest blocks: it makes twice the forward's passes over three block-sized
+arrays (x, dy and a workspace of two blocks), and 16 MiB blocks cost it 19-27% more CPU time
+on one thread than 4 MiB ones (cache misses). Blocking never changes a result's bits."""
+MIN_BLOCK_BYTES = 256 << 10
+"""Smaller blocks are not worth a worker's hand-over: an x of less than twice this is one block,
+run in the calling thread (on one torch thread, as a worker would)."""
 
 
 def row_blocks(rows: int, block_rows: int) -> Iterator[tuple[int, int]]:
@@ -321,19 +326,21 @@ def forward(
             )
             return y.copy_(y_contiguous), mean, rstd
         valid_rows = valid.reshape(-1)
-        blocks = list(row_blocks(len(x_rows), _block_rows(x, _forward_block_bytes(x))))
-        if mean is None or rstd is None:  # one block's worth of statistics, reused
-            largest = max(stop - start for start, stop in blocks)
-            mean_rows, rstd_rows = x.new_empty(largest, 1), x.new_empty(largest, 1)
-        else:
-            mean_rows, rstd_rows = mean.view(-1, 1), rstd.view(-1, 1)
-        for (start, stop), invalid in zip(blocks, _invalid_rows_by_block(valid_rows, blocks),
-                                          strict=True):  # fmt: skip
-            rows = slice(start, stop) if mean is not None else slice(0, stop - start)
+        blocks = list(row_blocks(len(x_rows), _block_rows(x, _block_bytes(x, BLOCK_BYTES))))
+        invalid_by_block = _invalid_rows_by_block(valid_rows, blocks)
+
+        def block(index: int) -> None:
+            start, stop = blocks[index]
+            if mean is None or rstd is None:  # statistics needed only inside the block
+                mean_rows, rstd_rows = x.new_empty(stop - start, 1), x.new_empty(stop - start, 1)
+            else:
+                mean_rows, rstd_rows = mean.view(-1, 1)[start:stop], rstd.view(-1, 1)[start:stop]
             _forward_rows(
                 y_rows[start:stop], x_rows[start:stop], valid_rows[start:stop], scale, bias, eps,
-                mean_rows[rows], rstd_rows[rows], invalid, keep_statistics,
+                mean_rows, rstd_rows, invalid_by_block[index], keep_statistics,
             )  # fmt: skip
+
+        map_blocks(block, range(len(blocks)))
         return y, mean, rstd
 
 
@@ -515,9 +522,9 @@ def _rstd(
     return var.add_(eps).rsqrt_()
 
 
-def _forward_block_bytes(x: torch.Tensor) -> int:
-    """The forward's block size for x: an eighth of x, within [BLOCK_BYTES / 4, BLOCK_BYTES]."""
-    return min(BLOCK_BYTES, max(BLOCK_BYTES // 4, x.numel() * x.element_size() // 8))
+def _block_bytes(x: torch.Tensor, largest: int) -> int:
+    """The block size for x: an eighth of x, within [MIN_BLOCK_BYTES, largest]."""
+    return min(largest, max(MIN_BLOCK_BYTES, x.numel() * x.element_size() // 8))
 
 
 def _block_rows(x: torch.Tensor, block_bytes: int) -> int:
@@ -579,24 +586,37 @@ def backward_in_place(
         valid_rows = valid.reshape(-1)
         weight = valid_rows.to(x.dtype)
         mean_rows, rstd_rows = mean.reshape(-1, 1), rstd.reshape(-1, 1)
-        blocks = list(row_blocks(len(x_rows), _block_rows(x, BACKWARD_BLOCK_BYTES)))
-        largest = max(stop - start for start, stop in blocks)
-        # Per block: xhat and a scratch buffer, and dy * scale (in dx itself when dx is needed).
-        workspace = x_rows.new_empty(2 if need_dx else 3, largest, channels)
+        blocks = list(
+            row_blocks(len(x_rows), _block_rows(x, _block_bytes(x, BACKWARD_BLOCK_BYTES)))
+        )
+        invalid_by_block = _invalid_rows_by_block(valid_rows, blocks)
         dx = torch.empty_like(x_rows) if need_dx else None
         # Valid rows whose rstd is too small to be exact (|x| near the dtype's limit) are redone
         # scaled in their block; found once here, as the invalid rows are.
         too_small = rstd_rows.squeeze(1) < _SMALLEST_EXACT_RSTD[x.dtype]
         small_rows = bool((too_small & valid_rows).any())
-        for (start, stop), invalid in zip(blocks, _invalid_rows_by_block(valid_rows, blocks),
-                                          strict=True):  # fmt: skip
+
+        def block(index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            """The block's dx, and its own sums for dscale and dbias (added up in order below,
+            so that they never depend on which thread finished first)."""
+            start, stop = blocks[index]
             rows = slice(start, stop)
-            block_dx = dx[rows] if dx is not None else workspace[2, : stop - start]
+            # xhat and a scratch buffer, and dy * scale (in dx itself when dx is needed)
+            workspace = x_rows.new_empty(2 if need_dx else 3, stop - start, channels)
+            block_dx = dx[rows] if dx is not None else workspace[2]
+            sums = [None if g is None else torch.zeros_like(g) for g in (dscale, dbias)]
             _backward_rows(
                 dy_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale,
-                mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2, : stop - start],
-                dscale, dbias, need_dx, invalid, too_small[rows] if small_rows else None,
+                mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2], *sums, need_dx,
+                invalid_by_block[index], too_small[rows] if small_rows else None,
             )  # fmt: skip
+            return sums[0], sums[1]
+
+        for block_dscale, block_dbias in map_blocks(block, range(len(blocks))):
+            if dscale is not None and block_dscale is not None:
+                dscale += block_dscale
+            if dbias is not None and block_dbias is not None:
+                dbias += block_dbias
         sums = (None if g is None else g.to(x.dtype) for g in (dscale, dbias))
         return (dx.view(x.shape) if dx is not None else None), *sums
 
