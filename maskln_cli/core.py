@@ -240,13 +240,17 @@ def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
 
 
 BLOCK_BYTES = 4 << 20
-"""Rows are processed in blocks of at most about this many bytes of x (an eighth of x, and at
+"""Rows are processed in blocks of at most about this many bytes of x (a sixteenth of x, and at
 least MIN_BLOCK_BYTES): the several passes over a block then hit the cache instead of memory.
 
 The blocks run on worker threads, each with torch on one thread (:mod:`maskln_cli.threads`),
 not one after the other with each op forked over torch's threads: every op on a block was an
 OpenMP parallel region, which on a busy machine waits for all threads to be scheduled. Blocks
-of an eighth of x give every worker several, so that one delayed worker holds up little.
+of a sixteenth of x give every worker several, so that one delayed worker holds up little,
+and keep the row statistics of the blocks in flight small beside the output: on x of 32 MiB
+in rows of 16, an eighth gave a peak of 1.26 times the output's size, a sixteenth 1.12
+(benchmark figure 3, target 1.25).
+
 Measured forward / the torch one-liner, 2 threads, loadavg 3 to 7 (interleaved medians, 8
 cases of 3 to 64 MiB): ops forked over torch's threads 0.8 to 11.9 times, blocks on workers
 0.4 to 1.1 times. On the 64 MiB inputs 4 MiB blocks did best among 0.5 to 4 MiB (0.79 to
@@ -523,8 +527,8 @@ def _rstd(
 
 
 def _block_bytes(x: torch.Tensor, largest: int) -> int:
-    """The block size for x: an eighth of x, within [MIN_BLOCK_BYTES, largest]."""
-    return min(largest, max(MIN_BLOCK_BYTES, x.numel() * x.element_size() // 8))
+    """The block size for x: a sixteenth of x, within [MIN_BLOCK_BYTES, largest]."""
+    return min(largest, max(MIN_BLOCK_BYTES, x.numel() * x.element_size() // 16))
 
 
 def _block_rows(x: torch.Tensor, block_bytes: int) -> int:
