@@ -28,6 +28,7 @@ from maskln_cli.errors import MasklnError
 from maskln_cli.resources import check_memory
 from maskln_cli.tensorfile import (
     STDIO,
+    BackgroundWriter,
     SafetensorsWriter,
     TensorFile,
     data_bytes,
@@ -520,19 +521,19 @@ def normalize_file(
         inputs = (input_path, options.params, options.grad_out)
         with open_output(output_path, data_bytes(specs), inputs, fsync) as stream:
             writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
-            for _, stop, out in iter_outputs(problem):
-                writer.write(options.out_key, out)
-                if progress:
-                    progress(stop, total)
-            if problem.grad_out is not None:
-                sums = GradientSums(problem)
-                for _, stop, grad_x in iter_gradients(problem, sums):
-                    writer.write("grad_x", grad_x)
+            with BackgroundWriter(writer) as background:  # the next chunk computes meanwhile
+                for _, stop, out in iter_outputs(problem):
+                    background.write(options.out_key, out)
                     if progress:
-                        progress(problem.rows + stop, total)
-                writer.write("grad_scale", sums.scale.to(problem.dtype))
-                writer.write("grad_bias", sums.bias.to(problem.dtype))
-            writer.close()
+                        progress(stop, total)
+                if problem.grad_out is not None:
+                    sums = GradientSums(problem)
+                    for _, stop, grad_x in iter_gradients(problem, sums):
+                        background.write("grad_x", grad_x)
+                        if progress:
+                            progress(problem.rows + stop, total)
+                    background.write("grad_scale", sums.scale.to(problem.dtype))
+                    background.write("grad_bias", sums.bias.to(problem.dtype))
         return NormalizeResult(
             input=problem.source,
             output=output_name(output_path),

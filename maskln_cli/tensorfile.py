@@ -462,6 +462,77 @@ class SafetensorsWriter:
             raise MasklnError(f"{self._name}: cannot write: {_os_reason(error)}") from None
 
 
+class BackgroundWriter:
+    """A :class:`SafetensorsWriter` fed from the caller and writing on a thread of its own, so
+    that computing the next chunk overlaps writing the last one: here, writing 512 MiB to a
+    file took 1.3 s, longer than normalizing it (0.8 s).
+
+    At most ``depth`` chunks wait to be written. An error in writing is raised in the caller,
+    at its next :meth:`write` or at :meth:`close`; leaving the ``with`` block on an error of the
+    caller's (Ctrl-C included) stops the thread, once its current write is done, and drops
+    what waits: nothing is written after the block.
+
+    Example:
+        >>> import io, torch
+        >>> from safetensors.torch import load
+        >>> stream = io.BytesIO()
+        >>> with BackgroundWriter(SafetensorsWriter(stream, "mem", {"t": ("float32", (4,))})) as w:
+        ...     w.write("t", torch.zeros(2)); w.write("t", torch.ones(2))
+        >>> load(stream.getvalue())["t"]
+        tensor([0., 0., 1., 1.])
+    """
+
+    def __init__(self, writer: SafetensorsWriter, depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self._writer = writer
+        self._chunks: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue(depth)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="maskln-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._chunks.get()) is not None:
+            if self._error is None and not self._stop.is_set():
+                try:
+                    self._writer.write(*item)
+                except BaseException as error:  # raised again in the caller
+                    self._error = error
+
+    def write(self, key: str, chunk: torch.Tensor) -> None:
+        """Queue ``chunk`` for tensor ``key`` (see :meth:`SafetensorsWriter.write`); the caller
+        must not change it afterwards."""
+        self._raise_error()
+        self._chunks.put((key, chunk))
+
+    def close(self) -> None:
+        """Wait for every queued chunk to be written, then close the writer."""
+        self._finish()
+        self._raise_error()
+        self._writer.close()
+
+    def _finish(self) -> None:
+        if self._thread.is_alive():
+            self._chunks.put(None)
+            self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._stop.set()
+            self._finish()
+
+
 WRITE_CHUNK_BYTES = 8 * 2**20
 """write_tensors writes this much at a time, telling ``progress`` after each."""
 

@@ -10,10 +10,12 @@ import stat
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from maskln_cli import __version__, masked_layer_normalization
 from maskln_cli import normalize as normalize_module
+from maskln_cli.errors import MasklnError
 from maskln_cli.reference import reference_masked_layer_norm
 from tests.clitools import (
     PAIRS,
@@ -610,3 +612,68 @@ def test_fsync_flushes_the_file_and_then_its_folder_only_when_asked(
         (file_name, renamed_yet), (folder_name, renamed) = flushed
         assert file_name.startswith(".out.safetensors.") and file_name.endswith(".partial")
         assert not renamed_yet and folder_name == tmp_path.name and renamed
+
+
+# --- the background writer -------------------------------------------------------------------
+
+
+def _background(stream, length=12, depth=2):
+    from maskln_cli.tensorfile import BackgroundWriter, SafetensorsWriter
+
+    writer = SafetensorsWriter(stream, "mem", {"t": ("float32", (length,))})
+    return BackgroundWriter(writer, depth)
+
+
+def test_background_writer_writes_what_the_direct_writer_writes():
+    import io
+
+    from maskln_cli.tensorfile import SafetensorsWriter
+
+    chunks = [torch.randn(3) for _ in range(4)]
+    direct = io.BytesIO()
+    writer = SafetensorsWriter(direct, "mem", {"t": ("float32", (12,))})
+    for chunk in chunks:
+        writer.write("t", chunk)
+    writer.close()
+    background = io.BytesIO()
+    with _background(background) as writing:
+        for chunk in chunks:
+            writing.write("t", chunk)
+    assert background.getvalue() == direct.getvalue()
+    assert torch.equal(safetensors.torch.load(background.getvalue())["t"], torch.cat(chunks))
+
+
+class _FailingStream:
+    """A stream whose ``fail_at``-th write raises ENOSPC; counts the writes it was asked for."""
+
+    def __init__(self, fail_at):
+        self.fail_at, self.writes = fail_at, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == self.fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+def test_background_writer_raises_a_write_error_in_the_caller_and_writes_nothing_more():
+    stream = _FailingStream(fail_at=3)  # the header, a chunk, then the failing chunk
+    writing = _background(stream, length=30)
+    with pytest.raises(MasklnError, match="mem: cannot write: No space left on device"), writing:
+        for _ in range(10):
+            writing.write("t", torch.zeros(3))
+    assert stream.writes == 3
+    assert not writing._thread.is_alive()
+
+
+def test_background_writer_stops_when_the_caller_fails():
+    stream = _FailingStream(fail_at=0)
+    writing = _background(stream, length=30, depth=1)
+    with pytest.raises(KeyboardInterrupt), writing:
+        writing.write("t", torch.zeros(3))
+        raise KeyboardInterrupt
+    assert stream.writes <= 2  # the header, and the chunk if it was taken before the stop
+    assert not writing._thread.is_alive()
