@@ -17,7 +17,6 @@ import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, TypeVar
@@ -69,16 +68,11 @@ def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
     """
     import torch
 
-    threads = min(torch.get_num_threads(), len(items))
-    if threads <= 1:
-        return [work(item) for item in items]
-    saved = torch.get_num_threads()
-    try:
-        with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            return list(pool.map(work, items))
-    finally:
-        # set_num_threads in a worker also changes the count threads start with: restored.
-        torch.set_num_threads(saved)
+    from maskln_cli.threads import map_one_thread_workers
+
+    # One thread per worker is set in that worker alone: torch.set_num_threads would set the
+    # count of every thread the caller starts meanwhile, for good (see maskln_cli.threads).
+    return map_one_thread_workers(work, items, min(torch.get_num_threads(), len(items)))
 
 
 @functools.cache
@@ -1314,17 +1308,13 @@ def threads_for(numel: int) -> Iterator[None]:
         >>> inside, torch.get_num_threads() == before
         (1, True)
     """
-    import torch
-
-    threads = torch.get_num_threads()
-    if numel >= ONE_THREAD_BELOW or threads == 1:
+    if numel >= ONE_THREAD_BELOW:
         yield
         return
-    torch.set_num_threads(1)
-    try:
+    from maskln_cli.threads import one_thread
+
+    with one_thread():  # this thread only: not torch.set_num_threads, which sets all threads'
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def compare_tensors(

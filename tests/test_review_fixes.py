@@ -1,0 +1,146 @@
+"""Fixes from an independent review: torch's thread count left alone for the caller's threads,
+padding of float8 rows, and cosmetics a new user met."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from maskln_cli import compare, threads
+from maskln_cli.compare import Comparison, compare_tensors, map_blocks, threads_for
+
+# -- torch's thread count: set per thread, never process-wide ----------------------------------
+
+
+@pytest.fixture
+def two_threads() -> Iterator[int]:
+    """torch on at least 2 threads (the leak cannot show on 1), as it was afterwards."""
+    before = torch.get_num_threads()
+    if before < 2:
+        torch.set_num_threads(2)
+    yield torch.get_num_threads()
+    torch.set_num_threads(before)
+
+
+def _pair_1d() -> tuple[torch.Tensor, torch.Tensor]:
+    """4M elements in one row: their row sum is a reduction torch splits across its threads,
+    and for these values 1 thread and 2 give a rel_l2 differing in its last bits."""
+    expected = torch.randn(1 << 22, generator=torch.Generator().manual_seed(1))
+    return expected * (1 + 2**-22), expected
+
+
+class Probe:
+    """A thread the program starts while maskln works, that runs torch only after maskln is
+    done: how many threads it then has, and what it then computes."""
+
+    def __init__(self, then: Callable[[], object] = lambda: None) -> None:
+        self.started = threading.Event()
+        self.go_on = threading.Event()
+        self.seen: list[object] = []
+        self.thread = threading.Thread(target=self._run, args=(then,))
+
+    def _run(self, then: Callable[[], object]) -> None:
+        self.seen.append(torch.get_num_threads())  # its first touch of torch's threads
+        self.started.set()
+        self.go_on.wait()
+        self.seen += [torch.get_num_threads(), then()]
+
+    def start(self) -> None:
+        if not self.started.is_set():
+            self.thread.start()
+            self.started.wait()
+
+    def finish(self) -> list[object]:
+        self.go_on.set()
+        self.thread.join()
+        return self.seen
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torch's Linux wheels use GNU OpenMP")
+def test_the_per_thread_setter_is_found_and_checked(two_threads: int) -> None:
+    setter = threads._thread_setter()
+    assert setter is not None
+    seen: list[int] = []
+
+    def worker() -> None:
+        torch.get_num_threads()
+        setter(1)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == two_threads
+
+
+def test_a_thread_started_during_map_blocks_keeps_every_thread(two_threads: int) -> None:
+    probe = Probe()
+
+    def work(item: int) -> int:
+        probe.start()
+        return torch.get_num_threads()
+
+    assert map_blocks(work, [0, 1, 2, 3]) == [1, 1, 1, 1]  # the workers, on one thread each
+    assert probe.finish() == [two_threads, two_threads, None]
+    assert torch.get_num_threads() == two_threads
+
+
+def test_a_thread_started_during_threads_for_keeps_every_thread(two_threads: int) -> None:
+    probe = Probe()
+    with threads_for(8):
+        assert torch.get_num_threads() == 1  # this thread, on a tiny tensor
+        probe.start()
+    assert probe.finish() == [two_threads, two_threads, None]
+    assert torch.get_num_threads() == two_threads
+
+
+def test_a_program_thread_computes_as_if_maskln_had_not_run(
+    two_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reviewer's case: thread A compares a big tensor (blocks on worker threads); thread
+    B, started meanwhile, then compares a 1-d tensor of 4M elements: the same rel_l2, to the
+    last bit, as before A ran (it differed: B had 1 thread for good)."""
+    actual, expected = _pair_1d()
+    reference = compare_tensors("t", actual, expected).rel_l2
+    probe = Probe(lambda: compare_tensors("t", actual, expected).rel_l2)
+    measure = Comparison.measure
+
+    def measure_and_start(self: Comparison, *args: object, **kwargs: object) -> object:
+        probe.start()
+        return measure(self, *args, **kwargs)
+
+    monkeypatch.setattr(Comparison, "measure", measure_and_start)
+    big = torch.randn(64, 4096, generator=torch.Generator().manual_seed(2))
+    assert compare_tensors("big", big, big).passed
+    assert probe.finish() == [two_threads, two_threads, reference]
+
+
+def test_without_a_per_thread_setter_nothing_is_set(
+    two_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another backend, or no OpenMP runtime found: blocks run in the calling thread and tiny
+    tensors on every thread, with the same figures; the process-wide setter is never called."""
+    monkeypatch.setattr(compare, "BLOCK_ELEMENTS", 16)  # 2 rows a block: 20 blocks
+    values = torch.randn(40, 8, generator=torch.Generator().manual_seed(3))
+    before = compare_tensors("t", values * 1.001, values)
+    monkeypatch.setattr(threads, "_CHECKED", [None])
+
+    def refused(count: int) -> None:
+        raise AssertionError("torch.set_num_threads called")
+
+    monkeypatch.setattr(torch, "set_num_threads", refused)
+    names = map_blocks(lambda _: threading.current_thread().name, [0, 1])
+    assert names == [threading.current_thread().name] * 2
+    with threads_for(8):
+        assert torch.get_num_threads() == two_threads
+    after = compare_tensors("t", values * 1.001, values)
+    assert (after.rel_l2, after.max_abs_diff, after.mismatched) == (
+        before.rel_l2,
+        before.max_abs_diff,
+        before.mismatched,
+    )
