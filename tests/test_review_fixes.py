@@ -41,12 +41,13 @@ class Probe:
         self.started = threading.Event()
         self.go_on = threading.Event()
         self.seen: list[object] = []
-        self.thread = threading.Thread(target=self._run, args=(then,))
+        # A daemon, and told to go on after a timeout: a failing test must not hang pytest.
+        self.thread = threading.Thread(target=self._run, args=(then,), daemon=True)
 
     def _run(self, then: Callable[[], object]) -> None:
         self.seen.append(torch.get_num_threads())  # its first touch of torch's threads
         self.started.set()
-        self.go_on.wait()
+        self.go_on.wait(timeout=60)
         self.seen += [torch.get_num_threads(), then()]
 
     def start(self) -> None:
@@ -144,3 +145,18 @@ def test_without_a_per_thread_setter_nothing_is_set(
         before.max_abs_diff,
         before.mismatched,
     )
+
+
+def test_a_thread_started_during_inspect_keeps_every_thread(two_threads: int, tmp_path) -> None:
+    """``maskln inspect`` summarizes on one thread: this thread's, not the program's others."""
+    from safetensors.torch import save_file
+
+    from maskln_cli import stats
+
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(6.0), "b": torch.ones(3, 4)}, str(path))
+    probe = Probe()
+    summary = stats.summarize_file(str(path), progress=lambda done, total: probe.start())
+    assert [(s.name, s.max) for s in summary.tensors] == [("a", 5.0), ("b", 1.0)]
+    assert probe.finish() == [two_threads, two_threads, None]
+    assert torch.get_num_threads() == two_threads
