@@ -41,6 +41,7 @@ class Probe:
         self.started = threading.Event()
         self.go_on = threading.Event()
         self.seen: list[object] = []
+        self.lock = threading.Lock()  # started once, though two workers may ask at once
         # A daemon, and told to go on after a timeout: a failing test must not hang pytest.
         self.thread = threading.Thread(target=self._run, args=(then,), daemon=True)
 
@@ -51,9 +52,10 @@ class Probe:
         self.seen += [torch.get_num_threads(), then()]
 
     def start(self) -> None:
-        if not self.started.is_set():
-            self.thread.start()
-            self.started.wait()
+        with self.lock:
+            if not self.thread.is_alive() and not self.started.is_set():
+                self.thread.start()
+                self.started.wait()
 
     def finish(self) -> list[object]:
         self.go_on.set()
