@@ -527,7 +527,9 @@ class Comparison:
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
             if bool(invalid.any()):
-                padded = a.view(rows, length)[invalid]  # 0 and its sign are exact in any dtype
+                # In float64, exact for every dtype: float8 has no signbit, and e8m0 has no 0
+                # (its byte 0 is 2**-127), nor fnuz types a -0 (their 0x80 is NaN).
+                padded = a64.view(rows, length)[invalid]
                 zeros = padded == 0
                 block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
         return block

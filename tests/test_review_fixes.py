@@ -162,3 +162,51 @@ def test_a_thread_started_during_inspect_keeps_every_thread(two_threads: int, tm
     assert [(s.name, s.max) for s in summary.tensors] == [("a", 5.0), ("b", 1.0)]
     assert probe.finish() == [two_threads, two_threads, None]
     assert torch.get_num_threads() == two_threads
+
+
+# -- padding (invalid rows) of float8 tensors --------------------------------------------------
+
+FLOATING = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz"]
+FLOATING += ["float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"]
+"""Every floating dtype a safetensors file can hold."""
+INVALID = torch.tensor([False, True, False, True])
+
+
+def _padding(dtype: str, actual: torch.Tensor, fast: bool = True) -> tuple[object, ...]:
+    comparison = Comparison("t", [4, 8], dtype, [4, 8], dtype)
+    update = comparison.update if fast else comparison._update_general
+    update(actual, actual, invalid_rows=INVALID)
+    result = comparison.result()
+    return result.passed, result.invalid_rows_zero, result.negative_zeros
+
+
+def test_the_reviewers_float8_case_passes() -> None:
+    zeros = torch.zeros(4, 8).to(torch.float8_e4m3fn)
+    assert _padding("float8_e4m3fn", zeros) == (True, True, 0)
+
+
+@pytest.mark.parametrize("dtype", FLOATING)
+def test_padding_of_every_floating_dtype_counts_negative_zeros(dtype: str) -> None:
+    """Rows 1 and 3 invalid, all 0; row 1 holds three -0.0 where the dtype has a -0.0 (float8
+    ...fnuz have none: their -0.0 rounds to 0); e8m0 has no 0 at all (its smallest value is
+    2**-127), so its padding is never zero, and fails. The general path agrees."""
+    values = torch.randn(4, 8, generator=torch.Generator().manual_seed(4)).abs() + 1
+    values[1] = values[3] = 0.0
+    values[1, :3] = -0.0
+    actual = values.to(getattr(torch, dtype))
+    if dtype == "float8_e8m0fnu":
+        expected = (False, False, 0)  # invalid rows must be exactly 0: they fail
+    elif dtype.endswith("fnuz"):
+        expected = (True, True, 0)
+    else:
+        expected = (True, True, 3)
+    assert _padding(dtype, actual) == expected
+    assert _padding(dtype, actual, fast=False) == expected
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_padding_that_is_not_zero_is_found(dtype: str) -> None:
+    actual = torch.zeros(4, 8)
+    actual[3, 7] = 0.5
+    actual[1, 0] = -0.0
+    assert _padding(dtype, actual.to(getattr(torch, dtype))) == (False, False, 1)
