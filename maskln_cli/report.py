@@ -220,6 +220,7 @@ def number(value: float | int | None) -> str:
 def render_file_summary(summary: FileSummary) -> None:
     """The ``maskln inspect`` table: a row per tensor (what it is, then its values), metadata."""
     from rich import box
+    from rich.padding import Padding
     from rich.table import Table
     from rich.text import Text
 
@@ -257,12 +258,16 @@ def render_file_summary(summary: FileSummary) -> None:
             console.print(_key_count(summary), soft_wrap=True)
             console.print()
         if summary.metadata:
-            meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
+            # A title over an indented grid, laid out as a box.SIMPLE table without a header
+            # was, but for that table's blank bottom edge: it ended the output with a blank.
+            console.print("metadata", style="table.title")
+            console.print()
+            meta = Table.grid(padding=(0, 3))
             meta.add_column("key", style="bold", overflow="fold")
             meta.add_column("value", overflow="fold")
             for key in sorted(summary.metadata):
                 meta.add_row(safe(key), safe(summary.metadata[key]))
-            console.print(meta)
+            console.print(Padding(meta, (0, 0, 0, 2), expand=False))
         else:
             console.print("no metadata", style="dim")
 
@@ -578,19 +583,28 @@ def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
             # Lines and tables are printed at once: a print each was much of what a report of
             # 10,000 tensors took.
             pending: list[Segment] = []
+            # A worst-rows table ends with its blank bottom edge: one blank line between
+            # sections, so no other is added after it.
+            after_blank = compact
             for tensor in report.tensors:
                 if compact and tensor.passed:
                     pending += _tensor_line(tensor)
+                    after_blank = False
                     continue
-                pending.append(Segment.line())
+                if not after_blank:
+                    pending.append(Segment.line())
                 print_table(console, _tensor_block(tensor, report), pending)
+                after_blank = False
                 if tensor.worst and not tensor.passed:
                     pending.append(Segment.line())
                     print_table(console, _worst_rows_table(tensor, report), pending)
+                    after_blank = True
             _flush(console, pending)
             for message in report.notes:
                 console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
-            console.print()
+                after_blank = False
+            if not after_blank:
+                console.print()
         console.print(verdict_line(report), soft_wrap=True)
 
 

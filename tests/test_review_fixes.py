@@ -210,3 +210,53 @@ def test_float8_padding_that_is_not_zero_is_found(dtype: str) -> None:
     actual[3, 7] = 0.5
     actual[1, 0] = -0.0
     assert _padding(dtype, actual.to(getattr(torch, dtype))) == (False, False, 1)
+
+
+# -- the reports: one blank line between sections, none at the end ------------------------------
+
+
+def _blank_runs(text: str) -> list[int]:
+    """Line numbers where a blank line follows a blank line."""
+    lines = text.split("\n")
+    return [i for i in range(1, len(lines)) if not lines[i].strip() and not lines[i - 1].strip()]
+
+
+def _failing_pair(tmp_path, count: int) -> tuple[object, object]:
+    from tests.clitools import write
+
+    actual = {f"t{i}": torch.arange(4.0) + i for i in range(count)}
+    expected = {**actual, "t0": actual["t0"] + 1, "t1": actual["t1"] + 1}
+    return write(tmp_path / "a.safetensors", actual), write(tmp_path / "e.safetensors", expected)
+
+
+@pytest.mark.parametrize("count", [3, 10])  # 10: passing tensors get a line each
+def test_diff_report_has_one_blank_line_between_sections(tmp_path, count: int) -> None:
+    from tests.clitools import invoke
+
+    result = invoke("diff", *_failing_pair(tmp_path, count))
+    assert result.exit_code == 1
+    assert _blank_runs(result.stdout) == [], result.stdout
+    lines = result.stdout.rstrip("\n").split("\n")
+    assert lines[2] == "" and lines[3].startswith("FAIL t0")
+    assert lines[-2] == "" and lines[-1].startswith("FAIL: 2 of")
+    # each worst-rows table ends with one blank line, then the next tensor's block, or line
+    for table, following in (("worst rows of t0", "FAIL t1"), ("worst rows of t1", "PASS t2")):
+        end = lines.index("", lines.index(table) + 2)  # past the title's blank line
+        assert lines[end + 1].startswith(following)
+        assert lines[lines.index(table) - 2].startswith("  tolerance")
+
+
+def test_inspect_ends_without_a_blank_line(tmp_path) -> None:
+    from tests.clitools import invoke, write
+
+    path = write(tmp_path / "m.safetensors", {"w": torch.ones(2)}, eps="1e-05", note="hi")
+    result = invoke("inspect", path)
+    assert result.exit_code == 0
+    assert _blank_runs(result.stdout) == []
+    assert result.stdout.endswith("\n") and not result.stdout.endswith("\n\n")
+    assert result.stdout.rstrip("\n").split("\n")[-4:] == [
+        "metadata",
+        "",
+        "  eps    1e-05",
+        "  note   hi",
+    ]
