@@ -260,3 +260,52 @@ def test_inspect_ends_without_a_blank_line(tmp_path) -> None:
         "  eps    1e-05",
         "  note   hi",
     ]
+
+
+# -- the reports: exact comparisons say so, not "rtol 0, atol 0" --------------------------------
+
+
+def test_exact_comparisons_say_they_were_exact(tmp_path) -> None:
+    from tests.clitools import invoke, write
+
+    tensors = {
+        "mask": torch.tensor([[True, False], [True, True]]),
+        "ids": torch.arange(6).reshape(2, 3),
+        "z": torch.ones(3, dtype=torch.complex64),
+    }
+    path = write(tmp_path / "t.safetensors", tensors)
+    result = invoke("diff", path, path)
+    assert result.exit_code == 0
+    rows = [line.split(None, 1) for line in result.stdout.splitlines() if "compared" in line]
+    assert rows == [  # in the file's order
+        ["compared", "exactly (integers: no tolerance applies)"],
+        ["compared", "bit for bit, as stored (complex64 has no float64 form)"],
+        ["compared", "exactly (bool: no tolerance applies)"],
+        ["PASS:", "ids, z, mask equal (compared exactly)"],
+    ]
+    assert "rtol" not in result.stdout and "tolerance" not in result.stdout.replace(
+        "no tolerance applies", ""
+    )
+
+
+def test_integers_with_a_tolerance_and_mixed_files_keep_the_tolerance(tmp_path) -> None:
+    from tests.clitools import invoke, write
+
+    path = write(tmp_path / "t.safetensors", {"ids": torch.arange(4), "x": torch.ones(4)})
+    result = invoke("diff", path, path, "--atol", "1")
+    assert result.exit_code == 0
+    assert "  tolerance     rtol 0, atol 1, exactly" in result.stdout
+    assert "  tolerance     rtol 1.3e-06, atol 1\n" in result.stdout
+    assert result.stdout.rstrip().endswith("PASS: ids, x within tolerance")
+
+
+def test_worst_rows_of_an_exact_comparison_have_no_tolerance_column(tmp_path) -> None:
+    from tests.clitools import invoke, write
+
+    actual = write(tmp_path / "a.safetensors", {"ids": torch.tensor([[1, 2], [3, 4]])})
+    expected = write(tmp_path / "e.safetensors", {"ids": torch.tensor([[1, 2], [3, 5]])})
+    result = invoke("diff", actual, expected)
+    assert result.exit_code == 1
+    table = result.stdout.split("worst rows of ids")[1].splitlines()
+    assert table[2].split() == ["row", "channel", "actual", "expected", "abs", "diff"]
+    assert table[4].split() == ["[1]", "1", "4", "5", "1", "max", "abs", "diff"]
