@@ -309,3 +309,51 @@ def test_worst_rows_of_an_exact_comparison_have_no_tolerance_column(tmp_path) ->
     table = result.stdout.split("worst rows of ids")[1].splitlines()
     assert table[2].split() == ["row", "channel", "actual", "expected", "abs", "diff"]
     assert table[4].split() == ["[1]", "1", "4", "5", "1", "max", "abs", "diff"]
+
+
+# -- --valid FILE[:KEY] with a ':' in the path ----------------------------------------------
+
+
+@pytest.fixture
+def masked_pair(tmp_path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """Two equal outputs of shape [2, 3, 4] and, in a folder named ``d:x``, their mask (and a
+    copy in a file named ``a:b.safetensors``); relative paths, as a user types them."""
+    from tests.clitools import write
+
+    monkeypatch.chdir(tmp_path)
+    out = {"out": torch.ones(2, 3, 4)}
+    mask = {"valid": torch.tensor([[True, True, False], [True, False, False]])}
+    (tmp_path / "d:x").mkdir()
+    write(tmp_path / "d:x" / "m.safetensors", mask)
+    write(tmp_path / "a:b.safetensors", mask)
+    write(tmp_path / "a.safetensors", out)
+    write(tmp_path / "e.safetensors", out)
+    return "a.safetensors", "e.safetensors"
+
+
+@pytest.mark.parametrize("spec", ["a:b.safetensors", "a:b.safetensors:valid", "d:x/m.safetensors"])
+def test_valid_paths_holding_a_colon_are_read(masked_pair: tuple[str, str], spec: str) -> None:
+    from tests.clitools import invoke
+
+    result = invoke("diff", *masked_pair, "--valid", spec)
+    assert result.exit_code == 0, result.stderr
+    assert "compared 3 of 6 rows of out" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("spec", "part", "key"),
+    [
+        ("d:x/missing.safetensors", "d", "x/missing.safetensors"),
+        ("nothing.safetensors:valid", "nothing.safetensors", "valid"),
+    ],
+)
+def test_a_missing_valid_file_is_named_as_given(
+    masked_pair: tuple[str, str], spec: str, part: str, key: str
+) -> None:
+    from tests.clitools import assert_one_line_error, invoke
+
+    result = invoke("diff", *masked_pair, "--valid", spec)
+    assert result.exit_code == 2
+    assert_one_line_error(
+        result.stderr, f"--valid: no such file: '{spec}' (nor '{part}', reading '{key}' as the KEY)"
+    )
