@@ -16,15 +16,15 @@ import copy
 import functools
 import heapq
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.tensorfile import TensorFile, TensorInfo, open_tensor_file, torch_dtype
 from maskln_cli.tensorfile import dtype_name as _dtype_name
+from maskln_cli.threads import map_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -50,35 +50,6 @@ LOW_BITS = 2**32 - 1
 BLOCK_ELEMENTS = 1 << 16
 """Elements of a block of the fast path (whole rows, at least two): its float64 temporaries of
 512 KiB stay in cache, where 32 MiB ones stream through memory on every pass."""
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    """``[work(item) for item in items]`` in order, on as many worker threads as torch has
-    intra-op threads, each running torch on one thread.
-
-    torch's own parallelism forks and joins its threads on every op, which on blocks this
-    small costs more than the op, and stalls whenever another process holds a core; whole
-    blocks on separate threads (torch releases the GIL) need no synchronization but the last.
-
-    Example:
-        >>> map_blocks(lambda n: n * n, [1, 2, 3])
-        [1, 4, 9]
-    """
-    import torch
-
-    threads = min(torch.get_num_threads(), len(items))
-    if threads <= 1:
-        return [work(item) for item in items]
-    saved = torch.get_num_threads()
-    try:
-        with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            return list(pool.map(work, items))
-    finally:
-        # set_num_threads in a worker also changes the count threads start with: restored.
-        torch.set_num_threads(saved)
 
 
 @functools.cache
@@ -533,7 +504,9 @@ class Comparison:
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
             if bool(invalid.any()):
-                padded = a.view(rows, length)[invalid]  # 0 and its sign are exact in any dtype
+                # In float64, exact for every dtype: float8 has no signbit, and e8m0 has no 0
+                # (its byte 0 is 2**-127), nor fnuz types a -0 (their 0x80 is NaN).
+                padded = a64.view(rows, length)[invalid]
                 zeros = padded == 0
                 block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
         return block
@@ -1314,17 +1287,13 @@ def threads_for(numel: int) -> Iterator[None]:
         >>> inside, torch.get_num_threads() == before
         (1, True)
     """
-    import torch
-
-    threads = torch.get_num_threads()
-    if numel >= ONE_THREAD_BELOW or threads == 1:
+    if numel >= ONE_THREAD_BELOW:
         yield
         return
-    torch.set_num_threads(1)
-    try:
+    from maskln_cli.threads import one_thread
+
+    with one_thread():  # this thread only: not torch.set_num_threads, which sets all threads'
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def compare_tensors(

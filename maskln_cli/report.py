@@ -18,7 +18,7 @@ import unicodedata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from maskln_cli.compare import INTEGRAL_DTYPES, times
+from maskln_cli.compare import INTEGRAL_DTYPES, has_values, times
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -220,6 +220,7 @@ def number(value: float | int | None) -> str:
 def render_file_summary(summary: FileSummary) -> None:
     """The ``maskln inspect`` table: a row per tensor (what it is, then its values), metadata."""
     from rich import box
+    from rich.padding import Padding
     from rich.table import Table
     from rich.text import Text
 
@@ -257,12 +258,16 @@ def render_file_summary(summary: FileSummary) -> None:
             console.print(_key_count(summary), soft_wrap=True)
             console.print()
         if summary.metadata:
-            meta = Table(title="metadata", title_justify="left", box=box.SIMPLE, show_header=False)
+            # A title over an indented grid, laid out as a box.SIMPLE table without a header
+            # was, but for that table's blank bottom edge: it ended the output with a blank.
+            console.print("metadata", style="table.title")
+            console.print()
+            meta = Table.grid(padding=(0, 3))
             meta.add_column("key", style="bold", overflow="fold")
             meta.add_column("value", overflow="fold")
             for key in sorted(summary.metadata):
                 meta.add_row(safe(key), safe(summary.metadata[key]))
-            console.print(meta)
+            console.print(Padding(meta, (0, 0, 0, 2), expand=False))
         else:
             console.print("no metadata", style="dim")
 
@@ -557,6 +562,8 @@ def _within(report: ComparisonReport) -> str:
     context = report.context
     if context.get("tolerance") == "budget":
         return f"within the {context.get('result_dtype')} error budget"
+    if all(compared_exactly(tensor) for tensor in report.tensors):
+        return "equal (compared exactly)"  # no tolerance was involved
     return "within tolerance"
 
 
@@ -578,19 +585,28 @@ def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
             # Lines and tables are printed at once: a print each was much of what a report of
             # 10,000 tensors took.
             pending: list[Segment] = []
+            # A worst-rows table ends with its blank bottom edge: one blank line between
+            # sections, so no other is added after it.
+            after_blank = compact
             for tensor in report.tensors:
                 if compact and tensor.passed:
                     pending += _tensor_line(tensor)
+                    after_blank = False
                     continue
-                pending.append(Segment.line())
+                if not after_blank:
+                    pending.append(Segment.line())
                 print_table(console, _tensor_block(tensor, report), pending)
+                after_blank = False
                 if tensor.worst and not tensor.passed:
                     pending.append(Segment.line())
                     print_table(console, _worst_rows_table(tensor, report), pending)
+                    after_blank = True
             _flush(console, pending)
             for message in report.notes:
                 console.print(f"[yellow]note:[/] {safe(message)}", soft_wrap=True)
-            console.print()
+                after_blank = False
+            if not after_blank:
+                console.print()
         console.print(verdict_line(report), soft_wrap=True)
 
 
@@ -674,13 +690,40 @@ def _tensor_block(tensor: TensorComparison, report: ComparisonReport) -> object:
         grid.add_row("  NaN/inf", _nonfinite(tensor, verify))
     if tensor.invalid_rows_zero is not None or tensor.negative_zeros:
         grid.add_row("  padding", _padding(tensor))
-    if tensor.rtol == tensor.rtol:  # not NaN: a tolerance applied
+    exactly = compared_exactly(tensor)
+    if exactly is not None:  # "rtol 0, atol 0" would read as a tolerance chosen to be 0
+        if exactly:
+            grid.add_row("  compared", exactly)
+    elif tensor.rtol == tensor.rtol:  # not NaN: a tolerance applied
         label = "  always allowed" if report.context.get("tolerance") == "budget" else "  tolerance"
         extra = ", 2 ulps" if report.context.get("tolerance") == "budget" else ""
         if INTEGRAL_DTYPES.issuperset((tensor.dtype, tensor.expected_dtype)):
-            extra = ", exactly" if tensor.rtol or tensor.atol else " (integers: exactly equal)"
+            extra = ", exactly"  # integers within a tolerance, in their exact values
         grid.add_row(label, f"rtol {tensor.rtol:g}, atol {tensor.atol:g}{extra}")
     return grid
+
+
+def compared_exactly(tensor: TensorComparison) -> str | None:
+    """How a tensor compared without any tolerance was compared, for the report: integers
+    and bool (unless a tolerance was given) exactly in their values, dtypes without a float64
+    form bit for bit (empty when their values were not compared); None when a tolerance applied.
+
+    Example:
+        >>> from maskln_cli.compare import TensorComparison
+        >>> mask = TensorComparison("valid", True, [], [2], [2], "bool", "bool", 0.0, 0.0)
+        >>> compared_exactly(mask)
+        'exactly (bool: no tolerance applies)'
+    """
+    dtypes = (tensor.dtype, tensor.expected_dtype)
+    if None in dtypes:  # missing on one side: nothing was compared
+        return None
+    if not all(has_values(dtype) for dtype in dtypes):
+        same = tensor.dtype == tensor.expected_dtype and tensor.shape == tensor.expected_shape
+        return f"bit for bit, as stored ({tensor.dtype} has no float64 form)" if same else ""
+    if INTEGRAL_DTYPES.issuperset(dtypes) and not (tensor.rtol or tensor.atol):
+        kind = "bool" if dtypes == ("bool", "bool") else "integers"
+        return f"exactly ({kind}: no tolerance applies)"
+    return None
 
 
 def _mismatched(tensor: TensorComparison) -> str:
@@ -825,6 +868,7 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
     from rich.table import Table
 
     allowed = "budget" if report.context.get("tolerance") == "budget" else "tolerance"
+    exactly = compared_exactly(tensor) is not None  # no tolerance: its column stays empty
     table = Table(
         title=f"worst rows of {safe(tensor.name)}",
         title_justify="left",
@@ -836,7 +880,7 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
     table.add_column("actual", justify="right")
     table.add_column("expected", justify="right")
     table.add_column("abs diff", justify="right")
-    table.add_column(f"{allowed}", justify="right")
+    table.add_column("" if exactly else allowed, justify="right")
     table.add_column("")
     for position, worst in enumerate(tensor.worst):
         # The last row may be the max abs diff's, added when not among the worst.
@@ -850,7 +894,7 @@ def _worst_rows_table(tensor: TensorComparison, report: ComparisonReport) -> obj
             _value(worst.actual, ".7g"),
             _value(worst.expected, ".7g"),
             _value(worst.abs_diff, ".3g") if math.isfinite(worst.abs_diff) else "not finite",
-            "" if worst.allowed is None else f"{worst.allowed:.3g}",
+            "" if worst.allowed is None or exactly else f"{worst.allowed:.3g}",
             label,
         )
     return table

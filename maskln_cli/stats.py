@@ -199,17 +199,12 @@ def _add_small_statistics(
         advance(summary.bytes)
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch on one thread for the block (see the module's docstring), then as it was."""
-    import torch
+def _one_thread() -> contextlib.AbstractContextManager[None]:
+    """torch on one thread in this thread for the block, then as it was; other threads keep
+    theirs (torch.set_num_threads would set the count of every thread started meanwhile)."""
+    from maskln_cli.threads import one_thread
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return one_thread()
 
 
 def header_summary(file: Tensors, key: str) -> TensorSummary:

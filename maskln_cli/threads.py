@@ -1,32 +1,38 @@
-"""Work in blocks on worker threads, each running torch on one thread of its own.
+"""Work in blocks on worker threads, each running torch on one thread of its own, and torch
+on one thread in one thread of the program, never in the others.
 
 torch runs each op on its OpenMP threads, forking and joining them per op. A block of rows
 takes the op about twenty ops, so twenty joins, each waiting until every thread has been
 scheduled: on 2 cores kept busy by another process, the forward of a 64 MiB x took 2 to 12
 times the torch one-liner's time that way. Whole blocks on separate threads, each running its
-ops serially, wait once per call (0.9 to 1.1 times the one-liner on the same busy machine).
+ops serially, wait once per call (0.4 to 1.1 times the one-liner on the same busy machine).
 
-``torch.set_num_threads`` cannot give a worker one thread: ATen keeps one process-wide count,
-which every thread copies once, the first time it runs a parallel op, so a thread of the user's
-that started in the meantime would keep one thread for its whole life. OpenMP's own count is
-per thread (its ``nthreads-var``), and it is what ATen's parallel regions and
-``torch.get_num_threads()`` read: :func:`one_thread` sets only that, for the calling thread.
-Where torch is not built with OpenMP, nothing is changed and blocks run in the caller's thread.
+``torch.set_num_threads`` cannot give a worker one thread: it is process-wide. ATen keeps one
+count, and every thread that first runs a parallel op while it is 1 stays on one thread for its
+life (each thread's OpenMP thread count is set from that count once, lazily). A library must
+not do that to its caller's threads. With the OpenMP backend torch reads each thread's own
+count (``omp_get_max_threads``), so ``omp_set_num_threads`` from the OpenMP runtime torch
+loaded changes the calling thread alone; :func:`_thread_setter` finds it and checks it does
+just that. Without it (another backend, no runtime found, the check failing) nothing is
+changed and blocks run in the calling thread: slower, never wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+OPENMP_NAMES = ("libgomp", "libomp", "libiomp")
+"""OpenMP runtimes as torch's builds ship them (GNU on Linux, LLVM on macOS, Intel's)."""
 
 _local = threading.local()
 """``in_worker``: the thread is one of the pool's (a nested call runs inline)."""
@@ -35,60 +41,129 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-@functools.cache
-def _openmp() -> tuple[Callable[[int], None], Callable[[], int]] | None:
-    """``(omp_set_num_threads, omp_get_max_threads)`` of the OpenMP runtime torch runs on, or
-    None when torch's parallel backend is not OpenMP or its symbols cannot be found."""
+def _loaded_openmp() -> list[str]:
+    """Paths of the OpenMP runtimes this process may have loaded, torch's own first."""
     import torch
 
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+    candidates: list[str] = []
+    # Linux: what is mapped (the path is a line's sixth field); elsewhere torch's folders.
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and any(n in Path(fields[5]).name for n in OPENMP_NAMES):
+                candidates.append(fields[5].strip())
+    root = Path(torch.__file__).parent
+    for folder in (root / "lib", root.parent / "torch.libs", root / ".dylibs"):
+        with contextlib.suppress(OSError):
+            candidates += [
+                str(path)
+                for path in sorted(folder.iterdir())
+                if any(path.name.startswith(name) for name in OPENMP_NAMES)
+            ]
+    unique = list(dict.fromkeys(candidates))
+    return sorted(unique, key=lambda path: not path.startswith(str(root.parent)))
+
+
+_CHECKED: list[Callable[[int], None] | None] = []
+"""The outcome of :func:`_thread_setter`'s check, once made."""
+
+
+def _thread_setter() -> Callable[[int], None] | None:
+    """``omp_set_num_threads`` of the runtime torch uses, when it is checked to change the
+    thread count torch reports in the calling thread only; None otherwise."""
+    if _CHECKED:
+        return _CHECKED[0]
+    with _setter_lock:  # pool workers starting together check once
+        return _check_thread_setter()
+
+
+_setter_lock = threading.Lock()
+
+
+def _check_thread_setter() -> Callable[[int], None] | None:
+    if _CHECKED:
+        return _CHECKED[0]
+    import torch
+
+    if sys.platform == "win32" or "OpenMP" not in torch.__config__.parallel_info():
+        _CHECKED.append(None)
         return None
-    try:
-        process = ctypes.CDLL(None)  # torch has loaded its OpenMP runtime into the process
-        set_threads, max_threads = process.omp_set_num_threads, process.omp_get_max_threads
-    except (OSError, AttributeError):
+    for path in _loaded_openmp():
+        try:  # RTLD_NOLOAD: only a runtime already loaded, never a second copy
+            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            setter = runtime.omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        setter.argtypes, setter.restype = [ctypes.c_int], None
+        outcome = _changes_one_thread(setter)
+        if outcome is None:  # torch on 1 thread: nothing to tell; checked when it matters
+            return None
+        if outcome:
+            _CHECKED.append(setter)
+            return setter
+    _CHECKED.append(None)
+    return None
+
+
+def _changes_one_thread(setter: Callable[[int], None]) -> bool | None:
+    """Whether ``setter(1)`` in a new thread makes torch there report 1 thread and leaves the
+    count of this thread, and of threads started later, as they were; None when torch is on
+    one thread anyway, so that nothing tells a working setter from one that does nothing."""
+    import torch
+
+    mine = torch.get_num_threads()
+    seen: list[int] = []
+
+    def probe(set_first: bool) -> None:
+        torch.get_num_threads()  # ATen's lazy per-thread setup first, or it undoes ours
+        if set_first:
+            setter(1)
+        seen.append(torch.get_num_threads())
+
+    for set_first in (False, True, False):
+        thread = threading.Thread(target=probe, args=(set_first,))
+        thread.start()
+        thread.join()
+    if seen[0] == 1:
         return None
-    set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
-    max_threads.argtypes, max_threads.restype = [], ctypes.c_int
-    return set_threads, max_threads
+    return seen == [seen[0], 1, seen[0]] and torch.get_num_threads() == mine
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[bool]:
-    """torch on one thread in the calling thread, and only there; yields whether it is.
+def one_thread() -> Iterator[None]:
+    """torch on one thread in the calling thread for the block, then as it was; the count
+    other threads have, or start with, is untouched.
 
     Example:
         >>> import torch
         >>> before = torch.get_num_threads()
-        >>> with one_thread() as single:
+        >>> with one_thread():
         ...     inside = torch.get_num_threads()
-        >>> single, inside, torch.get_num_threads() == before
-        (True, 1, True)
+        >>> inside == 1 or _thread_setter() is None, torch.get_num_threads() == before
+        (True, True)
     """
     import torch
 
-    openmp = _openmp()
-    before = torch.get_num_threads()  # also ATen's lazy per-thread set-up, which would undo ours
-    if openmp is None or before == 1:
-        yield before == 1
+    threads = torch.get_num_threads()  # also ATen's lazy setup of this thread, done first
+    setter = _thread_setter() if threads > 1 else None
+    if setter is None:
+        yield
         return
-    set_threads, max_threads = openmp
-    saved = max_threads()
-    set_threads(1)
+    setter(1)
     try:
-        yield torch.get_num_threads() == 1
+        yield
     finally:
-        set_threads(saved)
+        setter(threads)
 
 
 def _start_worker() -> None:
     import torch
 
     _local.in_worker = True
-    openmp = _openmp()
     torch.get_num_threads()  # ATen's lazy per-thread set-up first: it would undo ours
-    if openmp is not None:
-        openmp[0](1)
+    setter = _thread_setter()
+    if setter is not None:
+        setter(1)
 
 
 def _executor(size: int) -> ThreadPoolExecutor:
@@ -122,9 +197,10 @@ def workers() -> int:
     """
     import torch
 
-    if getattr(_local, "in_worker", False) or _openmp() is None:
+    threads = torch.get_num_threads()
+    if threads == 1 or getattr(_local, "in_worker", False) or _thread_setter() is None:
         return 1
-    return torch.get_num_threads()
+    return threads
 
 
 def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:

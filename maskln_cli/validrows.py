@@ -75,6 +75,12 @@ def open_row_mask(spec: str) -> Iterator[RowMask]:
         ('sample_data/worked_example.safetensors:valid', (1, 2), 1)
     """
     path, key = parse_mask_spec(spec)
+    if path != spec and path != STDIO and not os.path.exists(path):
+        # Neither the path as given nor its part before the last ':' exists: name both
+        # readings, not just the part, which the user never typed as such.
+        raise MasklnError(
+            f"--valid: no such file: {spec!r} (nor {path!r}, reading {key!r} as the KEY)"
+        )
     with contextlib.ExitStack() as stack:
         try:  # the option is named, so that "no tensor 'valid'" says where 'valid' came from
             file = stack.enter_context(open_tensor_file(path))
