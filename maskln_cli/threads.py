@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TypeVar
 
@@ -37,8 +37,6 @@ OPENMP_NAMES = ("libgomp", "libomp", "libiomp")
 _local = threading.local()
 """``in_worker``: the thread is one of the pool's (a nested call runs inline)."""
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
 
 
 def _loaded_openmp() -> list[str]:
@@ -73,11 +71,12 @@ def _thread_setter() -> Callable[[int], None] | None:
     thread count torch reports in the calling thread only; None otherwise."""
     if _CHECKED:
         return _CHECKED[0]
-    with _setter_lock:  # pool workers starting together check once
+    with _setter_lock:  # pool workers starting together check once (reentrant: a signal
+        # handler calling the op during the check would wait for itself)
         return _check_thread_setter()
 
 
-_setter_lock = threading.Lock()
+_setter_lock = threading.RLock()
 
 
 def _check_thread_setter() -> Callable[[int], None] | None:
@@ -167,29 +166,36 @@ def _start_worker() -> None:
 
 
 def _executor(size: int) -> ThreadPoolExecutor:
-    """The shared pool, of ``size`` workers (made again when the size asked for changes)."""
-    global _pool, _pool_size
+    """The shared pool of ``size`` workers. Pools are kept, one per size: threads of the program
+    with different torch thread counts may call at once, and a pool shut down under another
+    caller would refuse its work."""
     with _lock:
-        if _pool is None or _pool_size != size:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(size, "maskln-block", initializer=_start_worker)
-            _pool_size = size
-        return _pool
+        pool = _pools.get(size)
+        if pool is None:
+            pool = _pools[size] = ThreadPoolExecutor(
+                size, "maskln-block", initializer=_start_worker
+            )
+        return pool
 
 
-def _forget_pool() -> None:
-    """In a forked child the pool's threads do not exist: the next call makes a new pool."""
-    global _pool, _pool_size, _lock
-    _pool, _pool_size, _lock = None, 0, threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+def _forget_pools() -> None:
+    """In a forked child the pools' threads do not exist: the next call makes new pools."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def workers() -> int:
     """How many blocks :func:`map_blocks` runs at once from the calling thread: torch's thread
-    count there, or 1 inside a worker or where threads cannot be given one torch thread each.
+    count there, or 1 inside a worker, where threads cannot be given one torch thread each, and
+    under a profiler or a torch function or dispatch mode (they are per thread: work on another
+    thread would escape them).
 
     Example:
         >>> workers() >= 1
@@ -198,7 +204,14 @@ def workers() -> int:
     import torch
 
     threads = torch.get_num_threads()
-    if threads == 1 or getattr(_local, "in_worker", False) or _thread_setter() is None:
+    if (
+        threads == 1
+        or getattr(_local, "in_worker", False)
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._len_torch_function_stack()
+        or torch._C._autograd._profiler_enabled()
+        or _thread_setter() is None
+    ):
         return 1
     return threads
 
@@ -208,9 +221,10 @@ def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
 
     The items run on :func:`workers` threads of a shared pool (torch releases the GIL inside
     its ops), under the caller's grad and inference modes, or in the calling thread when there
-    is one item or one worker. Results never
-    depend on which: every op runs serially. An exception is raised once every item has
-    finished or failed, so no work goes on after the call.
+    is one item or one worker, or when the pool no longer takes work (the interpreter is
+    shutting down). Results never depend on which: every op runs serially. An error is raised
+    once every item has finished or failed; on an interruption (Ctrl-C), items not yet started
+    are cancelled and those running are waited for, so no work goes on after the call.
 
     Example:
         >>> map_blocks(lambda n: n * n, [1, 2, 3])
@@ -229,7 +243,21 @@ def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return work(item)
 
-    pool = _executor(size)
-    futures = [pool.submit(run, item) for item in items]
-    wait(futures)
-    return [future.result() for future in futures]
+    futures: list[Future[R]] = []
+    try:
+        try:
+            pool = _executor(size)
+            for item in items:
+                futures.append(pool.submit(run, item))
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            pass
+        rest = items[len(futures) :]
+        with one_thread():
+            done_here = [work(item) for item in rest]
+        wait(futures)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise
+    return [future.result() for future in futures] + done_here

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 
 import pytest
@@ -143,3 +144,98 @@ def test_the_op_gives_the_same_bits_on_any_number_of_threads(dtype, monkeypatch)
         results[1][0][valid].double(), reference[valid], rtol=0, atol=tolerance
     )
     assert bool((results[1][0][~valid] == 0).all())
+
+
+def test_a_pool_that_no_longer_takes_work_leaves_the_work_to_the_caller(two_threads, monkeypatch):
+    """At interpreter shutdown concurrent.futures refuses new work (the op, called from a
+    thread that outlives the main script or from atexit, raised "cannot schedule new futures")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    closed = ThreadPoolExecutor(2)
+    closed.shutdown()
+    monkeypatch.setattr(threads, "_executor", lambda size: closed)
+    assert map_blocks(lambda n: (n, torch.get_num_threads()), range(6)) == [
+        (n, 1) for n in range(6)
+    ]
+
+
+@openmp
+def test_threads_with_different_torch_thread_counts_call_at_once():
+    """Each count has a pool of its own: one caller never shuts down another's."""
+    errors, done = [], []
+
+    def caller(count: int) -> None:
+        torch.set_num_threads(count)  # this thread's own (it is new)
+        try:
+            for _ in range(100):
+                assert map_blocks(lambda n: n + 1, range(6)) == [1, 2, 3, 4, 5, 6]
+            done.append(count)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    before = torch.get_num_threads()
+    try:
+        callers = [threading.Thread(target=caller, args=(count,)) for count in (2, 3)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert errors == [] and sorted(done) == [2, 3]
+
+
+def test_an_interruption_cancels_what_has_not_started(two_threads):
+    """Ctrl-C (here a signal whose handler raises, as SIGINT's does) while waiting for the
+    blocks: those not started never run, and none is still running after the call."""
+    import signal
+    import time
+
+    finished = []
+
+    def work(n: int) -> None:
+        time.sleep(0.05)
+        finished.append(n)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        timer = threading.Timer(0.12, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            map_blocks(work, range(40))
+        after_call = len(finished)
+        time.sleep(0.3)
+        assert len(finished) == after_call < 40
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize("mode", ["dispatch", "profiler"])
+def test_ops_stay_in_the_callers_thread_under_a_dispatch_mode_or_profiler(two_threads, mode):
+    """Both are per thread: ops on a worker would escape them (a flop counter, maskln grade's
+    check for ready-made layer norms, a profile)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((threading.get_ident(), str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4096, 512)  # 8 MiB: many blocks
+    valid, scale, bias = torch.ones(4096, dtype=torch.bool), torch.ones(512), torch.zeros(512)
+    if mode == "dispatch":
+        with Record():
+            core.masked_layer_normalization(x, valid, scale, bias)
+        assert {ident for ident, _ in seen} == {threading.get_ident()}
+        names = [name for _, name in seen]
+    else:
+        with torch.profiler.profile() as profile:
+            core.masked_layer_normalization(x, valid, scale, bias)
+        names = [event.name for event in profile.events()]
+    blocks = len(list(core.row_blocks(4096, core._block_rows(x, core._block_bytes(x, 1 << 30)))))
+    assert sum("linalg_vector_norm" in name for name in names) >= blocks > 1
