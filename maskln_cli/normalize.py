@@ -28,13 +28,13 @@ from maskln_cli.errors import MasklnError
 from maskln_cli.resources import check_memory
 from maskln_cli.tensorfile import (
     STDIO,
-    BackgroundWriter,
     SafetensorsWriter,
     TensorFile,
     data_bytes,
     open_output,
     open_tensor_file,
     output_name,
+    writing_chunks,
 )
 from maskln_cli.tensorfile import dtype_name as _dtype_name
 
@@ -521,19 +521,19 @@ def normalize_file(
         inputs = (input_path, options.params, options.grad_out)
         with open_output(output_path, data_bytes(specs), inputs, fsync) as stream:
             writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
-            with BackgroundWriter(writer) as background:  # the next chunk computes meanwhile
+            with writing_chunks(writer) as output:  # on a thread of its own for files
                 for _, stop, out in iter_outputs(problem):
-                    background.write(options.out_key, out)
+                    output.write(options.out_key, out)
                     if progress:
                         progress(stop, total)
                 if problem.grad_out is not None:
                     sums = GradientSums(problem)
                     for _, stop, grad_x in iter_gradients(problem, sums):
-                        background.write("grad_x", grad_x)
+                        output.write("grad_x", grad_x)
                         if progress:
                             progress(problem.rows + stop, total)
-                    background.write("grad_scale", sums.scale.to(problem.dtype))
-                    background.write("grad_bias", sums.bias.to(problem.dtype))
+                    output.write("grad_scale", sums.scale.to(problem.dtype))
+                    output.write("grad_bias", sums.bias.to(problem.dtype))
         return NormalizeResult(
             input=problem.source,
             output=output_name(output_path),

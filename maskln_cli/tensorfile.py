@@ -469,8 +469,9 @@ class BackgroundWriter:
 
     At most ``depth`` chunks wait to be written. An error in writing is raised in the caller,
     at its next :meth:`write` or at :meth:`close`; leaving the ``with`` block on an error of the
-    caller's (Ctrl-C included) stops the thread, once its current write is done, and drops
-    what waits: nothing is written after the block.
+    caller's (Ctrl-C included) drops what waits, and the thread ends after its current write.
+    For files only: a write to a pipe can block for as long as its reader likes, and the
+    caller could then not be interrupted.
 
     Example:
         >>> import io, torch
@@ -509,14 +510,27 @@ class BackgroundWriter:
 
     def close(self) -> None:
         """Wait for every queued chunk to be written, then close the writer."""
-        self._finish()
+        try:
+            if self._thread.is_alive():
+                self._chunks.put(None)
+                self._thread.join()
+        except BaseException:  # Ctrl-C while waiting: nothing more is written
+            self._abort()
+            raise
         self._raise_error()
         self._writer.close()
 
-    def _finish(self) -> None:
-        if self._thread.is_alive():
-            self._chunks.put(None)
-            self._thread.join()
+    def _abort(self) -> None:
+        """Stop writing: drop what waits and let the thread end after its current write, without
+        waiting for it (a write may hang, on a pipe nobody reads)."""
+        import queue
+
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._chunks.get_nowait()
+        with contextlib.suppress(queue.Full):
+            self._chunks.put_nowait(None)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -529,8 +543,23 @@ class BackgroundWriter:
         if kind is None:
             self.close()
         else:
-            self._stop.set()
-            self._finish()
+            self._abort()
+
+
+@contextlib.contextmanager
+def writing_chunks(writer: SafetensorsWriter) -> Iterator[SafetensorsWriter | BackgroundWriter]:
+    """``writer``, or a :class:`BackgroundWriter` over it when it writes to a regular file; the
+    writer is closed at the end of the block, unless the block fails."""
+    try:
+        regular = stat.S_ISREG(os.fstat(writer._stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # no file descriptor (an in-memory stream)
+        regular = False
+    if regular:
+        with BackgroundWriter(writer) as background:
+            yield background
+    else:
+        yield writer
+        writer.close()
 
 
 WRITE_CHUNK_BYTES = 8 * 2**20

@@ -665,8 +665,9 @@ def test_background_writer_raises_a_write_error_in_the_caller_and_writes_nothing
     with pytest.raises(MasklnError, match="mem: cannot write: No space left on device"), writing:
         for _ in range(10):
             writing.write("t", torch.zeros(3))
-    assert stream.writes == 3
+    writing._thread.join(timeout=10)  # it ends by itself, without writing more
     assert not writing._thread.is_alive()
+    assert stream.writes == 3
 
 
 def test_background_writer_stops_when_the_caller_fails():
@@ -675,5 +676,6 @@ def test_background_writer_stops_when_the_caller_fails():
     with pytest.raises(KeyboardInterrupt), writing:
         writing.write("t", torch.zeros(3))
         raise KeyboardInterrupt
-    assert stream.writes <= 2  # the header, and the chunk if it was taken before the stop
+    writing._thread.join(timeout=10)  # it ends by itself, without writing more
     assert not writing._thread.is_alive()
+    assert stream.writes <= 2  # the header, and the chunk if it was taken before the stop

@@ -241,6 +241,30 @@ def test_signal_during_a_large_write_leaves_output_untouched(tmp_path, large_inp
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_while_stdout_is_a_pipe_nobody_reads_ends_promptly(large_input, signum, code):
+    """OUTPUT '-' into a pipe whose reader has stalled: the write blocks, and a signal must still
+    end the command at once (it did not while a writer thread held the pipe)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "maskln_cli", "normalize", large_input, "-"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    first = process.stdout.read(1)  # the header is out: the pipe fills up behind it
+    assert first, process.stderr.read()
+    time.sleep(1.0)
+    process.send_signal(signum)
+    try:
+        process.wait(timeout=20)  # without reading stdout: the reader stays stalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == code, process.stderr.read()
+
+
 def test_interrupt_as_the_temporary_file_is_created_leaves_nothing(tmp_path, monkeypatch):
     """Ctrl-C landing just after the temporary file exists (the C call has returned, its result
     not yet assigned) still removes it: its name is known before it is created."""
