@@ -258,7 +258,9 @@ cases of 3 to 64 MiB): ops forked over torch's threads 0.8 to 11.9 times, blocks
 BACKWARD_BLOCK_BYTES = 4 << 20
 """The backward's largest blocks: it makes twice the forward's passes over three block-sized
 arrays (x, dy and a workspace of two blocks), and 16 MiB blocks cost it 19-27% more CPU time
-on one thread than 4 MiB ones (cache misses). Blocking never changes a result's bits."""
+on one thread than 4 MiB ones (cache misses). Blocking never changes the bits of y or dx;
+dscale and dbias are sums of the blocks' sums, so theirs depend on the block size, which
+depends on x's shape and dtype alone (never on the thread count or timing)."""
 MIN_BLOCK_BYTES = 256 << 10
 """Smaller blocks are not worth a worker's hand-over: an x of less than twice this is one block,
 run in the calling thread (on one torch thread, as a worker would)."""
