@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -484,13 +484,16 @@ class _Job:
         if any(figures is None for figures in measured):
             return False
         valid = problem.valid[start:stop]
-        self._note_poison(start, problem.x[start:stop], valid, None)
-        for name in ROW_TENSORS:
-            checked = live.get(name)
-            if checked is not None:
-                assert checked.comparison is not None
-                parts = [figures[name] for figures in measured]  # type: ignore[index]
-                checked.comparison.merge(parts, ~valid)
+        # What follows is small work on the main thread: on torch's own threads it waits for
+        # them to wake, which on a busy machine took longer than measuring the blocks.
+        with _one_thread(stop - start):
+            self._note_poison(start, problem.x[start:stop], valid, None)
+            for name in ROW_TENSORS:
+                checked = live.get(name)
+                if checked is not None:
+                    assert checked.comparison is not None
+                    parts = [figures[name] for figures in measured]  # type: ignore[index]
+                    checked.comparison.merge(parts, ~valid)
         return True
 
     def _measure_block(
@@ -894,6 +897,25 @@ class _Sums:
         self.bias += bias
         self.judge_scale += judge.grad_scale.double()
         self.judge_bias += judge.grad_bias.double()
+
+
+@contextlib.contextmanager
+def _one_thread(rows: int) -> Iterator[None]:
+    """torch on one thread in this block (its count restored after) when sums over ``rows``
+    rows are too short for torch to split over threads anyway, so that they round the same."""
+    import torch
+
+    from maskln_cli.compare import ONE_THREAD_BELOW
+
+    threads = torch.get_num_threads()
+    if threads == 1 or rows >= ONE_THREAD_BELOW:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:
