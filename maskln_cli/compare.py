@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
     from maskln_cli.validrows import RowMask
 
+    Allowances = Callable[[torch.Tensor | None], dict[str, torch.Tensor]]
+    """The allowance pieces (``allowance``, and ``budget_unit`` and ``always`` when budgeted)
+    of some rows of a block (None: all), as :meth:`Comparison.update` takes them."""
+
 # (rtol, atol) by dtype, as torch.testing.assert_close has them; other dtypes must be equal.
 DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-7, 1e-7),
@@ -50,6 +54,13 @@ LOW_BITS = 2**32 - 1
 BLOCK_ELEMENTS = 1 << 16
 """Elements of a block of the fast path (whole rows, at least two): its float64 temporaries of
 512 KiB stay in cache, where 32 MiB ones stream through memory on every pass."""
+
+PICKED_FIRST = 8
+"""Rows of a block judged first when no ratio found so far rules out most (see
+:meth:`Comparison._rows_to_judge`)."""
+PICKED_SHARE = 4
+"""When more than one row in this many needs its allowances, every row of the block gets
+them: gathering the rows would cost more than it saves."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -457,15 +468,25 @@ class Comparison:
         budget_unit: torch.Tensor | None = None,
         always: torch.Tensor | None = None,
         yardstick_error: torch.Tensor | None = None,
+        allowance_of: Allowances | None = None,
+        lower: float = 0.0,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
-        chunk). Reads no running figure, so blocks can be measured on several threads.
+        chunk). Reads no running figure but the greatest ratio merged so far, so blocks of a
+        chunk can be measured on several threads before it is merged.
 
         The float64 values and operations are those of the general path, element by element
         and row by row, so every figure is the same bit for bit; only work whose outcome is
         known is skipped (no NaN or inf to mask, no element beyond when no ratio reaches 1).
         ``yardstick_error`` is ``|yardstick - expected|`` in float64 when the caller has it.
+
+        ``allowance_of`` (instead of ``allowance``, ``budget_unit`` and ``always``) makes
+        those pieces for the rows it is given (None: every row), as :meth:`update` takes them;
+        ``lower`` is at most every allowance and every ``always`` of a valid row (invalid rows
+        are allowed nothing). Then only rows where an element could be beyond its allowance,
+        or beyond what is always allowed, or could hold the greatest ratio, get their
+        allowances: see :meth:`_rows_to_judge`.
         """
         import torch
 
@@ -480,48 +501,33 @@ class Comparison:
         if not math.isfinite(float(row_squares.sum())):
             return None
         e_abs = e64.abs()
-        if allowance is None:
-            bound = torch.mul(e_abs, self.rtol).add_(self.atol)
-            positive = self.atol > 0  # then bound >= atol everywhere
-        else:
-            bound = allowance.detach().reshape(-1).double()
-            positive = bool(bound.amin() > 0)  # False on NaN
-        ratio = torch.div(diff, bound)
-        if positive:  # no 0/0: the ratio has no NaN to mask
-            max_ratio = float(ratio.max())
-            # diff > bound > 0 makes the ratio 1 or more, even rounded.
-            bad = diff > bound if max_ratio >= 1 else None
-        else:
-            ratio.nan_to_num_(nan=0.0, posinf=math.inf)
-            max_ratio = float(torch.where(bound > 0, ratio, 0.0).max())
-            bad = diff > bound
-        counts = bad.view(rows, length).sum(dim=1) if bad is not None else None
-        if counts is not None and not bool(counts.any()):
-            counts = None
         value, index = diff.max(dim=0)
         i = int(index)
-        max_abs = (float(value), i, float(a64[i]), float(e64[i]), float(bound[i]))
+        invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
+        if allowance_of is not None:
+            judged = self._judge_rows(diff, a64, e64, invalid, allowance_of, lower, i, rows)
+        else:
+            if allowance is None:
+                bound = torch.mul(e_abs, self.rtol).add_(self.atol)
+                positive = self.atol > 0  # then bound >= atol everywhere
+            else:
+                bound = allowance.detach().reshape(-1).double()
+                positive = bool(bound.amin() > 0)  # False on NaN
+            judged = self._judge(diff, bound, positive, a64, e64, rows, budget_unit, always)
+            if judged is not None:
+                judged = (*judged, float(bound[i]))
+        if judged is None:
+            return None
+        counts, max_ratio, factor, worst, allowed = judged
+        max_abs = (float(value), i, float(a64[i]), float(e64[i]), allowed)
         relative = torch.div(diff, e_abs).nan_to_num_(nan=0.0, posinf=math.inf)
         value, index = relative.max(dim=0)
         max_rel = (float(value), int(index))
-        factor = 0.0
-        if budget_unit is not None and always is not None:
-            beyond = diff > always.reshape(-1)
-            if bool(beyond.any()):
-                factor = float(torch.where(beyond, diff / budget_unit.reshape(-1), 0.0).max())
-                if math.isnan(factor):
-                    return None
         block = BlockFigures(
             rows, counts, max_abs, max_rel, max_ratio, factor, row_squares,
             e64.view(rows, length).square().sum(dim=1),
         )  # fmt: skip
-        if counts is not None and bad is not None:
-            bad_rows = (counts > 0).nonzero().squeeze(1)
-            measure = (ratio if self.rank_by_ratio else diff).view(rows, length)[bad_rows]
-            inside = bad.view(rows, length)[bad_rows]
-            score, channel = torch.where(inside, measure, -1.0).max(dim=1)
-            flat = bad_rows * length + channel
-            block.worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
+        block.worst = worst
         if yardstick is not None:
             y = yardstick.detach().reshape(-1).double()
             y_diff = (y - e64).abs_() if yardstick_error is None else yardstick_error.reshape(-1)
@@ -537,6 +543,168 @@ class Comparison:
                 zeros = padded == 0
                 block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
         return block
+
+    def _judge(
+        self,
+        diff: torch.Tensor,
+        bound: torch.Tensor,
+        positive: bool,
+        a64: torch.Tensor,
+        e64: torch.Tensor,
+        rows: int,
+        budget_unit: torch.Tensor | None,
+        always: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, float, float, tuple[torch.Tensor, ...] | None] | None:
+        """The figures of a block that depend on each element's allowance ``bound``: elements
+        beyond it per row (None: none), the greatest ratio, the factor needed, and the worst
+        element of each row with one beyond (indices into the block). None on a NaN factor."""
+        import torch
+
+        length = self.row_length
+        ratio = torch.div(diff, bound)
+        if positive:  # no 0/0: the ratio has no NaN to mask
+            max_ratio = float(ratio.max())
+            # diff > bound > 0 makes the ratio 1 or more, even rounded.
+            bad = diff > bound if max_ratio >= 1 else None
+        else:
+            ratio.nan_to_num_(nan=0.0, posinf=math.inf)
+            max_ratio = float(torch.where(bound > 0, ratio, 0.0).max())
+            bad = diff > bound
+        counts = bad.view(rows, length).sum(dim=1) if bad is not None else None
+        if counts is not None and not bool(counts.any()):
+            counts = None
+        factor = 0.0
+        if budget_unit is not None and always is not None:
+            beyond = diff > always.reshape(-1)
+            if bool(beyond.any()):
+                factor = float(torch.where(beyond, diff / budget_unit.reshape(-1), 0.0).max())
+                if math.isnan(factor):
+                    return None
+        worst = None
+        if counts is not None and bad is not None:
+            bad_rows = (counts > 0).nonzero().squeeze(1)
+            measure = (ratio if self.rank_by_ratio else diff).view(rows, length)[bad_rows]
+            inside = bad.view(rows, length)[bad_rows]
+            score, channel = torch.where(inside, measure, -1.0).max(dim=1)
+            flat = bad_rows * length + channel
+            worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
+        return counts, max_ratio, factor, worst
+
+    def _judge_rows(
+        self,
+        diff: torch.Tensor,
+        a64: torch.Tensor,
+        e64: torch.Tensor,
+        invalid: torch.Tensor | None,
+        allowance_of: Allowances,
+        lower: float,
+        top: int,
+        rows: int,
+    ) -> tuple[torch.Tensor | None, float, float, tuple[torch.Tensor, ...] | None, float] | None:
+        """:meth:`_judge` on the rows :meth:`_rows_to_judge` picks, their allowances made by
+        ``allowance_of``; the figures of the rows left out are known without them. Also the
+        allowance of element ``top`` (the greatest difference)."""
+        import torch
+
+        length = self.row_length
+        top_row, channel = divmod(top, length)
+        picked = self._rows_to_judge(diff, a64, e64, invalid, allowance_of, lower, top_row, rows)
+        if picked is None:  # every row: nothing to gather
+            pieces = {k: v.reshape(-1).double() for k, v in allowance_of(None).items()}
+            bound = pieces["allowance"]
+            judged = self._judge(
+                diff, bound, bool(bound.amin() > 0), a64, e64, rows,
+                pieces.get("budget_unit"), pieces.get("always"),
+            )  # fmt: skip
+            return None if judged is None else (*judged, float(bound[top]))
+        part = self._judge_picked(picked, diff, a64, e64, allowance_of)
+        if part is None:
+            return None
+        (counts, max_ratio, factor, worst), bound = part
+        if counts is not None:
+            counts = torch.zeros(rows, dtype=counts.dtype).index_copy_(0, picked, counts)
+        if worst is not None:
+            bad_rows, score, flat, *values = worst
+            channels = flat - bad_rows * length
+            bad_rows = picked[bad_rows]
+            worst = (bad_rows, score, bad_rows * length + channels, *values)
+        # The row of the greatest difference among those picked (sorted).
+        at = int(torch.searchsorted(picked, top_row))
+        return counts, max_ratio, factor, worst, float(bound[at * length + channel])
+
+    def _judge_picked(
+        self,
+        picked: torch.Tensor,
+        diff: torch.Tensor,
+        a64: torch.Tensor,
+        e64: torch.Tensor,
+        allowance_of: Allowances,
+    ) -> tuple[tuple, torch.Tensor] | None:
+        """:meth:`_judge` of rows ``picked`` (sorted indices), and their allowances."""
+        length = self.row_length
+        count = picked.numel()
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, length).index_select(0, picked).reshape(-1)
+
+        pieces = {k: v.reshape(-1).double() for k, v in allowance_of(picked).items()}
+        bound = pieces["allowance"]
+        judged = self._judge(
+            gather(diff), bound, bool(bound.amin() > 0), gather(a64), gather(e64), count,
+            pieces.get("budget_unit"), pieces.get("always"),
+        )  # fmt: skip
+        return None if judged is None else (judged, bound)
+
+    def _rows_to_judge(
+        self,
+        diff: torch.Tensor,
+        a64: torch.Tensor,
+        e64: torch.Tensor,
+        invalid: torch.Tensor | None,
+        allowance_of: Allowances,
+        lower: float,
+        top_row: int,
+        rows: int,
+    ) -> torch.Tensor | None:
+        """The rows (sorted indices) whose allowances :meth:`measure` needs; None for all.
+
+        A valid row's elements are each allowed ``lower`` or more, so a row whose greatest
+        difference ``d`` is at most ``lower`` has none beyond (nor beyond what is always
+        allowed), and none of its ratios exceeds ``d / lower`` (rounding is monotonic). So
+        only rows where ``d > lower``, or where ``d / lower`` exceeds a ratio already found
+        (in this block, or merged from earlier chunks), can change a figure; and invalid
+        rows (allowed nothing) that are not all 0. Row ``top_row`` gives the allowance
+        reported with the greatest difference. Picked rows are at least two: torch sums a
+        lone row differently.
+        """
+        import torch
+
+        if lower <= 0 or rows <= 2:
+            return None
+        row_max = diff.view(rows, -1).amax(dim=1)
+        ceiling = row_max / lower  # >= every ratio of a valid row
+        must = row_max > lower
+        known = self._max_ratio
+        if invalid is not None:
+            must = torch.where(invalid, row_max > 0, must)
+            ceiling.masked_fill_(invalid, -1.0)
+        must[top_row] = True
+        picked = must | (ceiling > known)
+        if int(picked.sum()) > PICKED_FIRST:
+            # Without a ratio as great as this block's yet, judge its likeliest rows first
+            # (and again with the rest: the greatest ratio is then among those judged).
+            first = ceiling.topk(PICKED_FIRST).indices.sort().values
+            part = self._judge_picked(first, diff, a64, e64, allowance_of)
+            if part is not None:
+                known = max(known, part[0][1])
+                picked = must | (ceiling > known)
+                picked[first] = True
+        count = int(picked.sum())
+        if count * PICKED_SHARE > rows:
+            return None
+        if count < 2:
+            picked[1 if top_row == 0 else 0] = True
+        return picked.nonzero().squeeze(1)
 
     def merge(
         self, blocks: Sequence[BlockFigures], invalid_rows: torch.Tensor | None = None

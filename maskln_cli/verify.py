@@ -522,21 +522,32 @@ class _Job:
             assert name == "out"  # grad_x is checked only with gradients: not here
             comparison = checked.comparison
             assert comparison is not None
-            actual = results[name][start:stop]
-            if self.mode == "budget":
-                budget = RowBudget(
-                    x64, valid, problem.scale, problem.bias, problem.eps, self.precision
-                )
-                model = budget.out()
-                pieces = self._allowance(
-                    checked, model, judge.out, truth, valid.unsqueeze(1), error
-                )
-            else:
-                allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
-                pieces = {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
+
+            def allowance_of(
+                rows: torch.Tensor | None, checked: _Checked = checked
+            ) -> dict[str, torch.Tensor]:
+                """The allowance pieces of these rows of the block (None: all of them)."""
+                some = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+                keep = some(valid)
+                if self.mode == "budget":
+                    budget = RowBudget(
+                        some(x64), keep, problem.scale, problem.bias, problem.eps, self.precision
+                    )
+                    return self._allowance(
+                        checked, budget.out(), some(judge.out), some(truth), keep.unsqueeze(1),
+                        some(error),
+                    )  # fmt: skip
+                assert checked.comparison is not None
+                allowed = some(truth).abs().mul_(checked.comparison.rtol)
+                allowed.add_(checked.comparison.atol)
+                return {"allowance": allowed.masked_fill_(~keep.unsqueeze(1), 0.0)}
+
+            # Every element of a valid row is allowed atol or more: what is always allowed
+            # (budget.floor) adds it, and the allowance is at least that.
             figures = comparison.measure(
-                actual, truth, ~valid, yardstick=judge.out, yardstick_error=error, **pieces
-            )
+                results[name][start:stop], truth, ~valid, yardstick=judge.out,
+                yardstick_error=error, allowance_of=allowance_of, lower=comparison.atol,
+            )  # fmt: skip
             if figures is None:
                 return None
             measured[name] = figures
