@@ -121,6 +121,10 @@ def cases() -> dict[str, tuple[dict, dict, list[str]]]:
     nan_some[0, 0, 5] = torch.nan
     nan_some[7, 3, 1] = torch.inf
     made["nan_inf_in_valid"] = (base, {"out": nan_some}, [])
+    nan_late = ln.clone()
+    nan_late[35, 100, 3] = torch.nan  # in the third chunk only: the others stay blocked
+    nan_late[20, 5, 9] += 1e-3
+    made["nan_in_a_later_chunk"] = (base, {"out": nan_late}, [])
     negzero = torch.where(base["valid"][..., None], ln, -0.0)
     made["negative_zero_padding"] = (base, {"out": negzero}, [])
     made["negative_zero_padding_strict"] = (base, {"out": negzero}, ["--strict"])

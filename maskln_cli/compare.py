@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
     from maskln_cli.validrows import RowMask
 
-    Allowances = Callable[[torch.Tensor | None], dict[str, torch.Tensor]]
-    """The allowance pieces (``allowance``, and ``budget_unit`` and ``always`` when budgeted)
-    of some rows of a block (None: all), as :meth:`Comparison.update` takes them."""
+    Allowances = Callable[..., dict[str, torch.Tensor]]
+    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
+    ``always`` when budgeted) of some rows of a block (None: all), as
+    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
+    no argument making them later, holding copies of just those rows."""
 
 # (rtol, atol) by dtype, as torch.testing.assert_close has them; other dtypes must be equal.
 DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
@@ -641,10 +643,10 @@ class Comparison:
             # only the greatest difference's allowance may be reported, made if it is.
             pair = sorted({top_row, 1 if top_row == 0 else 0})
             at = pair.index(top_row) * length + channel
-            rows_of = torch.tensor(pair)
+            later = allowance_of(torch.tensor(pair), later=True)
 
             def allowed() -> float:
-                return float(allowance_of(rows_of)["allowance"].reshape(-1)[at])
+                return float(later()["allowance"].reshape(-1)[at])
 
             return None, -1.0, 0.0, None, math.nan, allowed
         part = self._judge_picked(picked, diff, a64, e64, allowance_of)
