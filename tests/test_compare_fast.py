@@ -184,7 +184,7 @@ def test_verify_in_blocks_reports_what_whole_chunks_report(
     options: tuple[str, ...],
 ) -> None:  # fmt: skip
     """``maskln verify`` without gradients computes a chunk's rows in blocks on worker threads
-    (_Job._chunk_blocks); its JSON is byte for byte that of whole chunks (_Job._chunk)."""
+    (_Job._measure_chunks); its JSON is byte for byte that of whole chunks (_Job._chunk)."""
     from maskln_cli import verify
     from tests import kernels
     from tests.clitools import invoke, write
@@ -206,7 +206,9 @@ def test_verify_in_blocks_reports_what_whole_chunks_report(
     monkeypatch.setattr(Comparison, "merge", counted)
     blocked = invoke("verify", source, target, "--json", *options)
     assert merged or kernel == "nan_leak"  # NaN takes the general path
-    monkeypatch.setattr(verify._Job, "_chunk_blocks", lambda *args: False)
+    monkeypatch.setattr(
+        verify._Job, "_measure_chunks", lambda _, chunks, live: [None] * len(chunks)
+    )
     whole = invoke("verify", source, target, "--json", *options)
     assert blocked.exit_code == whole.exit_code and blocked.exit_code in (0, 1)
     assert blocked.stdout == whole.stdout
