@@ -239,31 +239,31 @@ def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
     return dtype != torch.float64 and eps <= 2.0**-150
 
 
-BLOCK_BYTES = 4 << 20
-"""Rows are processed in blocks of at most about this many bytes of x (a sixteenth of x, and at
-least MIN_BLOCK_BYTES): the several passes over a block then hit the cache instead of memory.
+BLOCK_BYTES = 8 << 20
+"""Rows are processed in blocks of at most this many bytes of x (an eighth of x, and at least
+MIN_BLOCK_BYTES), and at most MAX_BLOCK_ROWS rows.
 
 The blocks run on worker threads, each with torch on one thread (:mod:`maskln_cli.threads`),
 not one after the other with each op forked over torch's threads: every op on a block was an
-OpenMP parallel region, which on a busy machine waits for all threads to be scheduled. Blocks
-of a sixteenth of x give every worker several, so that one delayed worker holds up little,
-and keep the row statistics of the blocks in flight small beside the output: on x of 32 MiB
-in rows of 16, an eighth gave a peak of 1.26 times the output's size, a sixteenth 1.12
-(benchmark figure 3, target 1.25).
-
+OpenMP parallel region, which on a busy machine waits for all threads to be scheduled.
 Measured forward / the torch one-liner, 2 threads, loadavg 3 to 7 (interleaved medians, 8
 cases of 3 to 64 MiB): ops forked over torch's threads 0.8 to 11.9 times, blocks on workers
-0.4 to 1.1 times. On the 64 MiB inputs 4 MiB blocks did best among 0.5 to 4 MiB (0.79 to
-1.14, against 0.94 to 1.38 with 512 KiB blocks)."""
+0.4 to 1.1 times. On a quiet machine each block costs about 25 torch calls of 5 us, and more
+on workers, which hand Python's lock to each other around every call: 3 MiB in 13 blocks of
+256 KiB took 8.1 ms on the workers against 2.0 ms as one block in one thread. Hence blocks of
+several MiB, and an x under two blocks runs as one block in the calling thread."""
 BACKWARD_BLOCK_BYTES = 4 << 20
 """The backward's largest blocks: it makes twice the forward's passes over three block-sized
 arrays (x, dy and a workspace of two blocks), and 16 MiB blocks cost it 19-27% more CPU time
 on one thread than 4 MiB ones (cache misses). Blocking never changes the bits of y or dx;
 dscale and dbias are sums of the blocks' sums, so theirs depend on the block size, which
 depends on x's shape and dtype alone (never on the thread count or timing)."""
-MIN_BLOCK_BYTES = 256 << 10
-"""Smaller blocks are not worth a worker's hand-over: an x of less than twice this is one block,
-run in the calling thread (on one torch thread, as a worker would)."""
+MIN_BLOCK_BYTES = 4 << 20
+"""Smaller blocks cost more in calls than they gain in parallel (see BLOCK_BYTES)."""
+MAX_BLOCK_ROWS = 32768
+"""Each row has a few float64 statistics: with two blocks in flight, 65,536-row blocks of x in
+rows of 16 (32 MiB) took figure 3's peak extra memory to 1.26 times the output, over its 1.25
+target; 32,768-row blocks, 1.12."""
 
 
 def row_blocks(rows: int, block_rows: int) -> Iterator[tuple[int, int]]:
@@ -529,12 +529,12 @@ def _rstd(
 
 
 def _block_bytes(x: torch.Tensor, largest: int) -> int:
-    """The block size for x: a sixteenth of x, within [MIN_BLOCK_BYTES, largest]."""
-    return min(largest, max(MIN_BLOCK_BYTES, x.numel() * x.element_size() // 16))
+    """The block size for x: an eighth of x, within [MIN_BLOCK_BYTES, largest]."""
+    return min(largest, max(MIN_BLOCK_BYTES, x.numel() * x.element_size() // 8))
 
 
 def _block_rows(x: torch.Tensor, block_bytes: int) -> int:
-    return block_bytes // max(1, x.shape[-1] * x.element_size())
+    return min(MAX_BLOCK_ROWS, block_bytes // max(1, x.shape[-1] * x.element_size()))
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor | None:
