@@ -220,7 +220,7 @@ def number(value: float | int | None) -> str:
 def render_file_summary(summary: FileSummary) -> None:
     """The ``maskln inspect`` table: a row per tensor (what it is, then its values), metadata."""
     from rich import box
-    from rich.padding import Padding
+    from rich.cells import cell_len
     from rich.table import Table
     from rich.text import Text
 
@@ -262,12 +262,17 @@ def render_file_summary(summary: FileSummary) -> None:
             # was, but for that table's blank bottom edge: it ended the output with a blank.
             console.print("metadata", style="table.title")
             console.print()
-            meta = Table.grid(padding=(0, 3))
-            meta.add_column("key", style="bold", overflow="fold")
-            meta.add_column("value", overflow="fold")
+            # Plain lines, not a rich grid, which folded a key like ':warning::warning:' (the
+            # fuzz tests found it): each key bold, padded to the longest, then its value.
+            keys = {key: plain_safe(key) for key in summary.metadata}
+            width = max(cell_len(shown) for shown in keys.values())
             for key in sorted(summary.metadata):
-                meta.add_row(safe(key), safe(summary.metadata[key]))
-            console.print(Padding(meta, (0, 0, 0, 2), expand=False))
+                line = Text("  ")
+                line.append(keys[key], style="bold")
+                line.append(" " * (width - cell_len(keys[key]) + 3))
+                line.append(plain_safe(summary.metadata[key]))
+                line.rstrip()
+                console.print(line, soft_wrap=True)
         else:
             console.print("no metadata", style="dim")
 
