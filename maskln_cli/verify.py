@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ from maskln_cli.compare import (
     TensorComparison,
     check_tolerance,
     missing,
+    threads_for,
     times,
 )
 from maskln_cli.errors import MasklnError
@@ -535,8 +536,9 @@ class _Job:
         """Merge the figures of the blocks of rows ``start:stop`` (see :meth:`_measure_chunks`)."""
         valid = self.problem.valid[start:stop]
         # Small work on the main thread: on torch's own threads it waits for them to wake,
-        # which on a busy machine took longer than measuring the blocks.
-        with _one_thread(stop - start):
+        # which on a busy machine took longer than measuring the blocks. Only below
+        # ONE_THREAD_BELOW rows, where torch would not split the sums anyway: the same bits.
+        with threads_for(stop - start):
             self._note_poison(start, self.problem.x[start:stop], valid, None)
             for name in ROW_TENSORS:
                 checked = live.get(name)
@@ -982,20 +984,6 @@ class _Sums:
         self.bias += bias
         self.judge_scale += judge.grad_scale.double()
         self.judge_bias += judge.grad_bias.double()
-
-
-@contextlib.contextmanager
-def _one_thread(rows: int) -> Iterator[None]:
-    """torch on one thread in this block (its count restored after) when sums over ``rows``
-    rows are too short for torch to split over threads anyway, so that they round the same."""
-    from maskln_cli.compare import ONE_THREAD_BELOW
-    from maskln_cli.threads import one_thread
-
-    if rows >= ONE_THREAD_BELOW:
-        yield
-        return
-    with one_thread():  # this thread alone: torch.set_num_threads would set every thread's
-        yield
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:
