@@ -8,13 +8,7 @@ fast.
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
-
-try:
-    __version__ = metadata.version("maskln")
-except metadata.PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
 
 if TYPE_CHECKING:
     from maskln_cli.core import masked_layer_normalization
@@ -23,7 +17,20 @@ if TYPE_CHECKING:
 __all__ = ["MaskedLayerNorm", "__version__", "masked_layer_normalization"]
 
 
+def _installed_version() -> str:
+    # importlib.metadata takes some 45 ms to import: looked up only when asked for.
+    from importlib import metadata
+
+    try:
+        return metadata.version("maskln")
+    except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()["__version__"] = version = _installed_version()
+        return version
     if name == "masked_layer_normalization":
         from maskln_cli.core import masked_layer_normalization
 

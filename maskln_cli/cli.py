@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from maskln_cli import __version__
+import maskln_cli
 from maskln_cli.errors import MasklnError
 from maskln_cli.normalize import NormalizeOptions
 
@@ -212,7 +212,7 @@ def _detach_broken_stdout() -> None:
 
 def _show_version(value: bool) -> None:
     if value:
-        typer.echo(f"maskln {__version__}")
+        typer.echo(f"maskln {maskln_cli.__version__}")
         raise typer.Exit()
 
 
@@ -616,7 +616,7 @@ def generate(
     parsed = parse_shape(shape)
     metadata = {
         "eps": repr(check_eps(eps, "--eps", torch_dtype(dtype.value))),
-        "maskln_version": __version__,
+        "maskln_version": maskln_cli.__version__,
     }
     with report.progress_bar(f"generate {output}", enabled=not quiet) as progress:
         # Two phases on one bar: sampling x (and grad_out), then writing the file.

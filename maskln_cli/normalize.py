@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from maskln_cli import __version__
+import maskln_cli
 from maskln_cli.checkpoint import (
     CONFIG_NAME,
     Tensors,
@@ -514,7 +514,7 @@ def normalize_file(
             "eps": repr(problem.eps),
             "eps_source": problem.eps_source,
             "dtype": problem.dtype_name,
-            "maskln_version": __version__,
+            "maskln_version": maskln_cli.__version__,
         }
         passes = 2 if problem.grad_out is not None else 1
         total = problem.rows * passes
