@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import TYPE_CHECKING
@@ -33,6 +33,7 @@ from maskln_cli.tensorfile import (
 )
 
 if TYPE_CHECKING:
+    import numpy
     import torch
 
 CONFIG_NAME = "config.json"
@@ -141,7 +142,7 @@ class ShardedFile:
     shards of many. It offers what :class:`~maskln_cli.tensorfile.TensorFile` does.
     """
 
-    def __init__(self, index_path: str, stack: contextlib.ExitStack, header_only: bool = False):
+    def __init__(self, index_path: str, stack: contextlib.ExitStack, torch_tensors: bool = True):
         document = read_json(index_path)
         weight_map = document.get("weight_map") if isinstance(document, dict) else None
         if not isinstance(weight_map, dict) or not all(
@@ -152,7 +153,7 @@ class ShardedFile:
             )
         metadata = document.get("metadata")
         self.name = index_path
-        self.header_only = header_only
+        self.torch_tensors = torch_tensors
         self.metadata: dict[str, str] = (
             {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
             if isinstance(metadata, dict)
@@ -181,20 +182,8 @@ class ShardedFile:
     def tensor(self, key: str) -> torch.Tensor:
         return self._shard_for(key).tensor(key)
 
-    def stacked(self, keys: Sequence[str]) -> torch.Tensor:
-        """As :meth:`TensorFile.stacked <maskln_cli.tensorfile.TensorFile.stacked>`, from
-        whichever shards hold the keys."""
-        import torch
-
-        by_shard: dict[TensorFile, list[int]] = {}
-        for position, key in enumerate(keys):
-            by_shard.setdefault(self._shard_for(key), []).append(position)
-        if len(by_shard) == 1:
-            return next(iter(by_shard)).stacked(keys)
-        parts = [shard.stacked([keys[i] for i in group]) for shard, group in by_shard.items()]
-        order = [i for group in by_shard.values() for i in group]
-        stacked = torch.cat(parts)
-        return stacked[torch.tensor(order).argsort()]
+    def mapped(self, key: str) -> numpy.ndarray:
+        return self._shard_for(key).mapped(key)
 
     def _shard_for(self, key: str) -> TensorFile:
         if key not in self._map:
@@ -219,7 +208,7 @@ class ShardedFile:
             )
         path = os.path.join(self._folder, shard)
         try:
-            return self._stack.enter_context(open_tensor_file(path, self.header_only))
+            return self._stack.enter_context(open_tensor_file(path, self.torch_tensors))
         except MasklnError as error:
             raise MasklnError(f"{self.name}: shard {shard!r} for tensor {key!r}: {error}") from None
 
@@ -229,7 +218,7 @@ Tensors = TensorFile | ShardedFile
 
 
 @contextlib.contextmanager
-def open_checkpoint(path: str, header_only: bool = False) -> Iterator[Tensors]:
+def open_checkpoint(path: str, torch_tensors: bool = True) -> Iterator[Tensors]:
     """Open ``path`` as a set of tensors: a safetensors file (or ``-``), a folder holding
     ``model.safetensors`` or ``model.safetensors.index.json``, or an index file itself.
 
@@ -242,9 +231,9 @@ def open_checkpoint(path: str, header_only: bool = False) -> Iterator[Tensors]:
         if path != STDIO and os.path.isdir(path):
             path = _checkpoint_in_folder(path)
         if path != STDIO and path.endswith(".json"):
-            yield ShardedFile(path, stack, header_only)
+            yield ShardedFile(path, stack, torch_tensors)
         else:
-            yield stack.enter_context(open_tensor_file(path, header_only))
+            yield stack.enter_context(open_tensor_file(path, torch_tensors))
 
 
 def _checkpoint_in_folder(folder: str) -> str:

@@ -26,6 +26,7 @@ from maskln_cli.errors import MasklnError
 from maskln_cli.keynames import missing_key_message
 
 if TYPE_CHECKING:
+    import numpy
     import torch
 
 STDIO = "-"
@@ -87,16 +88,16 @@ class TensorFile:
     """An open safetensors file; tensors come memory-mapped, read as they are used."""
 
     def __init__(
-        self, handle: object, name: str, file: BinaryIO, header_only: bool = False
+        self, handle: object, name: str, file: BinaryIO, torch_tensors: bool = True
     ) -> None:
         self._handle = handle
         self._file = file
         self.name = name
-        self.header_only = header_only
+        self.torch_tensors = torch_tensors
         self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
         keys = list(handle.keys())  # type: ignore[attr-defined]
         self._data_start, self._offsets = _data_offsets(file, keys)
-        self._mapped: torch.Tensor | None = None
+        self._mapped: numpy.ndarray | None = None
         # Data order is the order a person reading the header expects, and it is stable
         # (safetensors' own offset_keys() leaves ties, empty tensors, in hash order).
         self._keys = sorted(self._offsets, key=lambda key: (self._offsets[key], key))
@@ -121,7 +122,7 @@ class TensorFile:
         """Bytes of ``key``'s data, from the header (nothing is read).
 
         Example:
-            >>> with open_tensor_file("sample_data/worked_example.safetensors", True) as f:
+            >>> with open_tensor_file("sample_data/worked_example.safetensors", False) as f:
             ...     f.data_size("x"), f.data_size("valid")
             (32, 2)
         """
@@ -134,7 +135,7 @@ class TensorFile:
         which torch cannot decode, included).
 
         Example:
-            >>> with open_tensor_file("sample_data/worked_example.safetensors", True) as f:
+            >>> with open_tensor_file("sample_data/worked_example.safetensors", False) as f:
             ...     f.read_data("valid")
             b'\\x01\\x00'
         """
@@ -177,35 +178,49 @@ class TensorFile:
             (i.dtype, i.numel) != (infos[0].dtype, infos[0].numel) for i in infos
         ):
             raise ValueError("stacked takes tensors of one dtype and size that torch can read")
-        if self.header_only:
-            raise RuntimeError(f"{self.name} was opened for its header only")
-        data = self._data()
+        self._require_torch()
+        data = torch.from_numpy(self._data())
         rows = [data[slice(*self._offsets[key])] for key in keys]
         return torch.stack(rows).view(dtype)
 
-    def _data(self) -> torch.Tensor:
+    def mapped(self, key: str) -> numpy.ndarray:
+        """``key``'s data as stored, a 1-d uint8 numpy array over the memory-mapped file: read
+        as it is used, whatever the dtype, and without torch (``maskln inspect``).
+
+        Example:
+            >>> with open_tensor_file("sample_data/worked_example.safetensors", False) as f:
+            ...     f.mapped("valid").tolist(), f.mapped("bias").view("<f8").tolist()
+            ([1, 0], [0.5, 1.0])
+        """
+        self._require(key)
+        return self._data()[slice(*self._offsets[key])]
+
+    def _data(self) -> numpy.ndarray:
         """The data section, as bytes memory-mapped copy-on-write (never written)."""
         import mmap
 
-        import torch
+        import numpy
 
         if self._mapped is None:
             try:
                 mapping = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as error:
                 raise MasklnError(f"{self.name}: cannot map its data: {error}") from None
-            self._mapped = torch.frombuffer(mapping, dtype=torch.uint8)[self._data_start :]
+            self._mapped = numpy.frombuffer(mapping, dtype=numpy.uint8)[self._data_start :]
         return self._mapped
 
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``, backed by the memory-mapped file (nothing is read yet)."""
         self._require(key)
-        if self.header_only:
-            raise RuntimeError(f"{self.name} was opened for its header only")
+        self._require_torch()
         try:
             return self._handle.get_tensor(key)  # type: ignore[attr-defined]
         except Exception as error:  # safetensors raises several types for bad data
             raise MasklnError(f"{self.name}: cannot read tensor {key!r}: {error}") from None
+
+    def _require_torch(self) -> None:
+        if not self.torch_tensors:
+            raise RuntimeError(f"{self.name} was opened without torch tensors")
 
     def _require(self, key: str) -> None:
         if key not in self._offsets:
@@ -213,11 +228,12 @@ class TensorFile:
 
 
 @contextlib.contextmanager
-def open_tensor_file(path: str, header_only: bool = False) -> Iterator[TensorFile]:
+def open_tensor_file(path: str, torch_tensors: bool = True) -> Iterator[TensorFile]:
     """Open a safetensors file, or stdin for ``-``, checking it on the way.
 
-    With ``header_only`` the file's keys, dtypes, shapes and metadata can be read but not its
-    tensors, and torch is not imported (``maskln inspect --keys`` stays instant).
+    Without ``torch_tensors`` the file's keys, dtypes, shapes, metadata and bytes can be read
+    but not torch tensors, and torch is not imported (``maskln inspect``: its statistics take
+    a fraction of torch's import time).
 
     Example:
         >>> with open_tensor_file("sample_data/worked_example.safetensors") as f:
@@ -236,7 +252,7 @@ def open_tensor_file(path: str, header_only: bool = False) -> Iterator[TensorFil
             source = path
         try:
             # framework "pt" imports torch; "numpy" reads the same header and imports numpy.
-            framework = "numpy" if header_only else "pt"
+            framework = "pt" if torch_tensors else "numpy"
             handle = stack.enter_context(safe_open(source, framework=framework))
         except Exception as error:
             raise MasklnError(f"{name}: not a valid safetensors file: {_reason(error)}") from None
@@ -244,7 +260,7 @@ def open_tensor_file(path: str, header_only: bool = False) -> Iterator[TensorFil
             file = stack.enter_context(open(source, "rb"))
         except OSError as error:
             raise MasklnError(f"{name}: cannot read: {_os_reason(error)}") from None
-        tensor_file = TensorFile(handle, name, file, header_only)
+        tensor_file = TensorFile(handle, name, file, torch_tensors)
         if path == STDIO:
             os.unlink(spool)  # the mapping keeps the data; nothing is left behind on a crash
         yield tensor_file

@@ -67,6 +67,7 @@ def test_keys_reads_the_header_only(tmp_path, monkeypatch):
 
     full = json.loads(invoke("inspect", "--json", path).stdout)
     monkeypatch.setattr(TensorFile, "tensor", no_data)
+    monkeypatch.setattr(TensorFile, "mapped", no_data)
     result = invoke("inspect", "--keys", "--json", path)
     assert result.exit_code == 0, result.stderr
     document = json.loads(result.stdout)
@@ -201,6 +202,58 @@ def test_progress_reaches_the_total_in_bytes(tmp_path, monkeypatch):
     assert calls[-1] == (total, total)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
     assert len(calls) > len(tensors)  # per chunk, not per tensor
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_statistics_do_not_depend_on_the_number_of_threads(tmp_path, monkeypatch, workers):
+    """Chunks are summarized on several threads and merged in file order: the same bits."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = {
+        "a": 1e4 + torch.randn(50_000, generator=generator),
+        "b": torch.randn(30_000, generator=generator, dtype=torch.float64).exp(),
+        "c": torch.randn(20_000, generator=generator).bfloat16(),
+    }
+    tensors["a"][17_000] = math.nan
+    path = write(tmp_path / "t.safetensors", tensors)
+    monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(stats, "_workers", lambda: 2)
+    two = stats.summarize_file(str(path)).to_dict()
+    monkeypatch.setattr(stats, "_workers", lambda: workers)
+    assert stats.summarize_file(str(path)).to_dict() == two
+    for summary in two["tensors"]:
+        assert_stats_match(summary, tensors[summary["name"]], 1e-6)
+
+
+def test_inspect_computes_without_torch_but_for_float8(tmp_path):
+    """Importing torch takes seconds: inspect's statistics do without it, but for float8."""
+    common = {
+        "w": torch.randn(3, 5),
+        "h": torch.randn(4).bfloat16(),
+        "ids": torch.arange(6),
+        "mask": torch.tensor([True, False]),
+    }
+    plain = write(tmp_path / "plain.safetensors", common)
+    quantized = torch.randn(3).to(torch.float8_e4m3fn)
+    with_float8 = write(tmp_path / "f8.safetensors", {**common, "q": quantized})
+    probe = (
+        "import json, sys\n"
+        "from maskln_cli.cli import main\n"
+        "sys.argv = ['maskln', 'inspect', '--json', sys.argv[1]]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('torch', 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    for path, imported in ((plain, False), (with_float8, True)):
+        result = subprocess.run(
+            [sys.executable, "-c", probe, str(path)], capture_output=True, text=True, cwd=ROOT
+        )
+        assert result.stderr.strip().endswith(f"torch {imported}"), result.stderr
+        listed = {t["name"]: t for t in json.loads(result.stdout)["tensors"]}
+        for name, tensor in common.items():
+            if name == "mask":
+                assert listed[name]["true"] == 1
+            else:
+                assert_stats_match(listed[name], tensor, 1e-6)
+    assert_stats_match(listed["q"], quantized, 1e-6)
 
 
 def test_statistics_leave_torch_threads_as_they_were(tmp_path):
