@@ -290,7 +290,7 @@ def _add_small_statistics(
             row_low, row_high = float(row.min()), float(row.max())
         moments = _Moments()
         finite = all(map(math.isfinite, (row_low, row_high, total, row_squares)))
-        if finite:
+        if finite and not _too_small(row_low, row_high, values.dtype.itemsize):
             moments.merge(_deviation_moments(count, row_low, row_high, shift, deviation_sum,
                                              row_squares))  # fmt: skip
         else:
@@ -470,6 +470,8 @@ def _finite_moments(values: numpy.ndarray) -> _Chunk | None:
     # (values near the dtype's limit) is not finite either: all take the float64 path.
     if not (math.isfinite(low) and math.isfinite(high) and math.isfinite(total)):
         return None
+    if _too_small(low, high, values.dtype.itemsize):
+        return None  # the squares of the deviations would underflow: the scaled path
     shift = values.dtype.type(total / count)
     deviations = values - shift
     deviation_sum = float(deviations.sum())
@@ -477,6 +479,18 @@ def _finite_moments(values: numpy.ndarray) -> _Chunk | None:
     if not math.isfinite(squares):  # squares overflowed: the scaled float64 path
         return None
     return _deviation_moments(count, low, high, float(shift), deviation_sum, squares)
+
+
+_SMALLEST_UNSCALED = {4: -40, 8: -459}
+"""By itemsize, the least exponent of a chunk's largest magnitude that :func:`_finite_moments`
+summarizes unscaled: below it, a deviation of one unit in the last place squares to less than
+the smallest normal number (float32: (2**(-41-23))**2 < 2**-126) and the std loses its digits
+(values of 1e-25 had a std of 0)."""
+
+
+def _too_small(low: float, high: float, itemsize: int) -> bool:
+    """Whether values from ``low`` to ``high`` are too small to summarize unscaled."""
+    return math.frexp(max(abs(low), abs(high)))[1] < _SMALLEST_UNSCALED[itemsize]
 
 
 def _deviation_moments(
@@ -503,9 +517,12 @@ def _scaled_moments(values: numpy.ndarray) -> _Chunk:
     low, high = float(values.min()), float(values.max())
     exponent = math.frexp(max(abs(low), abs(high)))[1]
     scaled = np.ldexp(values, -exponent)
-    mean = float(scaled.mean())
-    m2 = float(np.square(scaled - mean).sum())
-    return _Chunk(count, mean, m2, low, high, exponent)
+    shift = float(scaled.mean())
+    deviations = scaled - shift
+    deviation_sum = float(deviations.sum())
+    # The shifted two-pass formula, as in _deviation_moments: constant values have m2 0.
+    m2 = max(0.0, float(np.square(deviations).sum()) - deviation_sum * deviation_sum / count)
+    return _Chunk(count, shift + deviation_sum / count, m2, low, high, exponent)
 
 
 class _Moments:
@@ -546,7 +563,8 @@ class _Moments:
         self.inf += chunk.inf
         if not chunk.count:
             return
-        common = max(self.exponent, chunk.exponent)
+        # The first chunk sets the unit: tiny values keep their digits.
+        common = max(self.exponent, chunk.exponent) if self.count else chunk.exponent
         # to the common unit (exact but for tiny values, which then do not matter)
         self.mean = math.ldexp(self.mean, self.exponent - common)
         self.m2 = math.ldexp(self.m2, 2 * (self.exponent - common))

@@ -193,7 +193,13 @@ class TensorFile:
             ([1, 0], [0.5, 1.0])
         """
         self._require(key)
-        return self._data()[slice(*self._offsets[key])]
+        start, stop = self._offsets[key]
+        data = self._data()[start:stop]
+        if data.size != stop - start:  # the file shrank since it was opened
+            raise MasklnError(
+                f"{self.name}: cannot read tensor {key!r}: the file ends before its data"
+            )
+        return data
 
     def _data(self) -> numpy.ndarray:
         """The data section, as bytes memory-mapped copy-on-write (never written)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import statistics
 import subprocess
 import sys
 
@@ -18,6 +20,8 @@ import torch
 from rich.console import Console
 
 from maskln_cli import report, stats
+from maskln_cli.checkpoint import open_checkpoint
+from maskln_cli.errors import MasklnError
 from maskln_cli.tensorfile import TensorFile
 from tests.clitools import ROOT, invoke, write
 
@@ -202,6 +206,51 @@ def test_progress_reaches_the_total_in_bytes(tmp_path, monkeypatch):
     assert calls[-1] == (total, total)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
     assert len(calls) > len(tensors)  # per chunk, not per tensor
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        (torch.float32, 1e-25),
+        (torch.float32, 1e-40),  # subnormal
+        (torch.bfloat16, 1e-30),
+        (torch.float64, 1e-200),
+        (torch.float64, 1e-310),  # subnormal
+    ],
+)
+def test_tiny_values_keep_their_spread(tmp_path, monkeypatch, dtype, scale):
+    """Squared deviations of tiny values underflow (float32 values of 1e-25 had a std of 0):
+    such chunks are summarized scaled by a power of two."""
+    monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 1000)  # merged over chunks too
+    values = scale * torch.randn(
+        3000, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    )
+    tensor = values.to(dtype)
+    path = write(tmp_path / "t.safetensors", {"t": tensor})
+    (summary,) = stats.summarize_file(str(path)).tensors
+    stored = tensor.double().tolist()
+    assert summary.std == pytest.approx(statistics.pstdev(stored), rel=1e-6)  # exact, rounded
+    assert summary.mean == pytest.approx(statistics.mean(stored), rel=1e-6, abs=1e-3 * summary.std)
+    assert (summary.min, summary.max) == (min(stored), max(stored))
+
+
+def test_constant_values_near_float64s_limit_have_no_spread(tmp_path):
+    path = write(
+        tmp_path / "t.safetensors", {"t": torch.full((2000,), 1.7e308, dtype=torch.float64)}
+    )
+    (summary,) = stats.summarize_file(str(path)).tensors
+    assert (summary.mean, summary.std) == (1.7e308, 0.0)
+
+
+def test_a_file_that_shrinks_after_opening_is_an_error(tmp_path):
+    """No statistics of a tensor cut short: an error naming the file and the key."""
+    path = write(tmp_path / "t.safetensors", {"y": torch.arange(3000.0)})
+    with open_checkpoint(str(path), torch_tensors=False) as tensors:
+        os.truncate(path, os.path.getsize(path) - 6000)
+        with pytest.raises(
+            MasklnError, match=r"t.safetensors: cannot read tensor 'y': the file ends"
+        ):
+            tensors.mapped("y")
 
 
 @pytest.mark.parametrize("workers", [1, 3])
