@@ -26,13 +26,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
+
+import numpy as np
 
 from maskln_cli.checkpoint import Tensors, open_checkpoint
 from maskln_cli.compare import has_values, plain_data
-
-if TYPE_CHECKING:
-    import numpy
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -203,7 +202,7 @@ def _add_all_statistics(
             floating.append(summary)
         elif kind == "bool":
             chunks = _chunks(_stored(file, summary), advance)
-            summary.true = sum(_count_nonzero(chunk) for chunk in chunks)
+            summary.true = sum(int(np.count_nonzero(chunk)) for chunk in chunks)
         else:
             _add_integer_statistics(summary, _stored(file, summary), advance)
     _add_float_statistics(file, floating, advance)
@@ -212,22 +211,14 @@ def _add_all_statistics(
             _add_small_statistics(file, group[start : start + SMALL_BATCH], advance)
 
 
-def _count_nonzero(chunk: numpy.ndarray) -> int:
-    import numpy as np
-
-    return int(np.count_nonzero(chunk))
-
-
-def _stored(file: Tensors, summary: TensorSummary) -> numpy.ndarray:
+def _stored(file: Tensors, summary: TensorSummary) -> np.ndarray:
     """The tensor's elements as stored, 1-d and memory-mapped: numbers numpy reads, bfloat16
     as its bits, float8 as bytes."""
     return file.mapped(summary.name).view(_STORED.get(summary.dtype, "u1"))
 
 
-def _floats(stored: numpy.ndarray, dtype: str) -> numpy.ndarray:
+def _floats(stored: np.ndarray, dtype: str) -> np.ndarray:
     """float32 or float64 values of stored elements of the floating ``dtype``, exactly."""
-    import numpy as np
-
     if dtype in ("float32", "float64"):
         return stored
     if dtype == "float16":
@@ -247,13 +238,13 @@ def _add_float_statistics(
     """Fill in the statistics of floating tensors, a chunk at a time, their chunks summarized
     on a few threads and merged in order."""
 
-    def chunks() -> Iterator[tuple[int, str, numpy.ndarray]]:
+    def chunks() -> Iterator[tuple[int, str, np.ndarray]]:
         for index, summary in enumerate(summaries):
             stored = _stored(file, summary)
             for start in range(0, stored.size, CHUNK_ELEMENTS):
                 yield index, summary.dtype, stored[start : start + CHUNK_ELEMENTS]
 
-    def summarize(job: tuple[int, str, numpy.ndarray]) -> _Chunk:
+    def summarize(job: tuple[int, str, np.ndarray]) -> _Chunk:
         _, dtype, stored = job
         return _chunk_moments(_floats(stored, dtype))
 
@@ -272,8 +263,6 @@ def _add_small_statistics(
     operations of :func:`_finite_moments`, row by row (for 10,000 tiny tensors, one call
     each was most of what ``inspect`` spent). A tensor with NaN or inf, or whose sums
     overflow, is summarized alone."""
-    import numpy as np
-
     values = _floats(np.stack([_stored(file, s) for s in summaries]), summaries[0].dtype)
     count = values.shape[1]
     with np.errstate(all="ignore"):
@@ -300,7 +289,7 @@ def _add_small_statistics(
 
 
 def _add_integer_statistics(
-    summary: TensorSummary, elements: numpy.ndarray, advance: Callable[[int], None]
+    summary: TensorSummary, elements: np.ndarray, advance: Callable[[int], None]
 ) -> TensorSummary:
     """Integer statistics, exact where float64 would round: min and max as Python ints, the
     mean from an exact sum, the std from deviations from the first value, taken in integers.
@@ -310,8 +299,6 @@ def _add_integer_statistics(
     deviations from a fixed reference are exact in int64 unless the values span 2**63 or more,
     where float64's relative precision is enough for the spread.
     """
-    import numpy as np
-
     count = 0
     total = 0  # exact
     deviation_total = 0  # exact, from the reference
@@ -358,11 +345,9 @@ def _wrapped(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
 
-def _exact_sum(chunk: numpy.ndarray) -> int:
+def _exact_sum(chunk: np.ndarray) -> int:
     """The exact sum of an integer chunk (at most 2**22 values): 32-bit halves summed apart
     cannot overflow."""
-    import numpy as np
-
     if chunk.dtype.itemsize < 8:
         return int(chunk.sum(dtype=np.int64))
     high = chunk >> 32  # arithmetic for int64: chunk = high * 2**32 + low, 0 <= low < 2**32
@@ -370,7 +355,7 @@ def _exact_sum(chunk: numpy.ndarray) -> int:
     return int(high.sum()) * 2**32 + int(low.sum())
 
 
-def _chunks(flat: numpy.ndarray, advance: Callable[[int], None] | None) -> Iterator[numpy.ndarray]:
+def _chunks(flat: np.ndarray, advance: Callable[[int], None] | None) -> Iterator[np.ndarray]:
     for start in range(0, flat.size, CHUNK_ELEMENTS):
         chunk = flat[start : start + CHUNK_ELEMENTS]
         yield chunk
@@ -434,11 +419,9 @@ class _Chunk(NamedTuple):
 EMPTY_CHUNK = _Chunk(0, 0.0, 0.0, math.inf, -math.inf, 0)
 
 
-def _chunk_moments(values: numpy.ndarray) -> _Chunk:
+def _chunk_moments(values: np.ndarray) -> _Chunk:
     """The moments of a chunk of float32 or float64 values: in their own dtype when all are
     finite and their sums cannot overflow, else in float64, counting NaN and inf."""
-    import numpy as np
-
     with np.errstate(all="ignore"):  # overflows and NaN are detected, not warned about
         fast = _finite_moments(values)
         if fast is not None:
@@ -449,7 +432,7 @@ def _chunk_moments(values: numpy.ndarray) -> _Chunk:
         return _scaled_moments(finite)._replace(nan=nan, inf=wide.size - nan - finite.size)
 
 
-def _finite_moments(values: numpy.ndarray) -> _Chunk | None:
+def _finite_moments(values: np.ndarray) -> _Chunk | None:
     """The moments of float32 or float64 ``values``, if all are finite and their sums cannot
     overflow; else None.
 
@@ -459,8 +442,6 @@ def _finite_moments(values: numpy.ndarray) -> _Chunk | None:
     (Sterbenz) even under a large common offset, and what that rounding shifts is corrected
     with their sum (the shifted two-pass formula). Chunk results merge in float64.
     """
-    import numpy as np
-
     count = values.size
     if count == 0:
         return EMPTY_CHUNK
@@ -506,11 +487,9 @@ def _deviation_moments(
                   exponent)  # fmt: skip
 
 
-def _scaled_moments(values: numpy.ndarray) -> _Chunk:
+def _scaled_moments(values: np.ndarray) -> _Chunk:
     """The moments of finite float64 ``values`` of any magnitude, scaled by a power of two so
     that nothing overflows."""
-    import numpy as np
-
     count = values.size
     if count == 0:
         return EMPTY_CHUNK
