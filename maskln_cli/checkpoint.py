@@ -139,7 +139,8 @@ class ShardedFile:
 
     The index's ``weight_map`` says which shard holds each key; a shard is opened (memory-mapped)
     the first time one of its tensors is asked for, so a layer norm's two tensors open one or two
-    shards of many. It offers what :class:`~maskln_cli.tensorfile.TensorFile` does.
+    shards of many. It offers what :class:`~maskln_cli.tensorfile.TensorFile` does, but
+    ``stacked`` (diff's, on single files).
     """
 
     def __init__(self, index_path: str, stack: contextlib.ExitStack, torch_tensors: bool = True):
