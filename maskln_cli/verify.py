@@ -379,9 +379,9 @@ class _Job:
         gradients = problem.grad_out is not None and any(n in live for n in GRADIENT_KEYS)
         sums = _Sums(problem.channels) if gradients else None
         sum_budget = SumBudget(problem.channels, self.precision) if gradients else None
-        # Without gradients (sums over rows) or --valid, every step is row by row: a chunk's
-        # rows are then computed in blocks on worker threads.
-        blocked = sums is None and self.mask is None
+        # Without gradients (sums over rows), every step is row by row: a chunk's rows are
+        # then computed in blocks on worker threads.
+        blocked = sums is None
         chunks = list(row_blocks(problem.rows, self.chunk_rows)) if live else []
         done = 0
         while done < len(chunks):
@@ -535,6 +535,7 @@ class _Job:
     ) -> None:
         """Merge the figures of the blocks of rows ``start:stop`` (see :meth:`_measure_chunks`)."""
         valid = self.problem.valid[start:stop]
+        invalid = ~valid if self.mask is None else ~valid & self.mask.keep[start:stop]
         # Small work on the main thread: on torch's own threads it waits for them to wake,
         # which on a busy machine took longer than measuring the blocks. Only below
         # ONE_THREAD_BELOW rows, where torch would not split the sums anyway: the same bits.
@@ -545,7 +546,7 @@ class _Job:
                 if checked is not None:
                     assert checked.comparison is not None
                     parts = [figures[name] for figures in measured]
-                    checked.comparison.merge(parts, ~valid)
+                    checked.comparison.merge(parts, invalid)
 
     def _measure_block(
         self, start: int, stop: int, live: dict[str, _Checked], results: dict[str, torch.Tensor]
@@ -562,9 +563,16 @@ class _Job:
         x64 = x.double()
         with torch.no_grad():
             truth = masked_layer_normalization(x64, valid, problem.scale, problem.bias, problem.eps)
-        judge = yardstick(x, valid, problem.scale, problem.bias, problem.eps, self.judge)
+        guess = yardstick(x, valid, problem.scale, problem.bias, problem.eps, self.judge).out
+        actual = results["out"][start:stop]
+        invalid = ~valid
+        if self.mask is not None:  # --valid: rows left out agree (0 on every side)
+            keep = self.mask.keep[start:stop]
+            actual, truth = leave_out(actual, truth, keep)
+            guess, _ = leave_out(guess, truth, keep)
+            invalid = invalid & keep
         # |yardstick - truth|: for the budget and the comparison alike, computed once.
-        error = (judge.out.double() - truth).abs_()
+        error = (guess.double() - truth).abs_()
         measured: dict[str, BlockFigures] = {}
         checked = live.get("out")  # grad_x is checked only with gradients: not here
         if checked is None:
@@ -572,13 +580,13 @@ class _Job:
         comparison = checked.comparison
         assert comparison is not None
         allowance_of = functools.partial(
-            self._allowance_of, checked, (x64, valid, truth, judge.out, error)
+            self._allowance_of, checked, (x64, valid, truth, guess, error)
         )
         # Every element of a valid row is allowed atol or more: what is always allowed
         # (budget.floor) adds it, and the allowance is at least that.
         figures = comparison.measure(
-            results["out"][start:stop], truth, ~valid, yardstick=judge.out,
-            yardstick_error=error, allowance_of=allowance_of, lower=comparison.atol,
+            actual, truth, invalid, yardstick=guess, yardstick_error=error,
+            allowance_of=allowance_of, lower=comparison.atol,
         )  # fmt: skip
         if figures is None:
             return None

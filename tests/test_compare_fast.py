@@ -185,15 +185,57 @@ def test_verify_in_blocks_reports_what_whole_chunks_report(
 ) -> None:  # fmt: skip
     """``maskln verify`` without gradients computes a chunk's rows in blocks on worker threads
     (_Job._measure_chunks); its JSON is byte for byte that of whole chunks (_Job._chunk)."""
-    from maskln_cli import verify
     from tests import kernels
-    from tests.clitools import invoke, write
 
     inputs = kernels.offset_batch(offset, seed=7, shape=(4, 96, 40), dtype=dtype)
     del inputs["grad_out"]
     result = kernels.run(getattr(kernels, kernel), inputs)
+    merged = _verify_blocked_and_whole(
+        tmp_path, monkeypatch, inputs, {"out": result["out"]}, options
+    )
+    assert merged or kernel == "nan_leak"  # NaN takes the general path
+
+
+@pytest.mark.parametrize(
+    ("kernel", "options"),
+    [
+        ("two_pass", ()),
+        ("one_pass", ()),
+        ("padding_returns_bias", ("--strict",)),
+        ("eps_outside", ("--tolerance", "fixed")),
+        ("nan_leak", ()),
+    ],
+)
+def test_verify_valid_in_blocks_reports_what_whole_chunks_report(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, kernel: str, options: tuple[str, ...]
+) -> None:
+    """With ``--valid`` too: rows left out (here garbage, one NaN) agree on every side."""
+    from tests import kernels
+
+    inputs = kernels.offset_batch(1e3, seed=8, shape=(4, 96, 40), dtype="float32")
+    del inputs["grad_out"]
+    out = kernels.run(getattr(kernels, kernel), inputs)["out"].clone()
+    keep = torch.rand(inputs["valid"].shape, generator=torch.Generator().manual_seed(9)) > 0.3
+    out[~keep] = 123.0
+    out[tuple((~keep).nonzero()[0])] = math.nan
+    tensors = {"out": out, "keep": keep}
+    options = ("--valid", "RESULT:keep", *options)
+    merged = _verify_blocked_and_whole(tmp_path, monkeypatch, inputs, tensors, options)
+    assert merged or kernel == "nan_leak"
+
+
+def _verify_blocked_and_whole(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, inputs: dict, result: dict,
+    options: tuple[str, ...],
+) -> bool:  # fmt: skip
+    """Run ``maskln verify --json`` in blocks of 7 rows, then with whole chunks of 50 rows
+    only; assert the same exit code and bytes, and return whether blocks were merged."""
+    from maskln_cli import verify
+    from tests.clitools import invoke, write
+
     source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
-    target = write(tmp_path / "result.safetensors", {"out": result["out"]})
+    target = write(tmp_path / "result.safetensors", result)
+    options = tuple(f"{target}:keep" if o == "RESULT:keep" else o for o in options)
     monkeypatch.setattr(compare, "BLOCK_ELEMENTS", 40 * 7)  # blocks of 7 rows
     monkeypatch.setattr(verify, "CHUNK_ELEMENTS", 40 * 50)  # chunks of 50 rows
     merged: list[int] = []
@@ -205,10 +247,10 @@ def test_verify_in_blocks_reports_what_whole_chunks_report(
 
     monkeypatch.setattr(Comparison, "merge", counted)
     blocked = invoke("verify", source, target, "--json", *options)
-    assert merged or kernel == "nan_leak"  # NaN takes the general path
     monkeypatch.setattr(
         verify._Job, "_measure_chunks", lambda _, chunks, live: [None] * len(chunks)
     )
     whole = invoke("verify", source, target, "--json", *options)
     assert blocked.exit_code == whole.exit_code and blocked.exit_code in (0, 1)
     assert blocked.stdout == whole.stdout
+    return bool(merged)
