@@ -23,12 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maskln_cli import masked_layer_normalization
-from maskln_cli.clauses import (
-    CLAUSES,
-    layer_norm_error,
-    relative_rms_error,
-    run_clause,
-)
+from maskln_cli.grading.clauses import CLAUSES, layer_norm_error, relative_rms_error, run_clause
 from tests.solutions import broken, correct, variants
 
 IMPLEMENTATIONS = {

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maskln_cli import verify as verify_module
-from maskln_cli.verify import VerifyOptions, verify_file
+from maskln_cli.verify import job as verify_module
+from maskln_cli.verify.job import VerifyOptions, verify_file
 from tests import kernels
 
 DataSet = Callable[[int], kernels.Tensors]
@@ -174,7 +174,7 @@ def main() -> None:
 
 
 def verify_module_factor() -> float:
-    from maskln_cli.budget import DEFAULT_FACTOR
+    from maskln_cli.verify.budget import DEFAULT_FACTOR
 
     return DEFAULT_FACTOR
 

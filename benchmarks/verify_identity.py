@@ -30,7 +30,7 @@ EPS = 1e-5
 def _inputs(
     shape, seed=0, invalid=0.25, poison=True, grad=False, offset=0.0, std=1.0, dtype="float32"
 ):
-    from maskln_cli.generate import generate_inputs
+    from maskln_cli.jobs.generate import generate_inputs
 
     return generate_inputs(
         shape, dtype, seed, invalid=invalid, poison=poison, grad=grad, offset=offset, std=std
@@ -54,7 +54,7 @@ def layer_norm(t, dtype=torch.float32, eps=EPS):
 
 
 def truth(t, dtype=torch.float64):
-    from maskln_cli.core import masked_layer_normalization
+    from maskln_cli.op.api import masked_layer_normalization
 
     x = t["x"].double()
     out = masked_layer_normalization(x, t["valid"], t["scale"].double(), t["bias"].double(), EPS)
@@ -240,7 +240,7 @@ def run(directory: Path, out: Path) -> None:
     from typer.testing import CliRunner
 
     import maskln_cli
-    from maskln_cli.cli import app
+    from maskln_cli.cli.app import app
 
     print(f"maskln_cli from {Path(maskln_cli.__file__).parent}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,32 +11,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from maskln_cli.core import masked_layer_normalization
-    from maskln_cli.module import MaskedLayerNorm
+    from maskln_cli.op.api import masked_layer_normalization
+    from maskln_cli.op.module import MaskedLayerNorm
 
 __all__ = ["MaskedLayerNorm", "__version__", "masked_layer_normalization"]
 
 
-def _installed_version() -> str:
-    # importlib.metadata takes some 45 ms to import: looked up only when asked for.
-    from importlib import metadata
-
-    try:
-        return metadata.version("maskln")
-    except metadata.PackageNotFoundError:  # running from a source tree that is not installed
-        return "0+unknown"
-
-
 def __getattr__(name: str) -> Any:
     if name == "__version__":
-        globals()["__version__"] = version = _installed_version()
+        from maskln_cli.version import installed_version
+
+        globals()["__version__"] = version = installed_version()
         return version
     if name == "masked_layer_normalization":
-        from maskln_cli.core import masked_layer_normalization
+        from maskln_cli.op.api import masked_layer_normalization
 
         return masked_layer_normalization
     if name == "MaskedLayerNorm":
-        from maskln_cli.module import MaskedLayerNorm
+        from maskln_cli.op.module import MaskedLayerNorm
 
         return MaskedLayerNorm
     raise AttributeError(f"module 'maskln_cli' has no attribute {name!r}")

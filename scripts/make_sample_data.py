@@ -2,7 +2,7 @@
 
 Writes each case as an input file (x, valid, scale, bias[, grad_out]; eps in the metadata) and an
 expected file (out[, grad_x, grad_scale, grad_bias]) computed by the float64 reference in
-maskln_cli.reference, not by the op under test. The worked example and the pair features are
+maskln_cli.op.reference, not by the op under test. The worked example and the pair features are
 built here; sequence_batch is written by `maskln generate`, as a user would.
 """
 
@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from maskln_cli.reference import reference_masked_layer_norm
+from maskln_cli.op.reference import reference_masked_layer_norm
 
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "sample_data"
 

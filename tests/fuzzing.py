@@ -909,7 +909,7 @@ def check_normalize_output(
 
     ``eps`` and ``dtype`` are the --eps and --dtype options given, if any.
     """
-    from maskln_cli.reference import reference_masked_layer_norm
+    from maskln_cli.op.reference import reference_masked_layer_norm
 
     inputs, in_meta = read_file(input_path, ("x", "valid", "scale", "bias", "grad_out"))
     outputs, out_meta = read_output(output_path)

@@ -1,6 +1,6 @@
 """Kernels a user might write, correct and wrong, and the data that tells them apart.
 
-``maskln verify`` is tested (tests/test_verify_kernels.py) and calibrated
+``maskln verify`` is tested (tests/verify/test_verify_kernels.py) and calibrated
 (benchmarks/verify_calibration.py) on these: each kernel takes the inputs as stored and runs
 in a given dtype, returning ``out`` and, by autograd through its own ops, ``grad_x``,
 ``grad_scale`` and ``grad_bias`` for the upstream gradient, as a kernel's result file holds.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from maskln_cli import masked_layer_normalization
-from maskln_cli.generate import generate_inputs
+from maskln_cli.jobs.generate import generate_inputs
 
 Tensors = dict[str, torch.Tensor]
 EPS = 1e-5

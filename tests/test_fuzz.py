@@ -829,7 +829,7 @@ def test_fuzz_keys_and_metadata_are_carried_as_they_are(keys, metadata):
     """Keys and metadata holding JSON-looking text, markup and :emoji: codes: --json carries
     each string as the json module writes it, the reports show each as it is (control
     characters escaped), and no emoji appears that the file does not hold."""
-    from maskln_cli.report import plain_safe
+    from maskln_cli.cli.report import plain_safe
 
     assume("__metadata__" not in keys and "__metadata__" not in metadata)
     with tempfile.TemporaryDirectory() as folder:

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import maskln_cli
-from maskln_cli import resources, tensorfile
+from maskln_cli.files import output as outputs
+from maskln_cli.files import resources, tensorfile
 from tests.clitools import (
     PAIRS,
     ROOT,
@@ -268,7 +269,6 @@ def test_signal_while_stdout_is_a_pipe_nobody_reads_ends_promptly(large_input, s
 def test_interrupt_as_the_temporary_file_is_created_leaves_nothing(tmp_path, monkeypatch):
     """Ctrl-C landing just after the temporary file exists (the C call has returned, its result
     not yet assigned) still removes it: its name is known before it is created."""
-    from maskln_cli import tensorfile
 
     real_open = os.open
 
@@ -279,7 +279,7 @@ def test_interrupt_as_the_temporary_file_is_created_leaves_nothing(tmp_path, mon
     monkeypatch.setattr(tensorfile.os, "open", open_then_interrupt)
     output = tmp_path / "out.safetensors"
     with pytest.raises(KeyboardInterrupt):
-        tensorfile.write_tensors(str(output), {"x": torch.ones(3)})
+        outputs.write_tensors(str(output), {"x": torch.ones(3)})
     assert leftovers(tmp_path) == [] and not output.exists()
 
 
@@ -320,7 +320,7 @@ PACKAGE = Path(maskln_cli.__file__).parent
 
 
 def package_source() -> str:
-    return "\n".join(path.read_text() for path in sorted(PACKAGE.glob("*.py")))
+    return "\n".join(path.read_text() for path in sorted(PACKAGE.rglob("*.py")))
 
 
 def test_nothing_is_ever_unpickled_or_run_through_a_shell():
@@ -338,13 +338,14 @@ def test_nothing_is_ever_unpickled_or_run_through_a_shell():
     # Only maskln grade's sandbox starts a process: Python itself, from an argument list.
     starters = [
         path.name
-        for path in sorted(PACKAGE.glob("*.py"))
+        for path in sorted(PACKAGE.rglob("*.py"))
         if re.search(r"^\s*import subprocess|^\s*from subprocess", path.read_text(), re.MULTILINE)
     ]
     assert starters == ["sandbox.py"]
-    sandbox = (PACKAGE / "sandbox.py").read_text()
+    sandbox = (PACKAGE / "grading" / "sandbox.py").read_text()
     assert sandbox.count("subprocess.Popen(") == 1
-    assert re.search(r'Popen\(\s*\[\s*sys\.executable,\s*"-m",\s*"maskln_cli\.sandbox",', sandbox)
+    popen = r'Popen\(\s*\[\s*sys\.executable,\s*"-m",\s*"maskln_cli\.grading\.sandbox",'
+    assert re.search(popen, sandbox)
 
 
 def test_paths_are_used_as_given(tmp_path):
@@ -402,7 +403,7 @@ def test_spooled_stdin_is_removed(tmp_path, monkeypatch):
 
 def test_a_bug_still_gives_one_line_and_exit_2(monkeypatch):
     """The backstop: an unexpected exception is one 'internal error' line, not a traceback."""
-    from maskln_cli import stats
+    from maskln_cli.jobs import inspect as stats
 
     def broken(path, *args, **kwargs):
         raise ZeroDivisionError("a bug")
@@ -464,9 +465,9 @@ def test_a_report_piped_into_head_ends_quietly_with_its_verdict(tmp_path, other,
 
 @pytest.mark.parametrize(
     ("command", "target"),
-    [(["verify", PAIRS, PAIRS], "maskln_cli.verify.verify_file"),
-     (["inspect", PAIRS], "maskln_cli.stats.summarize_file"),
-     (["diff", PAIRS, PAIRS], "maskln_cli.compare.diff_files")],
+    [(["verify", PAIRS, PAIRS], "maskln_cli.verify.job.verify_file"),
+     (["inspect", PAIRS], "maskln_cli.jobs.inspect.summarize_file"),
+     (["diff", PAIRS, PAIRS], "maskln_cli.compare.files.diff_files")],
 )  # fmt: skip
 def test_ctrl_c_in_a_command_that_writes_nothing_says_only_interrupted(
     monkeypatch, command, target

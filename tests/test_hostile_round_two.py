@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from maskln_cli import stats
+from maskln_cli.jobs import inspect as stats
 from tests.clitools import ROOT, assert_one_line_error, invoke, metadata, read, run, write
 
 
@@ -281,7 +281,7 @@ def test_integer_tolerances_are_evaluated_exactly(tmp_path):
 
 
 def test_integer_comparison_across_chunks_keeps_the_first_worst(tmp_path, monkeypatch):
-    from maskln_cli import compare
+    from maskln_cli.compare import comparison as compare
 
     monkeypatch.setattr(compare, "CHUNK_ELEMENTS", 4)
     expected = torch.full((6, 4), 2**62)
@@ -359,7 +359,7 @@ def test_json_carries_keys_and_metadata_byte_for_byte(tmp_path):
 
 
 def test_to_json_is_the_json_module_but_for_number_lists():
-    from maskln_cli.report import to_json
+    from maskln_cli.cli.report import to_json
 
     document = {"a": [1, 2.5, None, -3e-300], "b": [[1, 2], [3]], "c": [True, 1], "d": [],
                 "e": {}, "f": ["[ 1,  2 ]", 1], "g": {"h": [{"i": "[ 5 ]"}]}}  # fmt: skip
@@ -427,7 +427,7 @@ def test_the_progress_bar_shows_a_path_as_it_is(monkeypatch):
 
     from rich.console import Console
 
-    from maskln_cli import report
+    from maskln_cli.cli import report
 
     stream = io.StringIO()
     console = Console(file=stream, force_terminal=True, emoji=False, width=120)

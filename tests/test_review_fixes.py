@@ -10,8 +10,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from maskln_cli import compare, threads
-from maskln_cli.compare import Comparison, compare_tensors, map_blocks, threads_for
+from maskln_cli.compare import comparison as compare
+from maskln_cli.compare.comparison import Comparison
+from maskln_cli.compare.files import compare_tensors, threads_for
+from maskln_cli.op import threads
+from maskln_cli.op.threads import map_blocks
 
 # -- torch's thread count: set per thread, never process-wide ----------------------------------
 
@@ -153,7 +156,7 @@ def test_a_thread_started_during_inspect_keeps_every_thread(two_threads: int, tm
     """``maskln inspect`` summarizes on one thread: this thread's, not the program's others."""
     from safetensors.torch import save_file
 
-    from maskln_cli import stats
+    from maskln_cli.jobs import inspect as stats
 
     path = tmp_path / "t.safetensors"
     save_file({"a": torch.arange(6.0), "b": torch.ones(3, 4)}, str(path))

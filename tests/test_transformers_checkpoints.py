@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,8 +20,8 @@ import pytest
 import torch
 import transformers
 
-from maskln_cli.reference import reference_masked_layer_norm
-from tests.clitools import invoke, metadata, read, write
+from maskln_cli.op.reference import reference_masked_layer_norm
+from tests.clitools import ROOT, invoke, metadata, read, write
 
 COMMON = {
     "hidden_size": 32,
@@ -231,7 +230,7 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
 
 def readme_recipe():
     """The README's code block for MaskedLayerNorm inside a transformers model, executed."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     marker = "<!-- recipe: tests/test_transformers_checkpoints.py runs this block -->"
     block = readme.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict[str, object] = {}

@@ -1,5 +1,5 @@
 """The usual mistakes, written as learners write them: each is the correct solution with one
-formula wrong, and grading names it (maskln_cli.diagnosis holds the catalogue)."""
+formula wrong, and grading names it (maskln_cli.op.mistakes holds the catalogue)."""
 
 import torch
 

@@ -1,0 +1,100 @@
+"""``maskln normalize``: stream a problem's outputs (and gradients) into a safetensors file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maskln_cli.errors import MasklnError
+from maskln_cli.files.output import SafetensorsWriter, data_bytes, open_output, writing_chunks
+from maskln_cli.files.problem import (
+    GRADIENT_KEYS,
+    GradientSums,
+    NormalizeOptions,
+    Progress,
+    iter_gradients,
+    iter_outputs,
+    load_problem,
+)
+from maskln_cli.files.tensorfile import output_name
+from maskln_cli.version import installed_version
+
+
+@dataclass(frozen=True)
+class NormalizeResult:
+    """What :func:`normalize_file` did, for the report."""
+
+    input: str
+    output: str
+    shape: tuple[int, ...]
+    dtype: str
+    eps: float
+    valid_rows: int
+    rows: int
+    keys: tuple[str, ...]
+    notes: tuple[str, ...]
+    eps_source: str = "default"
+
+
+def normalize_file(
+    input_path: str,
+    output_path: str,
+    options: NormalizeOptions | None = None,
+    progress: Progress | None = None,
+    fsync: bool = False,
+) -> NormalizeResult:
+    """Normalize INPUT into OUTPUT (``-`` for stdin or stdout), written atomically (``fsync``:
+    and flushed to disk before it replaces the old OUTPUT).
+
+    OUTPUT holds ``out`` (``options.out_key``), and when the inputs hold an upstream gradient
+    ``grad_out``, also ``grad_x``, ``grad_scale`` and ``grad_bias``: the gradients of
+    ``sum(out * grad_out)``. Its metadata records ``eps``, ``dtype`` and ``maskln_version``.
+    """
+    options = options or NormalizeOptions()
+    if options.out_key in ("", "__metadata__"):
+        raise MasklnError(f"--out-key: {options.out_key!r} cannot name a tensor in safetensors")
+    with load_problem(input_path, options) as problem:
+        keys = [options.out_key]
+        if problem.grad_out is not None:
+            keys += GRADIENT_KEYS
+        if len(set(keys)) != len(keys):
+            raise MasklnError(f"--out-key: {options.out_key!r} clashes with a gradient's key")
+        specs = {options.out_key: (problem.dtype_name, problem.shape)}
+        if problem.grad_out is not None:
+            specs["grad_x"] = (problem.dtype_name, problem.shape)
+            specs["grad_scale"] = specs["grad_bias"] = (problem.dtype_name, (problem.channels,))
+        metadata = {
+            "eps": repr(problem.eps),
+            "eps_source": problem.eps_source,
+            "dtype": problem.dtype_name,
+            "maskln_version": installed_version(),
+        }
+        passes = 2 if problem.grad_out is not None else 1
+        total = problem.rows * passes
+        inputs = (input_path, options.params, options.grad_out)
+        with open_output(output_path, data_bytes(specs), inputs, fsync) as stream:
+            writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
+            with writing_chunks(writer) as output:  # on a thread of its own for files
+                for _, stop, out in iter_outputs(problem):
+                    output.write(options.out_key, out)
+                    if progress:
+                        progress(stop, total)
+                if problem.grad_out is not None:
+                    sums = GradientSums(problem)
+                    for _, stop, grad_x in iter_gradients(problem, sums):
+                        output.write("grad_x", grad_x)
+                        if progress:
+                            progress(problem.rows + stop, total)
+                    output.write("grad_scale", sums.scale.to(problem.dtype))
+                    output.write("grad_bias", sums.bias.to(problem.dtype))
+        return NormalizeResult(
+            input=problem.source,
+            output=output_name(output_path),
+            shape=problem.shape,
+            dtype=problem.dtype_name,
+            eps=problem.eps,
+            valid_rows=int(problem.valid.sum()),
+            rows=problem.rows,
+            keys=tuple(keys),
+            notes=tuple(problem.notes),
+            eps_source=problem.eps_source,
+        )

@@ -1,0 +1,103 @@
+"""The op's argument checks and dtype rules, shared by the public function and the registered op.
+
+A message always names the offending argument, so a user can act on it without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Computed in float32 and returned in their own dtype."""
+SUPPORTED_DTYPES = (torch.float32, torch.float64, *HALF_DTYPES)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the op computes in for x of ``dtype``: float32 for the half dtypes.
+
+    Example:
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def check_inputs(x: object, valid: object, scale: object, bias: object, eps: object) -> float:
+    """Raise TypeError or ValueError naming the offending argument; return eps as a float.
+
+    Example:
+        >>> check_inputs(torch.zeros(2, 3), torch.ones(2, dtype=torch.bool),
+        ...              torch.ones(3), torch.zeros(3), 1e-5)
+        1e-05
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"x must be a float32, float64, float16 or bfloat16 tensor, got {dtype_name(x.dtype)}"
+        )
+    for name, tensor in (("x", x), ("valid", valid), ("scale", scale), ("bias", bias)):
+        if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
+    if x.dim() == 0:
+        raise ValueError("x must have a channel axis (shape [..., C]), got a 0-d tensor")
+    if not isinstance(valid, torch.Tensor):
+        raise TypeError(f"valid must be a bool torch.Tensor, got {type(valid).__name__}")
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got {dtype_name(valid.dtype)}")
+    if valid.shape != x.shape[:-1]:
+        raise ValueError(
+            f"valid must have x's leading shape {list(x.shape[:-1])}, got {list(valid.shape)}"
+        )
+    if valid.device != x.device:
+        raise ValueError(f"valid must be on x's device {x.device}, got {valid.device}")
+    channels = x.shape[-1]
+    for name, param in (("scale", scale), ("bias", bias)):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(param).__name__}")
+        if param.dtype != x.dtype and not (x.dtype in HALF_DTYPES and param.dtype == torch.float32):
+            accepted = "x's dtype" + (" or float32" if x.dtype in HALF_DTYPES else "")
+            raise TypeError(
+                f"{name} must have {accepted} ({dtype_name(x.dtype)}), got"
+                f" {dtype_name(param.dtype)}"
+            )
+        if param.shape != (channels,):
+            raise ValueError(
+                f"{name} must have shape [{channels}] (x's channels), got {list(param.shape)}"
+            )
+        if param.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {param.device}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real | torch.SymFloat):
+        raise TypeError(f"eps must be a finite positive number, got {type(eps).__name__}")
+    if isinstance(eps, numbers.Integral):
+        try:
+            eps = float(eps)
+        except OverflowError:  # an int beyond float's range
+            eps = math.inf
+    # Comparisons only: under torch.compile with dynamic shapes, eps is a symbolic float.
+    if not (eps > 0 and eps < math.inf):
+        raise ValueError(f"eps must be a finite positive number, got {eps!r}")
+    compute = compute_dtype(x.dtype)
+    if eps_rounds_to_zero(eps, compute):
+        raise ValueError(f"eps {eps!r} rounds to 0 in {dtype_name(compute)}, the compute dtype")
+    return eps  # type: ignore[return-value]
+
+
+def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
+    """True when eps, positive as a Python float, is 0 in ``dtype`` (then rows of constant
+    values would divide by zero).
+
+    Example:
+        >>> eps_rounds_to_zero(1e-50, torch.float32), eps_rounds_to_zero(1e-50, torch.float64)
+        (True, False)
+    """
+    # A comparison, so that it also runs under fake tensors and on a symbolic eps: 2**-150 is
+    # half float32's smallest subnormal, and rounds (to even) to 0, as does anything below it.
+    return dtype != torch.float64 and eps <= 2.0**-150
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,175 @@
+"""The op as a purely functional composite of differentiable torch ops.
+
+No ``out=``, nothing in place, no data-dependent Python branching and no ``.item()``: every
+torch transform sees through it. :mod:`maskln_cli.op` runs it under ``torch.func`` transforms
+(grad, vmap, jvp, jacfwd, hessian) and forward-mode AD, uses its backward formula for
+second-order gradients, and redoes with it the rare rows whose arithmetic overflows in the
+blocked kernels; those kernels stay the eager default.
+
+The arithmetic, row by row, in float64 (Ba et al., 2016, with a corrected two-pass variance)::
+
+    xs    = x * 2**-e1                  # e1: the row's binary exponent, so |xs| <= 1
+    mean  = mean_C(xs)
+    xc    = xs - mean - mean_C(xs - mean)   # the mean's rounding error removed (Chan et al.)
+    d     = xc * 2**-e2                 # e2: the deviations' exponent, so |d| <= 1
+    rs    = 1 / sqrt(mean_C(d * d) + eps * 4**-(e1 + e2))
+    xhat  = d * rs,     rstd = rs * 2**-(e1 + e2)
+
+Scaling by powers of two rounds nothing. The first keeps the sum and the mean of rows near the
+float64 limit finite, the second keeps the variance of every row well inside float64's range:
+its squares neither overflow (rows from 1e154 up) nor underflow (tiny deviations), so rs is
+finite and at most 4 sqrt(C), and so are its derivatives of any order. e2 never scales the
+deviations below sqrt(eps)'s exponent: a constant row (deviations 0) gets rs = 1 / sqrt of
+about eps's mantissa, and rstd = 1 / sqrt(eps), as the formula says.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["gradients", "masked_layer_norm_functional", "normalized_rows", "row_means"]
+
+_EXPONENT_LIMIT = 960
+"""Scalings stay within 2**+-960, so that the factors themselves are finite float64 numbers."""
+
+
+def _row_exponent(magnitude: torch.Tensor) -> torch.Tensor:
+    """A binary exponent e of each (detached, non-negative) magnitude, with magnitude * 2**-e
+    at most 1 (and at least 1/4); -inf for 0, and 0 for NaN or inf (those rows come out NaN
+    anyway). From log2 rather than frexp, which torch.compile's CPU code cannot convert."""
+    exponent = torch.floor(torch.log2(magnitude)) + 1
+    exponent = torch.where(magnitude > 0, exponent, -math.inf)
+    return torch.where(magnitude.isfinite(), exponent, 0.0)
+
+
+def _magnitude_exponent(x: torch.Tensor) -> torch.Tensor:
+    magnitude = x.detach().abs().amax(dim=-1, keepdim=True)
+    return _row_exponent(magnitude).clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
+
+
+def row_means(x: torch.Tensor) -> torch.Tensor:
+    """The mean of each row of float64 ``x`` ``[..., C]``, ``[..., 1]``, finite for every row of
+    finite values (the sum of rows near float64's limit would overflow).
+
+    Example:
+        >>> row_means(torch.tensor([[1.7e308, 1.7e308, 1.5e308]], dtype=torch.float64))
+        tensor([[1.6333e+308]], dtype=torch.float64)
+    """
+    e1 = _magnitude_exponent(x)
+    return torch.ldexp(torch.ldexp(x, -e1).mean(dim=-1, keepdim=True), e1)
+
+
+def normalized_rows(
+    x: torch.Tensor, valid: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(xhat, rs, e)`` in float64: the normalized rows, and per row a scaled rstd and its
+    exponent, ``rstd = rs * 2**-e`` (see the module docstring).
+
+    ``xhat`` is 0 on invalid rows, whatever they hold. Differentiable, to any order, in x.
+
+    Example:
+        >>> xhat, rs, e = normalized_rows(torch.tensor([[1.0, 3.0], [9.0, 9.0]]),
+        ...                               torch.tensor([True, False]), 3.0)
+        >>> xhat, torch.ldexp(rs, -e)
+        (tensor([[-0.5000,  0.5000],
+                [ 0.0000,  0.0000]], dtype=torch.float64), tensor([[0.5000],
+                [0.5774]], dtype=torch.float64))
+    """
+    x = torch.where(valid.unsqueeze(-1), x.double(), 0.0)  # NaN * 0 would still be NaN
+    if x.shape[-1] == 0:  # nothing to normalize; amax needs an element
+        rs = torch.full_like(x[..., :1], eps).rsqrt()
+        return x, rs, torch.zeros_like(rs)
+    e1 = _magnitude_exponent(x)
+    xs = torch.ldexp(x, -e1)
+    centered = xs - xs.mean(dim=-1, keepdim=True)
+    xc = centered - centered.mean(dim=-1, keepdim=True)
+    deviation = xc.detach().abs().amax(dim=-1, keepdim=True)
+    # Deviations are scaled to below 1, but never below the exponent of sqrt(eps), at which
+    # eps itself would dominate: then eps * 4**-(e1 + e2) is about 1, never inf or 0.
+    eps_exponent = math.ceil(math.frexp(eps)[1] / 2)
+    e2 = torch.maximum(_row_exponent(deviation), eps_exponent - e1)
+    e2 = e2.clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
+    d = torch.ldexp(xc, -e2)
+    exponent = e1 + e2
+    scaled_eps = torch.ldexp(torch.full_like(deviation, eps), -2 * exponent)
+    # Positive by construction (var >= max(d**2) / C, or eps term about 1); the clamp only
+    # guards eps and magnitudes both at float64's limits.
+    tiny = torch.finfo(torch.float64).tiny
+    rs = (d.square().mean(dim=-1, keepdim=True) + scaled_eps).clamp_min(tiny).rsqrt()
+    return d * rs, rs, exponent
+
+
+def masked_layer_norm_functional(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The op, composite: ``xhat * scale + bias`` on valid rows, ``+0.0`` on invalid ones.
+
+    Inputs must be checked and of one compute dtype (float32 or float64): the result has it,
+    computed in float64. scale and bias may be batched (broadcastable to x), as under
+    ``torch.func.vmap``.
+
+    Example:
+        >>> x, valid = torch.tensor([[1.0, 3.0], [9.0, -9.0]]), torch.tensor([True, False])
+        >>> masked_layer_norm_functional(x, valid, torch.tensor([2.0, -1.0]),
+        ...                              torch.tensor([0.5, 1.0]), 3.0)
+        tensor([[-0.5000,  0.5000],
+                [ 0.0000,  0.0000]])
+    """
+    xhat, _, _ = normalized_rows(x, valid, eps)
+    y = torch.where(valid.unsqueeze(-1), xhat * scale.double() + bias.double(), 0.0)
+    # In x's layout, as the eager op's output (reductions along the way made y contiguous): a
+    # binary op's result takes its first operand's layout. Out of place, for vmap's sake.
+    return torch.zeros_like(x) + y.to(x.dtype)
+
+
+def gradients(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dscale, dbias)`` of ``sum(y * dy)``, analytic, from statistics recomputed from x::
+
+        dbias  = sum over valid rows of dy
+        dscale = sum over valid rows of dy * xhat
+        dx     = rstd * (wdy - xhat * c1 - c2),   wdy = dy * scale,
+                 c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
+
+    and dx = 0 on invalid rows. Differentiable in every argument, so autograd can take it
+    again for second-order gradients. ``needs`` says which of the three to compute; they are
+    computed in float64 and returned in the dtype of dy, x and scale.
+
+    Example:
+        >>> gradients(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 3.0]]), torch.tensor([True]),
+        ...           torch.ones(2), 3.0)
+        (tensor([[ 0.1875, -0.1875]]), tensor([-0.5000,  0.0000]), tensor([1., 0.]))
+    """
+    need_dx, need_dscale, need_dbias = needs
+    keep = valid.unsqueeze(-1)
+    dtype = dy.dtype
+    dy = torch.where(keep, dy.double(), 0.0)  # outputs of invalid rows are constants
+    xhat, rs, exponent = normalized_rows(x, valid, eps)
+    dbias = _sum_over_rows(dy).to(dtype) if need_dbias else None
+    dscale = _sum_over_rows(dy * xhat).to(dtype) if need_dscale else None
+    dx = None
+    if need_dx:
+        wdy = dy * scale.double()
+        c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
+        c2 = wdy.mean(dim=-1, keepdim=True)
+        # rstd = rs * 2**-e: scaled last, so that tiny results round once.
+        dx = torch.where(keep, torch.ldexp((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
+        dx = dx.to(dtype)
+    return dx, dscale, dbias
+
+
+def _sum_over_rows(t: torch.Tensor) -> torch.Tensor:
+    # sum(dim=()) would sum everything: a single row [C] is its own sum.
+    return t.sum(dim=tuple(range(t.dim() - 1))) if t.dim() > 1 else t

@@ -1,0 +1,34 @@
+"""A float64 reference for masked layer normalization, written as the formula reads.
+
+It is deliberately plain (out-of-place, float64, no shared code with :mod:`maskln_cli.op`):
+tests and the sample data's expected outputs are checked against it, and it is differentiable,
+so its autograd gradients are a reference for the op's backward pass too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_masked_layer_norm(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-05,
+) -> torch.Tensor:
+    """Masked layer normalization computed in float64; returns a float64 tensor.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 3.0], [99.0, -99.0]])
+        >>> reference_masked_layer_norm(x, torch.tensor([True, False]),
+        ...                             torch.tensor([2.0, -1.0]), torch.tensor([0.5, 1.0]), 3.0)
+        tensor([[-0.5000,  0.5000],
+                [ 0.0000,  0.0000]], dtype=torch.float64)
+    """
+    keep = valid[..., None]
+    x = torch.where(keep, x.double(), 0.0)
+    mean = x.mean(dim=-1, keepdim=True)
+    variance = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+    normalized = (x - mean) / torch.sqrt(variance + eps)
+    return torch.where(keep, normalized * scale.double() + bias.double(), 0.0)

@@ -1,0 +1,9 @@
+"""Verify: is a kernel's output right? The error budget, the job, and what kind of wrong.
+
+This package knows how far from the float64 truth a correct kernel may be (:mod:`.budget`) and
+how to check a RESULT file against the recomputed reference chunk by chunk (:mod:`.job`),
+naming the likely mistake with the op's catalogue (:mod:`maskln_cli.op.mistakes`).
+
+It may import the op, files, comparison and the error types; never grading, jobs or the command
+line, and it never renders: the report is plain data.
+"""
