@@ -45,18 +45,6 @@ from maskln_cli.grading.clauses import (
 )
 from maskln_cli.grading.targets import parse_target
 
-__all__ = [
-    "CLAUSES",
-    "DEFAULT_SEED",
-    "DEFAULT_TIMEOUT",
-    "ClauseResult",
-    "GradeReport",
-    "assert_conforms",
-    "grade",
-    "grade_target",
-    "run_clause",
-]
-
 DEFAULT_SEED = 0
 DEFAULT_TIMEOUT = 60.0
 """Seconds each clause may take in the child process."""
