@@ -69,3 +69,21 @@ def assert_one_line_error(stderr: str | bytes, *fragments: str) -> None:
 def leftovers(folder: Path) -> list[str]:
     """Temporary files an interrupted write could leave behind."""
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def writing_into(pid: int, folder: Path) -> bool:
+    """Whether process ``pid`` has a file in ``folder`` open for writing: an output being
+    written, anonymous (``#123 (deleted)``) or hidden (``.NAME.HEX.partial``)."""
+    try:
+        entries = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{entry}")
+            flags = int(Path(f"/proc/{pid}/fdinfo/{entry}").read_text().split()[3], 8)
+        except (OSError, ValueError, IndexError):
+            continue
+        if os.path.dirname(target) == str(folder) and flags & (os.O_WRONLY | os.O_RDWR):
+            return True
+    return False

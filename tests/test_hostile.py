@@ -34,6 +34,7 @@ from tests.clitools import (
     read,
     run,
     write,
+    writing_into,
 )
 
 
@@ -230,7 +231,7 @@ def test_signal_during_a_large_write_leaves_output_untouched(tmp_path, large_inp
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
-    while not leftovers(tmp_path):  # wait for the temporary file: the write has begun
+    while not writing_into(process.pid, tmp_path):  # the write has begun
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.01)

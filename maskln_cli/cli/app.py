@@ -999,4 +999,7 @@ def _quiet_when_stdout_closes(code: int) -> Any:
 
 def main() -> None:
     """The console script: ``maskln``."""
+    from maskln_cli.files import shrinking
+
+    shrinking.install_handler()  # an input truncated while mapped: one line, exit 2
     app(prog_name="maskln")

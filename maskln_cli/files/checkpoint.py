@@ -26,9 +26,11 @@ from maskln_cli.errors import MasklnError
 from maskln_cli.files.keynames import closest_keys, missing_key_message
 from maskln_cli.files.tensorfile import (
     STDIO,
+    FileIdentity,
     TensorFile,
     TensorInfo,
     check_regular_file,
+    file_identity,
     open_tensor_file,
 )
 
@@ -164,6 +166,16 @@ class ShardedFile:
         self._map: dict[str, str] = weight_map
         self._stack = stack
         self._shards: dict[str, TensorFile] = {}
+        self._identity = file_identity(index_path)
+
+    def read_files(self) -> dict[FileIdentity, str]:
+        """The files this reads: the index, and every shard it names (opened or not yet)."""
+        found = {} if self._identity is None else {self._identity: self.name}
+        for shard in sorted(set(self._map.values())):
+            identity = file_identity(os.path.join(self._folder, shard))
+            if identity is not None:
+                found.setdefault(identity, f"{self.name}'s shard {shard}")
+        return found
 
     def keys(self) -> list[str]:
         return list(self._map)

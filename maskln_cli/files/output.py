@@ -7,6 +7,7 @@ whole in-memory dicts), into a temporary file beside OUTPUT that replaces it onl
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -19,10 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.files import shrinking
 from maskln_cli.files.tensorfile import (
     DTYPE_CODES,
     STDIO,
+    FileIdentity,
     dtype_name,
+    file_identity,
     os_reason,
     output_name,
     torch_dtype,
@@ -249,8 +253,15 @@ def write_tensors(
         writer.close()
 
 
-def check_output_path(path: str, inputs: Sequence[str | None] = ()) -> None:
-    """Fail early, before any work, when OUTPUT cannot be written, or would replace an input."""
+def check_output_path(
+    path: str,
+    inputs: Sequence[str | None] = (),
+    read_files: Mapping[FileIdentity, str] | None = None,
+) -> None:
+    """Fail early, before any work, when OUTPUT cannot be written, or would replace a file the
+    command reads: one of ``inputs`` (paths), or of ``read_files`` (by identity, whatever path
+    reaches it: a checkpoint's shard, a config, a hard link; their value names them)."""
+    read_files = read_files or {}
     if path == STDIO:
         if sys.stdout is None:
             raise MasklnError("<stdout>: is closed")
@@ -264,6 +275,9 @@ def check_output_path(path: str, inputs: Sequence[str | None] = ()) -> None:
                 raise MasklnError(
                     f"<stdout>: is redirected into the input {source}; write the output elsewhere"
                 )
+        read = read_files.get(_stdio_identity(sys.stdout) or (-1, -1))
+        if read is not None:
+            raise MasklnError(f"<stdout>: is redirected into {read}; write the output elsewhere")
         return
     target = os.path.realpath(path)  # a symlink is followed: its target is what gets written
     parent = os.path.dirname(target)
@@ -281,6 +295,18 @@ def check_output_path(path: str, inputs: Sequence[str | None] = ()) -> None:
                 raise MasklnError(f"{path}: is the input (<stdin>); write the output elsewhere")
         elif _same_file(source, target):
             raise MasklnError(f"{path}: is the input {source}; write the output elsewhere")
+    read = read_files.get(file_identity(target) or (-1, -1))
+    if read is not None:
+        raise MasklnError(f"{path}: is {read}; write the output elsewhere")
+
+
+def _stdio_identity(stream: object) -> FileIdentity | None:
+    """The identity of the regular file ``stream`` (sys.stdout) is redirected into, if any."""
+    try:
+        opened = os.fstat(stream.fileno())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return None
+    return (opened.st_dev, opened.st_ino) if stat.S_ISREG(opened.st_mode) else None
 
 
 def _same_as_stdio(stream: object, path: str) -> bool:
@@ -312,23 +338,36 @@ def data_bytes(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> int:
 
 @contextlib.contextmanager
 def open_output(
-    path: str, size: int = 0, inputs: Sequence[str | None] = (), fsync: bool = False
+    path: str,
+    size: int = 0,
+    inputs: Sequence[str | None] = (),
+    fsync: bool = False,
+    read_files: Mapping[FileIdentity, str] | None = None,
 ) -> Iterator[BinaryIO]:
-    """A binary stream for OUTPUT: stdout for ``-``, else a temporary file beside ``path``.
+    """A binary stream for OUTPUT: stdout for ``-``, else a new file that replaces ``path`` only
+    when the block completes.
 
-    The temporary file replaces ``path`` only when the block completes; on any error, Ctrl-C or
-    SIGTERM it is removed, and an existing ``path`` is left untouched. ``size``, the bytes to be
-    written, is checked against the free disk space first. A symlink is followed (the link
-    stays, its target is replaced); a device or FIFO (``/dev/null``) is written to directly.
-    ``inputs`` are refused as OUTPUT.
+    On any error, Ctrl-C or SIGTERM the new file is dropped and an existing ``path`` is left
+    untouched. ``size``, the bytes to be written, is checked against the free disk space first.
+    A symlink is followed (the link stays, its target is replaced); a device or FIFO
+    (``/dev/null``) is written to directly. ``inputs`` (paths) and ``read_files`` (identities:
+    every file the command reads) are refused as OUTPUT.
 
-    The rename makes the new file whole or absent for every other process at once, even if
-    this one is killed; surviving a power loss or an OS crash also needs the data and the
-    rename on disk: ``fsync`` flushes the file before the rename and its folder after.
+    Where the filesystem allows it (Linux, ``O_TMPFILE``), the data goes into an anonymous file
+    in OUTPUT's folder: it has no name while it is written, so nothing is left behind however
+    the process ends, kill -9 and SIGBUS included. Complete, it is linked under a hidden
+    temporary name and renamed over OUTPUT, two calls of microseconds (a kill -9 between them
+    would leave that complete file beside OUTPUT). Elsewhere the data is written under the
+    hidden name ``.NAME.HEX.partial`` from the start: removed on errors and signals that can be
+    caught, but left behind by kill -9 or a power loss.
+
+    The rename makes the new file whole or absent for every other process at once; surviving a
+    power loss or an OS crash also needs the data and the rename on disk: ``fsync`` flushes the
+    file before the rename and its folder after.
     """
     from maskln_cli.files.resources import check_disk
 
-    check_output_path(path, inputs)
+    check_output_path(path, inputs, read_files)
     if path == STDIO:
         yield sys.stdout.buffer
         return
@@ -338,32 +377,108 @@ def open_output(
             yield stream
         return
     check_disk(str(target), size)
-    temporary = ""
-    try:
-        # The name is set before the file exists, so that a Ctrl-C or SIGTERM landing while it
-        # is created (inside mkstemp, it would escape) still finds it here and removes it.
-        for _ in range(100):
-            temporary = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.partial")
-            fd = _create_new(temporary, path)
-            if fd is not None:
-                break
-        else:
-            temporary = ""  # the last name is another process's file: not ours to remove
-            raise MasklnError(f"{path}: cannot create a file beside it: no free temporary name")
-        with _write_errors(path):
-            with os.fdopen(fd, "wb") as stream:
-                yield stream
-                stream.flush()
+    replacement = _Replacement(target, path)
+    with shrinking.writing():  # a SIGBUS meanwhile says this output was not written
+        try:
+            fd = replacement.create()
+            with _write_errors(path):
+                with os.fdopen(fd, "wb") as stream:
+                    yield stream
+                    stream.flush()
+                    if fsync:
+                        os.fsync(stream.fileno())
+                    os.fchmod(stream.fileno(), _output_mode(target))
+                    replacement.name_it(stream.fileno())
+                os.replace(replacement.name, target)
                 if fsync:
-                    os.fsync(stream.fileno())
-            os.chmod(temporary, _output_mode(target))
-            os.replace(temporary, target)
-            if fsync:
-                _fsync_folder(target.parent)
-    except BaseException:
-        if temporary:
-            _remove(temporary)
-        raise
+                    _fsync_folder(target.parent)
+        except BaseException:
+            replacement.discard()
+            raise
+        finally:
+            shrinking.discard_partial(replacement.name)
+
+
+class _Replacement:
+    """OUTPUT's new content until it replaces OUTPUT: an anonymous file, or a hidden named one.
+
+    ``name`` is set before the file it names exists, so that a Ctrl-C or SIGTERM landing while
+    it is created or linked (inside the call, it would escape) still finds it and removes it.
+    """
+
+    def __init__(self, target: Path, path: str) -> None:
+        self.target = target
+        self.path = path
+        self.name = ""
+        self.anonymous = False
+
+    def create(self) -> int:
+        """A descriptor to write the new content to."""
+        fd = _anonymous_file(self.target.parent, self.path)
+        if fd is not None:
+            self.anonymous = True
+            return fd
+        for _ in range(100):
+            self.name = _temporary_name(self.target)
+            shrinking.add_partial(self.name)
+            fd = _create_new(self.name, self.path)
+            if fd is not None:
+                return fd
+        self.name = ""  # the last name is another process's file: not ours to remove
+        raise MasklnError(f"{self.path}: cannot create a file beside it: no free temporary name")
+
+    def name_it(self, fd: int) -> None:
+        """Complete: give an anonymous file its hidden name, ready to be renamed over OUTPUT."""
+        if not self.anonymous:
+            return
+        for _ in range(100):
+            self.name = _temporary_name(self.target)
+            if _link(fd, self.name, self.path):
+                return
+        self.name = ""
+        raise MasklnError(f"{self.path}: cannot name the file: no free temporary name")
+
+    def discard(self) -> None:
+        if self.name:
+            _remove(self.name)
+
+
+_NOT_ANONYMOUS = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL}
+"""What open(O_TMPFILE) says where the filesystem or the kernel has no anonymous files."""
+
+
+def _anonymous_file(folder: Path, path: str) -> int | None:
+    """A descriptor of a new nameless file in ``folder`` (mode 0o600), or None where there are
+    none (not Linux, no /proc to link it through, a filesystem without them)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(folder, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as error:
+        if error.errno in _NOT_ANONYMOUS:
+            return None
+        raise MasklnError(f"{path}: cannot create a file beside it: {os_reason(error)}") from None
+
+
+def _temporary_name(target: Path) -> str:
+    return str(target.parent / f".{target.name}.{secrets.token_hex(6)}.partial")
+
+
+def _link(fd: int, name: str, path: str) -> bool:
+    """Give the anonymous file ``fd`` the name ``name``; False when that name is taken."""
+    folder = os.open(os.path.dirname(name), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        # linkat(AT_SYMLINK_FOLLOW) through /proc: Python calls plain link(), which would link
+        # the magic symlink itself, unless a directory descriptor is given.
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(name), src_dir_fd=folder, dst_dir_fd=folder)
+    except FileExistsError:
+        return False
+    except OSError as error:
+        raise MasklnError(f"{path}: cannot write: {os_reason(error)}") from None
+    finally:
+        os.close(folder)
+    return True
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -20,6 +20,7 @@ from maskln_cli.files.checkpoint import (
     CONFIG_NAME,
     Tensors,
     config_eps,
+    config_path,
     describe_norm_modules,
     module_keys,
     open_checkpoint,
@@ -30,8 +31,10 @@ from maskln_cli.files.tensorfile import (
     FLOATING,
     NUMERIC,
     STDIO,
+    FileIdentity,
     TensorFile,
     dtype_name,
+    file_identity,
     open_tensor_file,
 )
 
@@ -97,6 +100,9 @@ class Problem:
     """Where eps came from: '--eps', 'PATH: layer_norm_eps', "metadata 'eps'", 'default'."""
     param_dtype: torch.dtype | None = None
     """The finest dtype scale and bias were stored in (None: both are defaults)."""
+    read_files: dict[FileIdentity, str] = field(default_factory=dict)
+    """Every file read, INPUT and each option's, by identity: how messages name it. None of
+    them may become an output."""
 
     @property
     def rows(self) -> int:
@@ -129,7 +135,29 @@ def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
         grads = (
             stack.enter_context(open_tensor_file(options.grad_out)) if options.grad_out else data
         )
-        yield _prepare(data, params, grads, options)
+        problem = _prepare(data, params, grads, options)
+        problem.read_files = _read_files(data, params, grads, options)
+        yield problem
+
+
+def _read_files(
+    data: TensorFile, params: Tensors, grads: TensorFile, options: NormalizeOptions
+) -> dict[FileIdentity, str]:
+    """What each file read is to the user, by identity; INPUT's name wins a tie."""
+    found = {identity: f"the input {name}" for identity, name in data.read_files().items()}
+    named = []
+    if options.params:
+        named.append(("--params", params.read_files()))
+    if options.grad_out:
+        named.append(("--grad-out", grads.read_files()))
+    if options.config is not None:
+        path = config_path(options.config)
+        identity = file_identity(path)
+        named.append(("--config", {} if identity is None else {identity: path}))
+    for option, files in named:
+        for identity, name in files.items():
+            found.setdefault(identity, f"read through {option} ({name})")
+    return found
 
 
 def _prepare(

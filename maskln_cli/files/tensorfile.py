@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.files import shrinking
 from maskln_cli.files.keynames import missing_key_message
 
 if TYPE_CHECKING:
@@ -71,6 +72,25 @@ def output_name(path: str) -> str:
     return "<stdout>" if path == STDIO else path
 
 
+FileIdentity = tuple[int, int]
+"""A file as the kernel knows it, ``(st_dev, st_ino)``: the same for every path (symlink, hard
+link, ``./``, ``/proc/self/cwd``) that reaches it."""
+
+
+def file_identity(path: str) -> FileIdentity | None:
+    """``path``'s :data:`FileIdentity`, following symlinks; None when it does not exist.
+
+    Example:
+        >>> file_identity("sample_data") == file_identity("./sample_data/../sample_data")
+        True
+    """
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return status.st_dev, status.st_ino
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """A tensor's header entry: what a file says it holds, read without loading it."""
@@ -93,6 +113,9 @@ class TensorFile:
         self._handle = handle
         self._file = file
         self.name = name
+        status = os.fstat(file.fileno())
+        self.identity: FileIdentity = (status.st_dev, status.st_ino)
+        """The file opened, whatever path led to it."""
         self.torch_tensors = torch_tensors
         self.metadata: dict[str, str] = dict(handle.metadata() or {})  # type: ignore[attr-defined]
         keys = list(handle.keys())  # type: ignore[attr-defined]
@@ -104,6 +127,10 @@ class TensorFile:
 
     def keys(self) -> list[str]:
         return list(self._keys)
+
+    def read_files(self) -> dict[FileIdentity, str]:
+        """The files this reads: itself, by its name."""
+        return {self.identity: self.name}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
@@ -267,8 +294,9 @@ def open_tensor_file(path: str, torch_tensors: bool = True) -> Iterator[TensorFi
         except OSError as error:
             raise MasklnError(f"{name}: cannot read: {os_reason(error)}") from None
         tensor_file = TensorFile(handle, name, file, torch_tensors)
-        if path == STDIO:
-            os.unlink(spool)  # the mapping keeps the data; nothing is left behind on a crash
+        if path == STDIO and not source.startswith(_OPEN_FILES):
+            os.unlink(spool)  # the mapping keeps the data (no /proc: named until now)
+        stack.enter_context(shrinking.watch(name, file.fileno()))
         yield tensor_file
 
 
@@ -361,43 +389,72 @@ def stdin_limit() -> int:
 _BINARY_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+_OPEN_FILES = "/proc/self/fd/"
+"""Where Linux shows this process's open files: an unnamed file is opened again through it."""
+
+
 @contextlib.contextmanager
 def _spooled_stdin() -> Iterator[str]:
-    """Copy stdin into a temporary file (safetensors needs a file to map); yield its path."""
+    """Copy stdin into a temporary file (safetensors needs a file to map); yield a path to it.
+
+    The file has no name in TMPDIR while it is filled: anonymous where the filesystem allows it
+    (O_TMPFILE), else unlinked the moment it is created. It is reached through /proc/self/fd,
+    so up to 16 GiB of spool is never left behind, kill -9 included. Without /proc (not
+    Linux) it keeps its name until safetensors has opened it.
+    """
     if sys.stdin is None:
         raise MasklnError("<stdin>: is closed")
     stdin = sys.stdin.buffer
     if sys.stdin.isatty():
         raise MasklnError("<stdin>: is a terminal; pipe a safetensors file in, or give a path")
     limit = stdin_limit()
-    try:
-        fd, spool = tempfile.mkstemp(prefix="maskln-stdin-", suffix=".safetensors")
-    except OSError as error:
-        where = tempfile.gettempdir()
-        raise MasklnError(f"<stdin>: cannot spool to {where}: {os_reason(error)}") from None
+    fd, spool = _spool_file()
     try:
         _copy_bounded(stdin, fd, limit)
         yield spool
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(spool)
+        os.close(fd)
+        if not spool.startswith(_OPEN_FILES):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spool)
+
+
+def _spool_file() -> tuple[int, str]:
+    """A new file for stdin's bytes in TMPDIR, and the path to open it by (see above)."""
+    where = tempfile.gettempdir()
+    reachable = os.path.isdir(_OPEN_FILES)
+    flag = getattr(os, "O_TMPFILE", 0)
+    try:
+        if reachable and flag:
+            with contextlib.suppress(OSError):  # a filesystem without them: a named file
+                fd = os.open(where, os.O_RDWR | flag | getattr(os, "O_CLOEXEC", 0), 0o600)
+                return fd, f"{_OPEN_FILES}{fd}"
+        fd, spool = tempfile.mkstemp(prefix="maskln-stdin-", suffix=".safetensors")
+    except OSError as error:
+        raise MasklnError(f"<stdin>: cannot spool to {where}: {os_reason(error)}") from None
+    if reachable:
+        os.unlink(spool)
+        return fd, f"{_OPEN_FILES}{fd}"
+    return fd, spool
 
 
 def _copy_bounded(stdin: BinaryIO, fd: int, limit: int) -> None:
-    with os.fdopen(fd, "wb") as file:
-        copied = 0
-        while block := stdin.read(1 << 20):
-            copied += len(block)
-            if copied > limit:
-                raise MasklnError(
-                    f"<stdin>: more than {limit} bytes; set {STDIN_LIMIT_VARIABLE} to raise"
-                    " the limit, or pass a file path"
-                )
+    copied = 0
+    while block := stdin.read(1 << 20):
+        copied += len(block)
+        if copied > limit:
+            raise MasklnError(
+                f"<stdin>: more than {limit} bytes; set {STDIN_LIMIT_VARIABLE} to raise"
+                " the limit, or pass a file path"
+            )
+        view = memoryview(block)
+        while view:
             try:
-                file.write(block)
+                written = os.write(fd, view)
             except OSError as error:
                 where = tempfile.gettempdir()
                 raise MasklnError(f"<stdin>: cannot spool to {where}: {os_reason(error)}") from None
+            view = view[written:]
 
 
 def os_reason(error: OSError) -> str:

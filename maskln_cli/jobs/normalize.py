@@ -15,7 +15,7 @@ from maskln_cli.files.problem import (
     iter_outputs,
     load_problem,
 )
-from maskln_cli.files.tensorfile import output_name
+from maskln_cli.files.tensorfile import STDIO, output_name
 from maskln_cli.version import installed_version
 
 
@@ -70,8 +70,11 @@ def normalize_file(
         }
         passes = 2 if problem.grad_out is not None else 1
         total = problem.rows * passes
-        inputs = (input_path, options.params, options.grad_out)
-        with open_output(output_path, data_bytes(specs), inputs, fsync) as stream:
+        # Files are refused as OUTPUT by identity (problem.read_files, naming their option);
+        # a '-' among the sources is stdin, refused when it is redirected from OUTPUT.
+        inputs = [s for s in (input_path, options.params, options.grad_out) if s == STDIO]
+        size = data_bytes(specs)
+        with open_output(output_path, size, inputs, fsync, problem.read_files) as stream:
             writer = SafetensorsWriter(stream, output_name(output_path), specs, metadata)
             with writing_chunks(writer) as output:  # on a thread of its own for files
                 for _, stop, out in iter_outputs(problem):

@@ -599,7 +599,7 @@ def test_fsync_flushes_the_file_and_then_its_folder_only_when_asked(
 
     def recording_fsync(fd: int) -> None:
         path = os.readlink(f"/proc/self/fd/{fd}")
-        flushed.append((os.path.basename(path), output.exists()))
+        flushed.append((path, output.exists()))
 
     monkeypatch.setattr(tensorfile.os, "fsync", recording_fsync)
     args = [source, output] if command == "normalize" else [output, "--shape", "3,4,8"]
@@ -609,9 +609,14 @@ def test_fsync_flushes_the_file_and_then_its_folder_only_when_asked(
     if not durable:
         assert flushed == []
     else:
-        (file_name, renamed_yet), (folder_name, renamed) = flushed
-        assert file_name.startswith(".out.safetensors.") and file_name.endswith(".partial")
-        assert not renamed_yet and folder_name == tmp_path.name and renamed
+        (file_path, renamed_yet), (folder_path, renamed) = flushed
+        # the new file, beside OUTPUT: anonymous (O_TMPFILE), or hidden where there are none
+        folder, name = os.path.split(file_path)
+        assert folder == str(tmp_path)
+        assert name.endswith(" (deleted)") or (
+            name.startswith(".out.safetensors.") and name.endswith(".partial")
+        )
+        assert not renamed_yet and folder_path == str(tmp_path) and renamed
 
 
 # --- the background writer -------------------------------------------------------------------
