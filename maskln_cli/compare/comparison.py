@@ -24,9 +24,7 @@ from maskln_cli.compare.data import (
     converts_to_float64,
     default_tolerance,
 )
-from maskln_cli.files.tensorfile import (
-    torch_dtype,
-)
+from maskln_cli.files.tensorfile import torch_dtype
 from maskln_cli.op.threads import map_blocks
 
 if TYPE_CHECKING:

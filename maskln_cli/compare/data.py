@@ -14,18 +14,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.files.tensorfile import (
-    torch_dtype,
-)
+from maskln_cli.files.tensorfile import torch_dtype
 
 if TYPE_CHECKING:
     import torch
-
-    Allowances = Callable[..., dict[str, torch.Tensor]]
-    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
-    ``always`` when budgeted) of some rows of a block (None: all), as
-    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
 
 
 # (rtol, atol) by dtype, as torch.testing.assert_close has them; other dtypes must be equal.

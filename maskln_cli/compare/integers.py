@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.comparison import Comparison
 from maskln_cli.compare.data import INTEGRAL_DTYPES, RECORDED_ROWS, WORST_ROWS
-from maskln_cli.files.tensorfile import (
-    dtype_name,
-)
+from maskln_cli.files.tensorfile import dtype_name
 
 if TYPE_CHECKING:
     import torch
-
-    Allowances = Callable[..., dict[str, torch.Tensor]]
-    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
-    ``always`` when budgeted) of some rows of a block (None: all), as
-    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
 
 
 def is_integral(dtype: torch.dtype | None) -> bool:
