@@ -2,28 +2,25 @@
 
 An element passes when ``|actual - expected| <= atol + rtol * |expected|`` (computed in float64);
 NaN matches NaN only at the same position, and inf matches only the same inf. A
-:class:`Comparison` is fed consecutive chunks of whole rows and keeps only running figures, so
-multi-GB tensors compare in bounded memory. Integers and bool are compared exactly instead
-(:mod:`maskln_cli.compare.integers`).
+:class:`Comparison` is fed consecutive chunks of whole rows and keeps only running figures
+(:mod:`maskln_cli.compare.figures`), so multi-GB tensors compare in bounded memory. Integers and
+bool are compared exactly instead (:mod:`maskln_cli.compare.integers`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.data import (
-    RECORDED_ROWS,
     WORST_ROWS,
     BlockFigures,
-    RowErrors,
     TensorComparison,
-    WorstRow,
     converts_to_float64,
     default_tolerance,
 )
+from maskln_cli.compare.figures import RunningFigures, padding_of
 from maskln_cli.files.tensorfile import torch_dtype
 from maskln_cli.op.threads import map_blocks
 
@@ -55,8 +52,9 @@ PICKED_SHARE = 4
 them: gathering the rows would cost more than it saves."""
 
 
-class Comparison:
-    """Running comparison of one tensor, fed consecutive chunks of whole rows.
+class Comparison(RunningFigures):
+    """Running comparison of one tensor, fed consecutive chunks of whole rows: its running
+    figures (:class:`RunningFigures`), and how chunks feed them.
 
     By default an element passes within ``atol + rtol * |expected|`` (``maskln diff``);
     :meth:`update` can instead be given each element's allowance (``maskln verify``'s error
@@ -85,9 +83,9 @@ class Comparison:
         rank_by_ratio: bool = False,
         same_dtype: bool = True,
     ) -> None:
+        super().__init__(shape, rank_by_ratio)
         default_rtol, default_atol = default_tolerance(dtype, expected_dtype)
         self.name = name
-        self.shape = list(shape)
         self.expected_shape = list(expected_shape)
         self.dtype = dtype
         self.expected_dtype = expected_dtype
@@ -101,44 +99,8 @@ class Comparison:
         )
         self.rtol = default_rtol if rtol is None else rtol
         self.atol = default_atol if atol is None else atol
-        # Worst rows by how far beyond their allowance (verify's budgets differ by element),
-        # or by absolute difference (one tolerance for every element).
-        self.rank_by_ratio = rank_by_ratio
         # A dtype difference is a problem (diff), or by design (verify: float64 reference).
         self.same_dtype = same_dtype
-        # Rows are the leading index; a tensor of rank 0 or 1 has one element per row.
-        self.row_length = self.shape[-1] if len(self.shape) >= 2 else 1
-        self.numel = math.prod(self.shape)
-        self._offset = 0
-        self._mismatched = 0
-        self._mismatched_rows = 0
-        self._nan_mismatched = 0
-        self._inf_mismatched = 0
-        self._nan_where_finite = 0
-        self._inf_where_finite = 0
-        self._max_abs = (-1.0, -1, math.nan, math.nan, math.nan)
-        self._max_rel = (-1.0, -1)
-        self._max_ratio = -1.0
-        self._factor_needed = 0.0
-        self._diff_squares = 0.0
-        self._expected_squares = 0.0
-        self._yardstick_max = -1.0
-        self._yardstick_squares = 0.0
-        self._invalid_rows_zero: bool | None = None
-        self._mismatched_invalid_rows: int | None = None
-        self._negative_zeros: int | None = None
-        # Per valid row, the relative error: count, sum, sum of squares, min, max.
-        self._row_errors = [0, 0.0, 0.0, math.inf, 0.0]
-        self.yardstick_row_error_sum = 0.0
-        self.failing_rows: list[int] = []
-        """Indices of the first :data:`RECORDED_ROWS` failing rows (for a diagnosis)."""
-        self.beyond = 0
-        """Mismatched elements with finite values on both sides (beyond their allowance)."""
-        self.beyond_in_invalid_rows = 0
-        self.nonfinite_in_invalid_rows = 0
-        """Mismatched elements in the rows marked invalid: finite, and NaN or inf."""
-        # Heap of (score, -flat index, actual, expected, allowed): the worst rows so far.
-        self._worst: list[tuple[float, int, float, float, float]] = []
 
     @property
     def same_shape(self) -> bool:
@@ -302,11 +264,7 @@ class Comparison:
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
             if bool(invalid.any()):
-                # In float64, exact for every dtype: float8 has no signbit, and e8m0 has no 0
-                # (its byte 0 is 2**-127), nor fnuz types a -0 (their 0x80 is NaN).
-                padded = a64.view(rows, length)[invalid]
-                zeros = padded == 0
-                block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
+                block.padding = padding_of(a64.view(rows, length)[invalid])
         return block
 
     def _judge(
@@ -465,7 +423,7 @@ class Comparison:
         # inf for an invalid row that is not all 0, NaN (never picked) for one that is.
         lows = torch.where(invalid, 0.0, lower) if invalid is not None else lower
         ceiling = torch.div(row_max, lows)  # >= every ratio of a valid row
-        known = self._max_ratio
+        known = self.max_ratio
 
         def pick(known: float) -> torch.Tensor:
             return ceiling > known if known < 1 else ceiling >= 1
@@ -498,7 +456,6 @@ class Comparison:
         import torch
 
         length = self.row_length
-        first_row = self._offset // length
         starts, total = [], 0
         for block in blocks:
             starts.append(total)
@@ -513,18 +470,18 @@ class Comparison:
                 top_rel = (block.max_rel[0], start + block.max_rel[1])
         if top_abs is None or top_rel is None:
             return
-        if top_abs[0] > self._max_abs[0]:
+        if top_abs[0] > self.max_abs[0]:
             if top_block is not None and top_block.allowed_later is not None:
                 top_abs = (*top_abs[:4], top_block.allowed_later())
-            self._max_abs = (top_abs[0], self._offset + top_abs[1], *top_abs[2:])  # type: ignore[assignment]
-        if top_rel[0] > self._max_rel[0]:
-            self._max_rel = (top_rel[0], self._offset + top_rel[1])
-        self._max_ratio = max(self._max_ratio, max(b.max_ratio for b in blocks))
-        self._factor_needed = max(self._factor_needed, max(b.factor_needed for b in blocks))
+            self.max_abs = (top_abs[0], self.offset + top_abs[1], *top_abs[2:])  # type: ignore[assignment]
+        if top_rel[0] > self.max_rel[0]:
+            self.max_rel = (top_rel[0], self.offset + top_rel[1])
+        self.max_ratio = max(self.max_ratio, max(b.max_ratio for b in blocks))
+        self.max_factor = max(self.max_factor, max(b.factor_needed for b in blocks))
         row_squares = torch.cat([b.row_squares for b in blocks])
-        self._diff_squares += float(row_squares.sum())
+        self.diff_squares += float(row_squares.sum())
         row_norms = torch.cat([b.row_norms for b in blocks])
-        self._expected_squares += float(row_norms.sum())
+        self.expected_squares += float(row_norms.sum())
         counts = None
         if any(b.counts is not None for b in blocks):
             counts = torch.cat([
@@ -532,40 +489,29 @@ class Comparison:
                 for b in blocks
             ])  # fmt: skip
         chunk_bad = int(counts.sum()) if counts is not None else 0
-        self._mismatched += chunk_bad
+        self.mismatched += chunk_bad
         self.beyond += chunk_bad
         rows_bad = counts > 0 if counts is not None else None
         if rows_bad is not None:
-            self._mismatched_rows += int(rows_bad.sum())
-            if len(self.failing_rows) < RECORDED_ROWS:
-                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
-                self.failing_rows += (more + first_row).tolist()
+            self.count_failing_rows(rows_bad)
             self._merge_worst(blocks, starts)
         yardstick_rows = None
         if blocks[0].yardstick_rows is not None:
-            self._yardstick_max = max(self._yardstick_max, max(b.yardstick_max for b in blocks))
+            self.yardstick_max = max(self.yardstick_max, max(b.yardstick_max for b in blocks))
             yardstick_rows = torch.cat([b.yardstick_rows for b in blocks])  # type: ignore[misc]
-            self._yardstick_squares += float(yardstick_rows.sum())
+            self.yardstick_squares += float(yardstick_rows.sum())
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
-            if rows_bad is not None:
-                self._mismatched_invalid_rows = (self._mismatched_invalid_rows or 0) + int(
-                    (rows_bad & invalid).sum()
-                )
-                if counts is not None:
-                    self.beyond_in_invalid_rows += int(counts[invalid].sum())
-            elif self._mismatched_invalid_rows is None:
-                self._mismatched_invalid_rows = 0
+            self.count_mismatched_invalid_rows(rows_bad, invalid)
+            if counts is not None:
+                self.beyond_in_invalid_rows += int(counts[invalid].sum())
             padding = [b.padding for b in blocks if b.padding is not None]
-            if padding:
-                zero = all(z for z, _ in padding)
-                self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
-                self._negative_zeros = (self._negative_zeros or 0) + sum(n for _, n in padding)
-            elif self._negative_zeros is None:
-                self._negative_zeros = 0
+            self.add_padding(
+                (all(z for z, _ in padding), sum(n for _, n in padding)) if padding else None
+            )
             usable = ~invalid & (row_norms > 0)
-            self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
-        self._offset += total
+            self.add_row_errors(usable, row_squares, row_norms, yardstick_rows)
+        self.offset += total
 
     def _merge_worst(self, blocks: Sequence[BlockFigures], starts: Sequence[int]) -> None:
         """The chunk's worst rows from its blocks' candidates, as :meth:`_track_worst` does."""
@@ -582,14 +528,10 @@ class Comparison:
         # Stable sort: among equal scores the earliest rows win, whatever the chunking.
         order = score.sort(descending=True, stable=True).indices[:WORST_ROWS]
         for k in order.tolist():
-            entry = (
-                float(score[k]), -(self._offset + int(flat[k])), float(actual[k]),
+            self.keep_worst((
+                float(score[k]), -(self.offset + int(flat[k])), float(actual[k]),
                 float(expected[k]), float(allowed[k]),
-            )  # fmt: skip
-            if len(self._worst) < WORST_ROWS:
-                heapq.heappush(self._worst, entry)
-            else:
-                heapq.heappushpop(self._worst, entry)
+            ))  # fmt: skip
 
     def _update_general(
         self,
@@ -629,12 +571,12 @@ class Comparison:
                 rounded = e.to(torch_dtype(self.dtype) or torch.float64).double()
                 same |= overflowed & (rounded == a)
             bad = ~(same | (finite & (diff <= bound)))
-            self._nan_mismatched += int((a_nan != e_nan).sum())
-            self._inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
-            self._nan_where_finite += int((a_nan & e_finite).sum())
-            self._inf_where_finite += int((overflowed & ~same).sum())
+            self.nan_mismatched += int((a_nan != e_nan).sum())
+            self.inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
+            self.nan_where_finite += int((a_nan & e_finite).sum())
+            self.inf_where_finite += int((overflowed & ~same).sum())
         chunk_bad = int(bad.sum())
-        self._mismatched += chunk_bad
+        self.mismatched += chunk_bad
         self.beyond += chunk_bad if clean else int((bad & finite).sum())
 
         self._track_max_abs(diff, a, e, bound)
@@ -642,32 +584,28 @@ class Comparison:
         relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
         if relative.numel():
             value, index = relative.max(dim=0)
-            if float(value) > self._max_rel[0]:
-                self._max_rel = (float(value), self._offset + int(index))
+            if float(value) > self.max_rel[0]:
+                self.max_rel = (float(value), self.offset + int(index))
         # How far beyond its allowance each element is (inf where nothing was allowed); the
         # maximum is over elements allowed something: the padding is counted apart.
         ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
         if ratio.numel():
             some = torch.where(bound > 0, ratio, 0.0)
-            self._max_ratio = max(self._max_ratio, float(some.max()))
+            self.max_ratio = max(self.max_ratio, float(some.max()))
         if budget_unit is not None and always is not None:
             beyond = (diff > always.reshape(-1)) & finite
             if bool(beyond.any()):
                 needed = torch.where(beyond, diff / budget_unit.reshape(-1), 0.0)
-                self._factor_needed = max(self._factor_needed, float(needed.max()))
+                self.max_factor = max(self.max_factor, float(needed.max()))
         row_squares = diff.view(-1, length).square().sum(dim=1)
-        self._diff_squares += float(row_squares.sum())
+        self.diff_squares += float(row_squares.sum())
         clean_e = e if clean or bool(e_finite.all()) else torch.where(e_finite, e, 0.0)
         row_norms = clean_e.view(-1, length).square().sum(dim=1)
-        self._expected_squares += float(row_norms.sum())
+        self.expected_squares += float(row_norms.sum())
 
-        first_row = self._offset // length
         rows_bad = bad.view(-1, length).any(dim=1) if chunk_bad else None
         if rows_bad is not None:
-            self._mismatched_rows += int(rows_bad.sum())
-            if len(self.failing_rows) < RECORDED_ROWS:
-                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
-                self.failing_rows += (more + first_row).tolist()
+            self.count_failing_rows(rows_bad)
             self._track_worst(bad, finite, diff, ratio, a, e, bound)
 
         yardstick_rows = None
@@ -677,15 +615,15 @@ class Comparison:
             if not clean or not bool(y_diff.isfinite().all()):
                 y_diff = torch.where(y.isfinite() & e_finite, y_diff, 0.0)
             if y_diff.numel():
-                self._yardstick_max = max(self._yardstick_max, float(y_diff.max()))
+                self.yardstick_max = max(self.yardstick_max, float(y_diff.max()))
             yardstick_rows = y_diff.view(-1, length).square().sum(dim=1)
-            self._yardstick_squares += float(yardstick_rows.sum())
+            self.yardstick_squares += float(yardstick_rows.sum())
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
             self._track_rows(
                 invalid, rows_bad, bad, a, finite, row_squares, row_norms, yardstick_rows, clean
             )
-        self._offset += a.numel()
+        self.offset += a.numel()
 
     @staticmethod
     def update_many(
@@ -756,19 +694,14 @@ class Comparison:
     ) -> None:
         """Record a whole tensor compared by :meth:`update_many`: finite, and within
         tolerance everywhere (so no mismatch, no worst row to keep)."""
-        if self._offset:
+        if self.offset:
             raise ValueError("update_many takes whole tensors, to comparisons not yet fed")
-        self._max_abs = (max_abs, max_abs_index, max_abs_actual, max_abs_expected, max_abs_bound)
-        self._max_rel = (max_rel, max_rel_index)
-        self._max_ratio = max(self._max_ratio, max_ratio)
-        self._diff_squares += diff_squares
-        self._expected_squares += expected_squares
-        self._offset = self.numel
-
-    def factor_needed(self) -> float:
-        """The smallest factor by which the budget units fed to :meth:`update` would let every
-        finite element pass (elements within what is always allowed count for nothing)."""
-        return self._factor_needed
+        self.max_abs = (max_abs, max_abs_index, max_abs_actual, max_abs_expected, max_abs_bound)
+        self.max_rel = (max_rel, max_rel_index)
+        self.max_ratio = max(self.max_ratio, max_ratio)
+        self.diff_squares += diff_squares
+        self.expected_squares += expected_squares
+        self.offset = self.numel
 
     def _track_max_abs(
         self, diff: torch.Tensor, a: torch.Tensor, e: torch.Tensor, bound: torch.Tensor
@@ -776,11 +709,11 @@ class Comparison:
         if diff.numel() == 0:
             return
         value, index = diff.max(dim=0)
-        if float(value) > self._max_abs[0]:
+        if float(value) > self.max_abs[0]:
             i = int(index)
-            self._max_abs = (
+            self.max_abs = (
                 float(value),
-                self._offset + i,
+                self.offset + i,
                 float(a[i]),
                 float(e[i]),
                 float(bound[i]),
@@ -809,14 +742,10 @@ class Comparison:
         order = row_score[bad_rows].sort(descending=True, stable=True).indices[:WORST_ROWS]
         for row in bad_rows[order].tolist():
             flat = row * self.row_length + int(row_channel[row])
-            entry = (
-                float(row_score[row]), -(self._offset + flat), float(a[flat]), float(e[flat]),
+            self.keep_worst((
+                float(row_score[row]), -(self.offset + flat), float(a[flat]), float(e[flat]),
                 float(bound[flat]),
-            )  # fmt: skip
-            if len(self._worst) < WORST_ROWS:
-                heapq.heappush(self._worst, entry)
-            else:
-                heapq.heappushpop(self._worst, entry)
+            ))  # fmt: skip
 
     def _track_rows(
         self,
@@ -833,50 +762,17 @@ class Comparison:
         """Invalid rows: exactly 0 (and which are -0.0); valid rows: each one's relative error."""
         length = self.row_length
         any_invalid = bool(invalid.any())
-        if rows_bad is not None:
-            self._mismatched_invalid_rows = (self._mismatched_invalid_rows or 0) + int(
-                (rows_bad & invalid).sum()
-            )
-            if any_invalid:
-                padded_bad = bad.view(-1, length)[invalid]
-                padded_finite = finite.view(-1, length)[invalid]
-                self.beyond_in_invalid_rows += int((padded_bad & padded_finite).sum())
-                self.nonfinite_in_invalid_rows += int((padded_bad & ~padded_finite).sum())
-        elif self._mismatched_invalid_rows is None:
-            self._mismatched_invalid_rows = 0
-        if any_invalid:
-            padded = a.view(-1, length)[invalid]
-            zero = bool((padded == 0).all())
-            self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
-            negative = int(((padded == 0) & padded.signbit()).sum())
-            self._negative_zeros = (self._negative_zeros or 0) + negative
-        elif self._negative_zeros is None:
-            self._negative_zeros = 0
+        self.count_mismatched_invalid_rows(rows_bad, invalid)
+        if rows_bad is not None and any_invalid:
+            padded_bad = bad.view(-1, length)[invalid]
+            padded_finite = finite.view(-1, length)[invalid]
+            self.beyond_in_invalid_rows += int((padded_bad & padded_finite).sum())
+            self.nonfinite_in_invalid_rows += int((padded_bad & ~padded_finite).sum())
+        self.add_padding(padding_of(a.view(-1, length)[invalid]) if any_invalid else None)
         usable = ~invalid & (row_norms > 0)
         if not clean:
             usable &= finite.view(-1, length).all(dim=1)
-        self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
-
-    def _track_row_errors(
-        self,
-        usable: torch.Tensor,
-        row_squares: torch.Tensor,
-        row_norms: torch.Tensor,
-        yardstick_rows: torch.Tensor | None,
-    ) -> None:
-        """Each usable row's relative error (and the yardstick's), into the running sums."""
-        if not bool(usable.any()):
-            return
-        norms = row_norms[usable]
-        errors = (row_squares[usable] / norms).sqrt_()
-        count, total, total_squares, low, high = self._row_errors
-        self._row_errors = [
-            count + errors.numel(), total + float(errors.sum()),
-            total_squares + float(errors.square().sum()), min(low, float(errors.min())),
-            max(high, float(errors.max())),
-        ]  # fmt: skip
-        if yardstick_rows is not None:
-            self.yardstick_row_error_sum += float((yardstick_rows[usable] / norms).sqrt_().sum())
+        self.add_row_errors(usable, row_squares, row_norms, yardstick_rows)
 
     def result(self, extra_problems: Iterable[str] = (), compared: bool = True) -> TensorComparison:
         """The outcome, once every chunk has been fed.
@@ -906,78 +802,8 @@ class Comparison:
         if not (self.comparable and compared):
             outcome.passed = not problems
             return outcome
-        if self._offset != self.numel:
-            raise ValueError(f"compared {self._offset} of {self.numel} elements of {self.name!r}")
-        rows = self.numel // self.row_length if self.row_length else 0
-        outcome.numel = self.numel
-        outcome.rows = rows
-        outcome.mismatched = self._mismatched
-        outcome.mismatched_fraction = float(self._mismatched / self.numel) if self.numel else 0.0
-        outcome.mismatched_rows = self._mismatched_rows
-        outcome.nan_mismatched = self._nan_mismatched
-        outcome.inf_mismatched = self._inf_mismatched
-        outcome.nan_where_finite = self._nan_where_finite
-        outcome.inf_where_finite = self._inf_where_finite
-        if self._max_abs[1] >= 0:
-            outcome.max_abs_diff = self._max_abs[0]
-            outcome.max_abs_index = self._unravel(self._max_abs[1])
-            outcome.max_rel_diff = self._max_rel[0]
-            outcome.max_rel_index = self._unravel(self._max_rel[1])
-        outcome.budget_ratio = max(self._max_ratio, 0.0) if self.numel else None
-        outcome.rel_l2 = self._relative(self._diff_squares)
-        if self._yardstick_max >= 0:
-            outcome.yardstick_max_abs_diff = self._yardstick_max
-            outcome.yardstick_rel_l2 = self._relative(self._yardstick_squares)
-        outcome.invalid_rows_zero = self._invalid_rows_zero
-        outcome.mismatched_invalid_rows = self._mismatched_invalid_rows
-        outcome.negative_zeros = self._negative_zeros
-        count, total, total_squares, low, high = self._row_errors
-        if count:
-            mean = total / count
-            spread = math.sqrt(max(total_squares / count - mean * mean, 0.0))
-            outcome.row_rel_error = RowErrors(count, mean, spread, low, high)
-        outcome.worst = self._worst_rows()
-        if self._mismatched:
-            problems.append(
-                f"{self._mismatched:,} of {self.numel:,} elements differ beyond tolerance"
-            )
-        if self._invalid_rows_zero is False:
-            problems.append("actual is not exactly 0 at every invalid position")
-        outcome.passed = not problems
+        if self.offset != self.numel:
+            raise ValueError(f"compared {self.offset} of {self.numel} elements of {self.name!r}")
+        self.fill(outcome)
+        outcome.passed = not outcome.problems
         return outcome
-
-    def _relative(self, squares: float) -> float:
-        if self._expected_squares > 0:
-            return math.sqrt(squares / self._expected_squares)
-        return 0.0 if squares == 0 else math.inf
-
-    def _worst_rows(self) -> list[WorstRow]:
-        """The worst rows, worst first, then the row of the greatest absolute difference when
-        it is not among them (it may be within its allowance: the table then says so)."""
-        worst = [
-            self._worst_row(-negative_flat, actual, expected, allowed)
-            for _, negative_flat, actual, expected, allowed in sorted(self._worst, reverse=True)
-        ]
-        value, flat, actual, expected, allowed = self._max_abs
-        if worst and value > 0 and all(w.index != self._unravel(flat) for w in worst):
-            worst.append(self._worst_row(flat, actual, expected, allowed))
-        return worst
-
-    def _worst_row(self, flat: int, actual: float, expected: float, allowed: float) -> WorstRow:
-        index = self._unravel(flat)
-        finite = math.isfinite(actual) and math.isfinite(expected)
-        return WorstRow(
-            row=index[:-1] if len(self.shape) >= 2 else index,
-            index=index,
-            actual=actual,
-            expected=expected,
-            abs_diff=abs(actual - expected) if finite else math.inf,
-            allowed=allowed,
-        )
-
-    def _unravel(self, flat: int) -> list[int]:
-        index = []
-        for size in reversed(self.shape):
-            flat, position = divmod(flat, size) if size else (flat, 0)
-            index.append(position)
-        return index[::-1]
