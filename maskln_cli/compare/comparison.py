@@ -3,8 +3,10 @@
 An element passes when ``|actual - expected| <= atol + rtol * |expected|`` (computed in float64);
 NaN matches NaN only at the same position, and inf matches only the same inf. A
 :class:`Comparison` is fed consecutive chunks of whole rows and keeps only running figures
-(:mod:`maskln_cli.compare.figures`), so multi-GB tensors compare in bounded memory. Integers and
-bool are compared exactly instead (:mod:`maskln_cli.compare.integers`).
+(:mod:`maskln_cli.compare.figures`), so multi-GB tensors compare in bounded memory: a chunk of
+finite floating values in blocks measured on worker threads, then merged (:meth:`measure`,
+:meth:`merge`), any other in float64 as a whole (:mod:`maskln_cli.compare.general`). Integers
+and bool are compared exactly instead (:mod:`maskln_cli.compare.integers`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from maskln_cli.compare import general
 from maskln_cli.compare.data import (
     WORST_ROWS,
     BlockFigures,
+    PerElement,
     TensorComparison,
     converts_to_float64,
     default_tolerance,
@@ -141,10 +145,10 @@ class Comparison(RunningFigures):
         e = expected.detach().reshape(-1)
         if a.numel() != e.numel() or a.numel() % self.row_length:
             raise ValueError("chunks must hold the same whole rows of both tensors")
-        pieces = (allowance, yardstick, budget_unit, always)
+        per_element = PerElement(allowance, yardstick, budget_unit, always)
         blocks = self._block_ranges(a.numel())
         if blocks:
-            flat = [None if t is None else t.detach().reshape(-1) for t in pieces]
+            flat = [None if t is None else t.detach().reshape(-1) for t in per_element]
             invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
             length = self.row_length
 
@@ -158,7 +162,21 @@ class Comparison(RunningFigures):
             if all(b is not None for b in measured):
                 self.merge(measured, invalid)  # type: ignore[arg-type]
                 return
-        self._update_general(actual, expected, invalid_rows, *pieces)
+        self._update_general(actual, expected, invalid_rows, per_element)
+
+    def _update_general(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        invalid_rows: torch.Tensor | None,
+        per_element: PerElement,
+    ) -> None:
+        """:meth:`update` for any values, NaN and inf included, on the whole chunk in float64
+        (the definition the fast path of :meth:`measure` and :meth:`merge` reproduces)."""
+        general.update_general(
+            self, actual, expected, invalid_rows, per_element, self.rtol, self.atol,
+            self.dtype,
+        )  # fmt: skip
 
     def _block_ranges(self, numel: int) -> list[tuple[int, int]]:
         """Blocks of whole rows (two or more, see :func:`maskln_cli.op.blocked.row_blocks`) of about
@@ -514,7 +532,7 @@ class Comparison(RunningFigures):
         self.offset += total
 
     def _merge_worst(self, blocks: Sequence[BlockFigures], starts: Sequence[int]) -> None:
-        """The chunk's worst rows from its blocks' candidates, as :meth:`_track_worst` does."""
+        """The chunk's worst rows from its blocks' candidates, as the general path keeps them."""
         import torch
 
         found = [
@@ -532,98 +550,6 @@ class Comparison(RunningFigures):
                 float(score[k]), -(self.offset + int(flat[k])), float(actual[k]),
                 float(expected[k]), float(allowed[k]),
             ))  # fmt: skip
-
-    def _update_general(
-        self,
-        actual: torch.Tensor,
-        expected: torch.Tensor,
-        invalid_rows: torch.Tensor | None = None,
-        allowance: torch.Tensor | None = None,
-        yardstick: torch.Tensor | None = None,
-        budget_unit: torch.Tensor | None = None,
-        always: torch.Tensor | None = None,
-    ) -> None:
-        """:meth:`update` for any values, NaN and inf included, on the whole chunk in float64
-        (the definition the fast path of :meth:`measure` and :meth:`merge` reproduces)."""
-        import torch
-
-        a = actual.detach().reshape(-1).double()
-        e = expected.detach().reshape(-1).double()
-        if a.numel() != e.numel() or a.numel() % self.row_length:
-            raise ValueError("chunks must hold the same whole rows of both tensors")
-        length = self.row_length
-        a_finite, e_finite = a.isfinite(), e.isfinite()
-        finite = a_finite & e_finite
-        clean = bool(finite.all())  # the usual case: no NaN or inf to account for
-        diff = (a - e).abs_()
-        if allowance is None:
-            bound = e.abs().mul_(self.rtol).add_(self.atol)
-        else:
-            bound = allowance.detach().reshape(-1).double()
-        if clean:
-            bad = diff > bound
-        else:
-            diff = torch.where(finite, diff, 0.0)
-            a_nan, e_nan = a.isnan(), e.isnan()
-            same = (a == e) | (a_nan & e_nan)  # covers equal infs, and NaN at the same place
-            overflowed = a.isinf() & e_finite
-            if allowance is not None and bool(overflowed.any()):
-                rounded = e.to(torch_dtype(self.dtype) or torch.float64).double()
-                same |= overflowed & (rounded == a)
-            bad = ~(same | (finite & (diff <= bound)))
-            self.nan_mismatched += int((a_nan != e_nan).sum())
-            self.inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
-            self.nan_where_finite += int((a_nan & e_finite).sum())
-            self.inf_where_finite += int((overflowed & ~same).sum())
-        chunk_bad = int(bad.sum())
-        self.mismatched += chunk_bad
-        self.beyond += chunk_bad if clean else int((bad & finite).sum())
-
-        self._track_max_abs(diff, a, e, bound)
-        # |a - e| / |e|: inf at an expected 0 with a difference, 0 where both are 0
-        relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
-        if relative.numel():
-            value, index = relative.max(dim=0)
-            if float(value) > self.max_rel[0]:
-                self.max_rel = (float(value), self.offset + int(index))
-        # How far beyond its allowance each element is (inf where nothing was allowed); the
-        # maximum is over elements allowed something: the padding is counted apart.
-        ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
-        if ratio.numel():
-            some = torch.where(bound > 0, ratio, 0.0)
-            self.max_ratio = max(self.max_ratio, float(some.max()))
-        if budget_unit is not None and always is not None:
-            beyond = (diff > always.reshape(-1)) & finite
-            if bool(beyond.any()):
-                needed = torch.where(beyond, diff / budget_unit.reshape(-1), 0.0)
-                self.max_factor = max(self.max_factor, float(needed.max()))
-        row_squares = diff.view(-1, length).square().sum(dim=1)
-        self.diff_squares += float(row_squares.sum())
-        clean_e = e if clean or bool(e_finite.all()) else torch.where(e_finite, e, 0.0)
-        row_norms = clean_e.view(-1, length).square().sum(dim=1)
-        self.expected_squares += float(row_norms.sum())
-
-        rows_bad = bad.view(-1, length).any(dim=1) if chunk_bad else None
-        if rows_bad is not None:
-            self.count_failing_rows(rows_bad)
-            self._track_worst(bad, finite, diff, ratio, a, e, bound)
-
-        yardstick_rows = None
-        if yardstick is not None:
-            y = yardstick.detach().reshape(-1).double()
-            y_diff = (y - e).abs_()
-            if not clean or not bool(y_diff.isfinite().all()):
-                y_diff = torch.where(y.isfinite() & e_finite, y_diff, 0.0)
-            if y_diff.numel():
-                self.yardstick_max = max(self.yardstick_max, float(y_diff.max()))
-            yardstick_rows = y_diff.view(-1, length).square().sum(dim=1)
-            self.yardstick_squares += float(yardstick_rows.sum())
-        if invalid_rows is not None:
-            invalid = invalid_rows.reshape(-1)
-            self._track_rows(
-                invalid, rows_bad, bad, a, finite, row_squares, row_norms, yardstick_rows, clean
-            )
-        self.offset += a.numel()
 
     @staticmethod
     def update_many(
@@ -650,129 +576,8 @@ class Comparison(RunningFigures):
             >>> made[0].result().passed  # made[1] (4.5 against 4.0) must go through update
             True
         """
-        import torch
-
         first = comparisons[0]
-        count, length = len(comparisons), first.row_length
-        a, e = actual.detach().double(), expected.detach().double()
-        diff = (a - e).abs_()
-        bound = e.abs().mul_(first.rtol).add_(first.atol)
-        fed = (a.isfinite() & e.isfinite() & (diff <= bound)).all(dim=1)
-        if not bool(fed.any()):
-            return [False] * count
-        max_abs, max_abs_index = diff.max(dim=1)
-        at = max_abs_index[:, None]
-        max_abs_a, max_abs_e, max_abs_bound = (t.gather(1, at)[:, 0] for t in (a, e, bound))
-        relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
-        max_rel, max_rel_index = relative.max(dim=1)
-        ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
-        max_ratio = torch.where(bound > 0, ratio, 0.0).max(dim=1).values
-        diff_squares = diff.view(count, -1, length).square().sum(dim=2).sum(dim=1)
-        expected_squares = e.view(count, -1, length).square().sum(dim=2).sum(dim=1)
-        columns = zip(
-            fed.tolist(), max_abs.tolist(), max_abs_index.tolist(), max_abs_a.tolist(),
-            max_abs_e.tolist(), max_abs_bound.tolist(), max_rel.tolist(), max_rel_index.tolist(),
-            max_ratio.tolist(), diff_squares.tolist(), expected_squares.tolist(), strict=True,
-        )  # fmt: skip
-        for comparison, (ok, *figures) in zip(comparisons, columns, strict=True):
-            if ok:
-                comparison._add_passing(*figures)
-        return fed.tolist()
-
-    def _add_passing(
-        self,
-        max_abs: float,
-        max_abs_index: int,
-        max_abs_actual: float,
-        max_abs_expected: float,
-        max_abs_bound: float,
-        max_rel: float,
-        max_rel_index: int,
-        max_ratio: float,
-        diff_squares: float,
-        expected_squares: float,
-    ) -> None:
-        """Record a whole tensor compared by :meth:`update_many`: finite, and within
-        tolerance everywhere (so no mismatch, no worst row to keep)."""
-        if self.offset:
-            raise ValueError("update_many takes whole tensors, to comparisons not yet fed")
-        self.max_abs = (max_abs, max_abs_index, max_abs_actual, max_abs_expected, max_abs_bound)
-        self.max_rel = (max_rel, max_rel_index)
-        self.max_ratio = max(self.max_ratio, max_ratio)
-        self.diff_squares += diff_squares
-        self.expected_squares += expected_squares
-        self.offset = self.numel
-
-    def _track_max_abs(
-        self, diff: torch.Tensor, a: torch.Tensor, e: torch.Tensor, bound: torch.Tensor
-    ) -> None:
-        if diff.numel() == 0:
-            return
-        value, index = diff.max(dim=0)
-        if float(value) > self.max_abs[0]:
-            i = int(index)
-            self.max_abs = (
-                float(value),
-                self.offset + i,
-                float(a[i]),
-                float(e[i]),
-                float(bound[i]),
-            )
-
-    def _track_worst(
-        self,
-        bad: torch.Tensor,
-        finite: torch.Tensor,
-        diff: torch.Tensor,
-        ratio: torch.Tensor,
-        a: torch.Tensor,
-        e: torch.Tensor,
-        bound: torch.Tensor,
-    ) -> None:
-        """Keep the worst rows: each mismatched row's worst element, non-finite ones first."""
-        import torch
-
-        measure = ratio if self.rank_by_ratio else diff
-        score = torch.where(bad, torch.where(finite, measure, math.inf), -1.0)
-        row_score, row_channel = score.view(-1, self.row_length).max(dim=1)
-        bad_rows = (row_score >= 0).nonzero().squeeze(1)
-        if not bad_rows.numel():
-            return
-        # Stable sort: among equal scores the earliest rows win, whatever the chunking.
-        order = row_score[bad_rows].sort(descending=True, stable=True).indices[:WORST_ROWS]
-        for row in bad_rows[order].tolist():
-            flat = row * self.row_length + int(row_channel[row])
-            self.keep_worst((
-                float(row_score[row]), -(self.offset + flat), float(a[flat]), float(e[flat]),
-                float(bound[flat]),
-            ))  # fmt: skip
-
-    def _track_rows(
-        self,
-        invalid: torch.Tensor,
-        rows_bad: torch.Tensor | None,
-        bad: torch.Tensor,
-        a: torch.Tensor,
-        finite: torch.Tensor,
-        row_squares: torch.Tensor,
-        row_norms: torch.Tensor,
-        yardstick_rows: torch.Tensor | None,
-        clean: bool,
-    ) -> None:
-        """Invalid rows: exactly 0 (and which are -0.0); valid rows: each one's relative error."""
-        length = self.row_length
-        any_invalid = bool(invalid.any())
-        self.count_mismatched_invalid_rows(rows_bad, invalid)
-        if rows_bad is not None and any_invalid:
-            padded_bad = bad.view(-1, length)[invalid]
-            padded_finite = finite.view(-1, length)[invalid]
-            self.beyond_in_invalid_rows += int((padded_bad & padded_finite).sum())
-            self.nonfinite_in_invalid_rows += int((padded_bad & ~padded_finite).sum())
-        self.add_padding(padding_of(a.view(-1, length)[invalid]) if any_invalid else None)
-        usable = ~invalid & (row_norms > 0)
-        if not clean:
-            usable &= finite.view(-1, length).all(dim=1)
-        self.add_row_errors(usable, row_squares, row_norms, yardstick_rows)
+        return general.update_many(comparisons, actual, expected, first.rtol, first.atol)
 
     def result(self, extra_problems: Iterable[str] = (), compared: bool = True) -> TensorComparison:
         """The outcome, once every chunk has been fed.
