@@ -1,9 +1,9 @@
 """The running figures of one tensor's comparison, and the outcome they make.
 
 Both ways of comparing a chunk add to the same :class:`RunningFigures`: the fast path's blocks
-and the general path's whole chunk (:mod:`maskln_cli.compare.comparison`), and exact integers
-(:mod:`maskln_cli.compare.integers`). What they add alike (failing rows, worst rows, invalid
-rows, row errors) is added here, once.
+(:mod:`maskln_cli.compare.blocks`), the general path's whole chunk
+(:mod:`maskln_cli.compare.general`), and exact integers (:mod:`maskln_cli.compare.integers`).
+What they add alike (failing rows, worst rows, invalid rows, row errors) is added here, once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The general path of a comparison: a whole chunk in float64, any values, NaN and inf included
-(the definition the fast path of :meth:`Comparison.measure` and :meth:`Comparison.merge`
-reproduces); and many small tensors at once, by the same operations, when every element is
-finite and within tolerance.
+(the definition the fast path of :mod:`maskln_cli.compare.blocks` reproduces); and many small
+tensors at once, by the same operations, when every element is finite and within tolerance.
 """
 
 from __future__ import annotations
