@@ -12,6 +12,7 @@ import torch
 
 from maskln_cli.compare import comparison as compare
 from maskln_cli.compare.comparison import Comparison
+from maskln_cli.compare.data import PerElement
 from maskln_cli.compare.files import compare_tensors, threads_for
 from maskln_cli.op import threads
 from maskln_cli.op.threads import map_blocks
@@ -177,8 +178,10 @@ INVALID = torch.tensor([False, True, False, True])
 
 def _padding(dtype: str, actual: torch.Tensor, fast: bool = True) -> tuple[object, ...]:
     comparison = Comparison("t", [4, 8], dtype, [4, 8], dtype)
-    update = comparison.update if fast else comparison._update_general
-    update(actual, actual, invalid_rows=INVALID)
+    if fast:
+        comparison.update(actual, actual, invalid_rows=INVALID)
+    else:
+        comparison._update_general(actual, actual, INVALID, PerElement())
     result = comparison.result()
     return result.passed, result.invalid_rows_zero, result.negative_zeros
 

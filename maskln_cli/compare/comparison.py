@@ -2,41 +2,37 @@
 
 An element passes when ``|actual - expected| <= atol + rtol * |expected|`` (computed in float64);
 NaN matches NaN only at the same position, and inf matches only the same inf. A
-:class:`Comparison` is fed consecutive chunks of whole rows and keeps only running figures, so
-multi-GB tensors compare in bounded memory. Integers and bool are compared exactly instead
+:class:`Comparison` is fed consecutive chunks of whole rows and keeps only running figures
+(:mod:`maskln_cli.compare.figures`), so multi-GB tensors compare in bounded memory: a chunk of
+finite floating values in blocks measured on worker threads, then merged
+(:mod:`maskln_cli.compare.blocks`), any other in float64 as a whole
+(:mod:`maskln_cli.compare.general`). Integers and bool are compared exactly instead
 (:mod:`maskln_cli.compare.integers`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from maskln_cli.compare import general
+from maskln_cli.compare.blocks import BlockMeasurer, merge_blocks
 from maskln_cli.compare.data import (
-    RECORDED_ROWS,
-    WORST_ROWS,
     BlockFigures,
-    RowErrors,
+    PerElement,
     TensorComparison,
-    WorstRow,
     converts_to_float64,
     default_tolerance,
 )
-from maskln_cli.files.tensorfile import (
-    torch_dtype,
-)
+from maskln_cli.compare.figures import RunningFigures
+from maskln_cli.files.tensorfile import torch_dtype
 from maskln_cli.op.threads import map_blocks
 
 if TYPE_CHECKING:
     import torch
 
-    Allowances = Callable[..., dict[str, torch.Tensor]]
-    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
-    ``always`` when budgeted) of some rows of a block (None: all), as
-    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
+    from maskln_cli.compare.judging import Allowances
 
 
 CHUNK_ELEMENTS = 1 << 22
@@ -49,16 +45,10 @@ the GIL, leaves two workers time to compute side by side. ``maskln verify`` of a
 2 cores took 7.2 s with blocks of 2**16 elements (as long as on one thread), 5.4 s with 2**17,
 4.7 s with 2**18, 5.3 s with 2**19. The figures are the same bits whatever the block size."""
 
-PICKED_FIRST = 8
-"""Rows of a block judged first when no ratio found so far rules out most (see
-:meth:`Comparison._rows_to_judge`)."""
-PICKED_SHARE = 4
-"""When more than one row in this many needs its allowances, every row of the block gets
-them: gathering the rows would cost more than it saves."""
 
-
-class Comparison:
-    """Running comparison of one tensor, fed consecutive chunks of whole rows.
+class Comparison(RunningFigures):
+    """Running comparison of one tensor, fed consecutive chunks of whole rows: its running
+    figures (:class:`RunningFigures`), and how chunks feed them.
 
     By default an element passes within ``atol + rtol * |expected|`` (``maskln diff``);
     :meth:`update` can instead be given each element's allowance (``maskln verify``'s error
@@ -87,9 +77,9 @@ class Comparison:
         rank_by_ratio: bool = False,
         same_dtype: bool = True,
     ) -> None:
+        super().__init__(shape, rank_by_ratio)
         default_rtol, default_atol = default_tolerance(dtype, expected_dtype)
         self.name = name
-        self.shape = list(shape)
         self.expected_shape = list(expected_shape)
         self.dtype = dtype
         self.expected_dtype = expected_dtype
@@ -103,44 +93,10 @@ class Comparison:
         )
         self.rtol = default_rtol if rtol is None else rtol
         self.atol = default_atol if atol is None else atol
-        # Worst rows by how far beyond their allowance (verify's budgets differ by element),
-        # or by absolute difference (one tolerance for every element).
-        self.rank_by_ratio = rank_by_ratio
         # A dtype difference is a problem (diff), or by design (verify: float64 reference).
         self.same_dtype = same_dtype
-        # Rows are the leading index; a tensor of rank 0 or 1 has one element per row.
-        self.row_length = self.shape[-1] if len(self.shape) >= 2 else 1
-        self.numel = math.prod(self.shape)
-        self._offset = 0
-        self._mismatched = 0
-        self._mismatched_rows = 0
-        self._nan_mismatched = 0
-        self._inf_mismatched = 0
-        self._nan_where_finite = 0
-        self._inf_where_finite = 0
-        self._max_abs = (-1.0, -1, math.nan, math.nan, math.nan)
-        self._max_rel = (-1.0, -1)
-        self._max_ratio = -1.0
-        self._factor_needed = 0.0
-        self._diff_squares = 0.0
-        self._expected_squares = 0.0
-        self._yardstick_max = -1.0
-        self._yardstick_squares = 0.0
-        self._invalid_rows_zero: bool | None = None
-        self._mismatched_invalid_rows: int | None = None
-        self._negative_zeros: int | None = None
-        # Per valid row, the relative error: count, sum, sum of squares, min, max.
-        self._row_errors = [0, 0.0, 0.0, math.inf, 0.0]
-        self.yardstick_row_error_sum = 0.0
-        self.failing_rows: list[int] = []
-        """Indices of the first :data:`RECORDED_ROWS` failing rows (for a diagnosis)."""
-        self.beyond = 0
-        """Mismatched elements with finite values on both sides (beyond their allowance)."""
-        self.beyond_in_invalid_rows = 0
-        self.nonfinite_in_invalid_rows = 0
-        """Mismatched elements in the rows marked invalid: finite, and NaN or inf."""
-        # Heap of (score, -flat index, actual, expected, allowed): the worst rows so far.
-        self._worst: list[tuple[float, int, float, float, float]] = []
+        # The fast path's measurer holds the tolerance too: it is fixed once made.
+        self._blocks = BlockMeasurer(self.row_length, self.rtol, self.atol, rank_by_ratio)
 
     @property
     def same_shape(self) -> bool:
@@ -181,10 +137,10 @@ class Comparison:
         e = expected.detach().reshape(-1)
         if a.numel() != e.numel() or a.numel() % self.row_length:
             raise ValueError("chunks must hold the same whole rows of both tensors")
-        pieces = (allowance, yardstick, budget_unit, always)
+        per_element = PerElement(allowance, yardstick, budget_unit, always)
         blocks = self._block_ranges(a.numel())
         if blocks:
-            flat = [None if t is None else t.detach().reshape(-1) for t in pieces]
+            flat = [None if t is None else t.detach().reshape(-1) for t in per_element]
             invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
             length = self.row_length
 
@@ -198,7 +154,21 @@ class Comparison:
             if all(b is not None for b in measured):
                 self.merge(measured, invalid)  # type: ignore[arg-type]
                 return
-        self._update_general(actual, expected, invalid_rows, *pieces)
+        self._update_general(actual, expected, invalid_rows, per_element)
+
+    def _update_general(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        invalid_rows: torch.Tensor | None,
+        per_element: PerElement,
+    ) -> None:
+        """:meth:`update` for any values, NaN and inf included, on the whole chunk in float64
+        (the definition the fast path of :meth:`measure` and :meth:`merge` reproduces)."""
+        general.update_general(
+            self, actual, expected, invalid_rows, per_element, self.rtol, self.atol,
+            self.dtype,
+        )  # fmt: skip
 
     def _block_ranges(self, numel: int) -> list[tuple[int, int]]:
         """Blocks of whole rows (two or more, see :func:`maskln_cli.op.blocked.row_blocks`) of about
@@ -238,258 +208,13 @@ class Comparison:
         ``lower`` is at most every allowance and every ``always`` of a valid row (invalid rows
         are allowed nothing). Then only rows where an element could be beyond its allowance,
         or beyond what is always allowed, or could hold the greatest ratio, get their
-        allowances: see :meth:`_rows_to_judge`.
+        allowances: see :class:`~maskln_cli.compare.judging.AllowancesOnDemand`.
         """
-        import torch
-
-        length = self.row_length
-        rows = actual.numel() // length
-        a = actual.detach().reshape(-1)
-        a64 = a.double()
-        e64 = expected.detach().reshape(-1).double()  # may be expected itself: never written
-        diff = torch.sub(a64, e64).abs_()
-        # The greatest difference and its first index, row by row: a third of the time of
-        # diff.max(dim=0), which finds the same (torch returns the first of equal maxima).
-        row_max = diff.view(rows, length).amax(dim=1)
-        value, row = row_max.max(dim=0)
-        # NaN or inf on either side makes the difference NaN or inf, and so its maximum.
-        if not math.isfinite(float(value)):
-            return None
-        row = int(row)
-        i = row * length + int(diff.view(rows, length)[row].max(dim=0).indices)
-        e_abs = e64.abs()  # then a buffer for more of the same size
-        if allowance_of is not None:
-            invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
-            judged = self._judge_rows(
-                diff, row_max, a64, e64, invalid, allowance_of, lower, i, rows
-            )
-        else:
-            if allowance is None:
-                bound = torch.mul(e_abs, self.rtol).add_(self.atol)
-                positive = self.atol > 0  # then bound >= atol everywhere
-            else:
-                bound = allowance.detach().reshape(-1).double()
-                positive = bool(bound.amin() > 0)  # False on NaN
-            judged = self._judge(diff, bound, positive, a64, e64, rows, budget_unit, always)
-            if judged is not None:
-                judged = (*judged, float(bound[i]), None)
-        if judged is None:
-            return None
-        counts, max_ratio, factor, worst, allowed, allowed_later = judged
-        max_abs = (float(value), i, float(a64[i]), float(e64[i]), allowed)
-        relative = torch.div(diff, e_abs, out=e_abs).nan_to_num_(nan=0.0, posinf=math.inf)
-        value, index = relative.max(dim=0)
-        max_rel = (float(value), int(index))
-        # The squares in place: the differences are no longer needed, nor the buffer.
-        row_squares = diff.square_().view(rows, length).sum(dim=1)
-        # Finite differences may still square to inf: the general path then counts them.
-        if not math.isfinite(float(row_squares.sum())):
-            return None
-        row_norms = torch.square(e64, out=e_abs).view(rows, length).sum(dim=1)
-        block = BlockFigures(
-            rows, counts, max_abs, max_rel, max_ratio, factor, row_squares, row_norms, worst,
-            allowed_later=allowed_later,
+        per_element = PerElement(allowance, yardstick, budget_unit, always)
+        return self._blocks.measure(
+            actual, expected, invalid_rows, per_element, yardstick_error, allowance_of, lower,
+            self.max_ratio,
         )  # fmt: skip
-        if yardstick is not None:
-            if yardstick_error is None:
-                y_diff = torch.sub(yardstick.detach().reshape(-1).double(), e64).abs_()
-            else:
-                y_diff = yardstick_error.reshape(-1)
-            y_rows = torch.square(y_diff, out=e_abs).view(rows, length).sum(dim=1)
-            if not math.isfinite(float(y_rows.sum())) and not bool(y_diff.isfinite().all()):
-                y = yardstick.detach().reshape(-1).double()
-                y_diff = torch.where(y.isfinite(), y_diff, 0.0)
-                y_rows = y_diff.view(rows, length).square().sum(dim=1)
-            block.yardstick_max, block.yardstick_rows = float(y_diff.amax()), y_rows
-        if invalid_rows is not None:
-            invalid = invalid_rows.reshape(-1)
-            if bool(invalid.any()):
-                # In float64, exact for every dtype: float8 has no signbit, and e8m0 has no 0
-                # (its byte 0 is 2**-127), nor fnuz types a -0 (their 0x80 is NaN).
-                padded = a64.view(rows, length)[invalid]
-                zeros = padded == 0
-                block.padding = (bool(zeros.all()), int((zeros & padded.signbit()).sum()))
-        return block
-
-    def _judge(
-        self,
-        diff: torch.Tensor,
-        bound: torch.Tensor,
-        positive: bool,
-        a64: torch.Tensor,
-        e64: torch.Tensor,
-        rows: int,
-        budget_unit: torch.Tensor | None,
-        always: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, float, float, tuple[torch.Tensor, ...] | None] | None:
-        """The figures of a block that depend on each element's allowance ``bound``: elements
-        beyond it per row (None: none), the greatest ratio, the factor needed, and the worst
-        element of each row with one beyond (indices into the block). None on a NaN factor."""
-        import torch
-
-        length = self.row_length
-        ratio = torch.div(diff, bound)
-        if positive:  # no 0/0: the ratio has no NaN to mask
-            max_ratio = float(ratio.max())
-            # diff > bound > 0 makes the ratio 1 or more, even rounded.
-            bad = diff > bound if max_ratio >= 1 else None
-        else:
-            ratio.nan_to_num_(nan=0.0, posinf=math.inf)
-            max_ratio = float(torch.where(bound > 0, ratio, 0.0).max())
-            bad = diff > bound
-        counts = bad.view(rows, length).sum(dim=1) if bad is not None else None
-        if counts is not None and not bool(counts.any()):
-            counts = None
-        factor = 0.0
-        if budget_unit is not None and always is not None:
-            beyond = diff > always.reshape(-1)
-            if bool(beyond.any()):
-                factor = float(torch.where(beyond, diff / budget_unit.reshape(-1), 0.0).max())
-                if math.isnan(factor):
-                    return None
-        worst = None
-        if counts is not None and bad is not None:
-            bad_rows = (counts > 0).nonzero().squeeze(1)
-            measure = (ratio if self.rank_by_ratio else diff).view(rows, length)[bad_rows]
-            inside = bad.view(rows, length)[bad_rows]
-            score, channel = torch.where(inside, measure, -1.0).max(dim=1)
-            flat = bad_rows * length + channel
-            worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
-        return counts, max_ratio, factor, worst
-
-    def _judge_rows(
-        self,
-        diff: torch.Tensor,
-        row_max: torch.Tensor,
-        a64: torch.Tensor,
-        e64: torch.Tensor,
-        invalid: torch.Tensor | None,
-        allowance_of: Allowances,
-        lower: float,
-        top: int,
-        rows: int,
-    ) -> tuple | None:
-        """:meth:`_judge` on the rows :meth:`_rows_to_judge` picks, their allowances made by
-        ``allowance_of``; the figures of the rows left out are known without them. Then the
-        allowance of element ``top`` (the greatest difference), or NaN and how to make it."""
-        import torch
-
-        length = self.row_length
-        top_row, channel = divmod(top, length)
-        picked = self._rows_to_judge(
-            diff, row_max, a64, e64, invalid, allowance_of, lower, top_row, rows
-        )
-        if picked is None:  # every row: nothing to gather
-            pieces = {k: v.reshape(-1).double() for k, v in allowance_of(None).items()}
-            bound = pieces["allowance"]
-            judged = self._judge(
-                diff, bound, bool(bound.amin() > 0), a64, e64, rows,
-                pieces.get("budget_unit"), pieces.get("always"),
-            )  # fmt: skip
-            return None if judged is None else (*judged, float(bound[top]), None)
-        if not picked.numel():
-            # No element beyond anything, no ratio above one already merged (so -1 here):
-            # only the greatest difference's allowance may be reported, made if it is.
-            pair = sorted({top_row, 1 if top_row == 0 else 0})
-            at = pair.index(top_row) * length + channel
-            later = allowance_of(torch.tensor(pair), later=True)
-
-            def allowed() -> float:
-                return float(later()["allowance"].reshape(-1)[at])
-
-            return None, -1.0, 0.0, None, math.nan, allowed
-        part = self._judge_picked(picked, diff, a64, e64, allowance_of)
-        if part is None:
-            return None
-        (counts, max_ratio, factor, worst), bound = part
-        if counts is not None:
-            counts = torch.zeros(rows, dtype=counts.dtype).index_copy_(0, picked, counts)
-        if worst is not None:
-            bad_rows, score, flat, *values = worst
-            channels = flat - bad_rows * length
-            bad_rows = picked[bad_rows]
-            worst = (bad_rows, score, bad_rows * length + channels, *values)
-        # The row of the greatest difference among those picked (sorted).
-        at = int(torch.searchsorted(picked, top_row))
-        return counts, max_ratio, factor, worst, float(bound[at * length + channel]), None
-
-    def _judge_picked(
-        self,
-        picked: torch.Tensor,
-        diff: torch.Tensor,
-        a64: torch.Tensor,
-        e64: torch.Tensor,
-        allowance_of: Allowances,
-    ) -> tuple[tuple, torch.Tensor] | None:
-        """:meth:`_judge` of rows ``picked`` (sorted indices), and their allowances."""
-        length = self.row_length
-        count = picked.numel()
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            return t.view(-1, length).index_select(0, picked).reshape(-1)
-
-        pieces = {k: v.reshape(-1).double() for k, v in allowance_of(picked).items()}
-        bound = pieces["allowance"]
-        judged = self._judge(
-            gather(diff), bound, bool(bound.amin() > 0), gather(a64), gather(e64), count,
-            pieces.get("budget_unit"), pieces.get("always"),
-        )  # fmt: skip
-        return None if judged is None else (judged, bound)
-
-    def _rows_to_judge(
-        self,
-        diff: torch.Tensor,
-        row_max: torch.Tensor,
-        a64: torch.Tensor,
-        e64: torch.Tensor,
-        invalid: torch.Tensor | None,
-        allowance_of: Allowances,
-        lower: float,
-        top_row: int,
-        rows: int,
-    ) -> torch.Tensor | None:
-        """The rows (sorted indices, two or more: torch sums a lone row differently) whose
-        allowances :meth:`measure` needs; None for all of them, none (empty) when only the
-        greatest difference's allowance (in row ``top_row``) may be needed. ``row_max`` is
-        each row's greatest difference.
-
-        A valid row's elements are each allowed ``lower`` or more, so a row whose greatest
-        difference ``d`` is at most ``lower`` has no element beyond (nor beyond what is always
-        allowed), and no ratio above ``d / lower`` (rounding is monotonic). So only rows where
-        ``d / lower`` reaches 1 (as it does when ``d > lower``), or exceeds a ratio already
-        found (in this block, or merged from earlier chunks), can change a figure; and
-        invalid rows (allowed nothing) that are not all 0.
-        """
-        import torch
-
-        if lower <= 0 or rows <= 2:
-            return None
-        # inf for an invalid row that is not all 0, NaN (never picked) for one that is.
-        lows = torch.where(invalid, 0.0, lower) if invalid is not None else lower
-        ceiling = torch.div(row_max, lows)  # >= every ratio of a valid row
-        known = self._max_ratio
-
-        def pick(known: float) -> torch.Tensor:
-            return ceiling > known if known < 1 else ceiling >= 1
-
-        picked = pick(known)
-        count = int(picked.sum())
-        if count > PICKED_FIRST:
-            # Without a ratio as great as this block's yet, judge its likeliest rows first
-            # (and again with the rest: the greatest ratio is then among those judged).
-            first = ceiling.nan_to_num(nan=-1.0).topk(PICKED_FIRST).indices.sort().values
-            part = self._judge_picked(first, diff, a64, e64, allowance_of)
-            if part is not None and part[0][1] > known:
-                picked = pick(part[0][1])
-                picked[first] = True
-                count = int(picked.sum())
-        if count * PICKED_SHARE > rows:
-            return None
-        if count:
-            picked[top_row] = True
-            if count == 1:
-                picked[1 if top_row == 0 else 0] = True
-        return picked.nonzero().squeeze(1)
 
     def merge(
         self, blocks: Sequence[BlockFigures], invalid_rows: torch.Tensor | None = None
@@ -497,197 +222,7 @@ class Comparison:
         """Add the figures of consecutive blocks making up one chunk (``invalid_rows``: one flag
         per row of the chunk), as :meth:`update` of the whole chunk would: sums over rows are
         taken over the whole chunk's rows, in one call, as the general path takes them."""
-        import torch
-
-        length = self.row_length
-        first_row = self._offset // length
-        starts, total = [], 0
-        for block in blocks:
-            starts.append(total)
-            total += block.rows * length
-        # The first block with the greatest value: where one max over the chunk finds it.
-        top_abs = top_rel = top_block = None
-        for block, start in zip(blocks, starts, strict=True):
-            if top_abs is None or block.max_abs[0] > top_abs[0]:
-                top_abs = (block.max_abs[0], start + block.max_abs[1], *block.max_abs[2:])
-                top_block = block
-            if top_rel is None or block.max_rel[0] > top_rel[0]:
-                top_rel = (block.max_rel[0], start + block.max_rel[1])
-        if top_abs is None or top_rel is None:
-            return
-        if top_abs[0] > self._max_abs[0]:
-            if top_block is not None and top_block.allowed_later is not None:
-                top_abs = (*top_abs[:4], top_block.allowed_later())
-            self._max_abs = (top_abs[0], self._offset + top_abs[1], *top_abs[2:])  # type: ignore[assignment]
-        if top_rel[0] > self._max_rel[0]:
-            self._max_rel = (top_rel[0], self._offset + top_rel[1])
-        self._max_ratio = max(self._max_ratio, max(b.max_ratio for b in blocks))
-        self._factor_needed = max(self._factor_needed, max(b.factor_needed for b in blocks))
-        row_squares = torch.cat([b.row_squares for b in blocks])
-        self._diff_squares += float(row_squares.sum())
-        row_norms = torch.cat([b.row_norms for b in blocks])
-        self._expected_squares += float(row_norms.sum())
-        counts = None
-        if any(b.counts is not None for b in blocks):
-            counts = torch.cat([
-                b.counts if b.counts is not None else torch.zeros(b.rows, dtype=torch.long)
-                for b in blocks
-            ])  # fmt: skip
-        chunk_bad = int(counts.sum()) if counts is not None else 0
-        self._mismatched += chunk_bad
-        self.beyond += chunk_bad
-        rows_bad = counts > 0 if counts is not None else None
-        if rows_bad is not None:
-            self._mismatched_rows += int(rows_bad.sum())
-            if len(self.failing_rows) < RECORDED_ROWS:
-                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
-                self.failing_rows += (more + first_row).tolist()
-            self._merge_worst(blocks, starts)
-        yardstick_rows = None
-        if blocks[0].yardstick_rows is not None:
-            self._yardstick_max = max(self._yardstick_max, max(b.yardstick_max for b in blocks))
-            yardstick_rows = torch.cat([b.yardstick_rows for b in blocks])  # type: ignore[misc]
-            self._yardstick_squares += float(yardstick_rows.sum())
-        if invalid_rows is not None:
-            invalid = invalid_rows.reshape(-1)
-            if rows_bad is not None:
-                self._mismatched_invalid_rows = (self._mismatched_invalid_rows or 0) + int(
-                    (rows_bad & invalid).sum()
-                )
-                if counts is not None:
-                    self.beyond_in_invalid_rows += int(counts[invalid].sum())
-            elif self._mismatched_invalid_rows is None:
-                self._mismatched_invalid_rows = 0
-            padding = [b.padding for b in blocks if b.padding is not None]
-            if padding:
-                zero = all(z for z, _ in padding)
-                self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
-                self._negative_zeros = (self._negative_zeros or 0) + sum(n for _, n in padding)
-            elif self._negative_zeros is None:
-                self._negative_zeros = 0
-            usable = ~invalid & (row_norms > 0)
-            self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
-        self._offset += total
-
-    def _merge_worst(self, blocks: Sequence[BlockFigures], starts: Sequence[int]) -> None:
-        """The chunk's worst rows from its blocks' candidates, as :meth:`_track_worst` does."""
-        import torch
-
-        found = [
-            (b.worst, start) for b, start in zip(blocks, starts, strict=True) if b.worst is not None
-        ]
-        if not found:
-            return
-        score = torch.cat([w[1] for w, _ in found])
-        flat = torch.cat([w[2] + start for w, start in found])
-        actual, expected, allowed = (torch.cat([w[k] for w, _ in found]) for k in (3, 4, 5))
-        # Stable sort: among equal scores the earliest rows win, whatever the chunking.
-        order = score.sort(descending=True, stable=True).indices[:WORST_ROWS]
-        for k in order.tolist():
-            entry = (
-                float(score[k]), -(self._offset + int(flat[k])), float(actual[k]),
-                float(expected[k]), float(allowed[k]),
-            )  # fmt: skip
-            if len(self._worst) < WORST_ROWS:
-                heapq.heappush(self._worst, entry)
-            else:
-                heapq.heappushpop(self._worst, entry)
-
-    def _update_general(
-        self,
-        actual: torch.Tensor,
-        expected: torch.Tensor,
-        invalid_rows: torch.Tensor | None = None,
-        allowance: torch.Tensor | None = None,
-        yardstick: torch.Tensor | None = None,
-        budget_unit: torch.Tensor | None = None,
-        always: torch.Tensor | None = None,
-    ) -> None:
-        """:meth:`update` for any values, NaN and inf included, on the whole chunk in float64
-        (the definition the fast path of :meth:`measure` and :meth:`merge` reproduces)."""
-        import torch
-
-        a = actual.detach().reshape(-1).double()
-        e = expected.detach().reshape(-1).double()
-        if a.numel() != e.numel() or a.numel() % self.row_length:
-            raise ValueError("chunks must hold the same whole rows of both tensors")
-        length = self.row_length
-        a_finite, e_finite = a.isfinite(), e.isfinite()
-        finite = a_finite & e_finite
-        clean = bool(finite.all())  # the usual case: no NaN or inf to account for
-        diff = (a - e).abs_()
-        if allowance is None:
-            bound = e.abs().mul_(self.rtol).add_(self.atol)
-        else:
-            bound = allowance.detach().reshape(-1).double()
-        if clean:
-            bad = diff > bound
-        else:
-            diff = torch.where(finite, diff, 0.0)
-            a_nan, e_nan = a.isnan(), e.isnan()
-            same = (a == e) | (a_nan & e_nan)  # covers equal infs, and NaN at the same place
-            overflowed = a.isinf() & e_finite
-            if allowance is not None and bool(overflowed.any()):
-                rounded = e.to(torch_dtype(self.dtype) or torch.float64).double()
-                same |= overflowed & (rounded == a)
-            bad = ~(same | (finite & (diff <= bound)))
-            self._nan_mismatched += int((a_nan != e_nan).sum())
-            self._inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
-            self._nan_where_finite += int((a_nan & e_finite).sum())
-            self._inf_where_finite += int((overflowed & ~same).sum())
-        chunk_bad = int(bad.sum())
-        self._mismatched += chunk_bad
-        self.beyond += chunk_bad if clean else int((bad & finite).sum())
-
-        self._track_max_abs(diff, a, e, bound)
-        # |a - e| / |e|: inf at an expected 0 with a difference, 0 where both are 0
-        relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
-        if relative.numel():
-            value, index = relative.max(dim=0)
-            if float(value) > self._max_rel[0]:
-                self._max_rel = (float(value), self._offset + int(index))
-        # How far beyond its allowance each element is (inf where nothing was allowed); the
-        # maximum is over elements allowed something: the padding is counted apart.
-        ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
-        if ratio.numel():
-            some = torch.where(bound > 0, ratio, 0.0)
-            self._max_ratio = max(self._max_ratio, float(some.max()))
-        if budget_unit is not None and always is not None:
-            beyond = (diff > always.reshape(-1)) & finite
-            if bool(beyond.any()):
-                needed = torch.where(beyond, diff / budget_unit.reshape(-1), 0.0)
-                self._factor_needed = max(self._factor_needed, float(needed.max()))
-        row_squares = diff.view(-1, length).square().sum(dim=1)
-        self._diff_squares += float(row_squares.sum())
-        clean_e = e if clean or bool(e_finite.all()) else torch.where(e_finite, e, 0.0)
-        row_norms = clean_e.view(-1, length).square().sum(dim=1)
-        self._expected_squares += float(row_norms.sum())
-
-        first_row = self._offset // length
-        rows_bad = bad.view(-1, length).any(dim=1) if chunk_bad else None
-        if rows_bad is not None:
-            self._mismatched_rows += int(rows_bad.sum())
-            if len(self.failing_rows) < RECORDED_ROWS:
-                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
-                self.failing_rows += (more + first_row).tolist()
-            self._track_worst(bad, finite, diff, ratio, a, e, bound)
-
-        yardstick_rows = None
-        if yardstick is not None:
-            y = yardstick.detach().reshape(-1).double()
-            y_diff = (y - e).abs_()
-            if not clean or not bool(y_diff.isfinite().all()):
-                y_diff = torch.where(y.isfinite() & e_finite, y_diff, 0.0)
-            if y_diff.numel():
-                self._yardstick_max = max(self._yardstick_max, float(y_diff.max()))
-            yardstick_rows = y_diff.view(-1, length).square().sum(dim=1)
-            self._yardstick_squares += float(yardstick_rows.sum())
-        if invalid_rows is not None:
-            invalid = invalid_rows.reshape(-1)
-            self._track_rows(
-                invalid, rows_bad, bad, a, finite, row_squares, row_norms, yardstick_rows, clean
-            )
-        self._offset += a.numel()
+        merge_blocks(self, blocks, invalid_rows)
 
     @staticmethod
     def update_many(
@@ -714,171 +249,8 @@ class Comparison:
             >>> made[0].result().passed  # made[1] (4.5 against 4.0) must go through update
             True
         """
-        import torch
-
         first = comparisons[0]
-        count, length = len(comparisons), first.row_length
-        a, e = actual.detach().double(), expected.detach().double()
-        diff = (a - e).abs_()
-        bound = e.abs().mul_(first.rtol).add_(first.atol)
-        fed = (a.isfinite() & e.isfinite() & (diff <= bound)).all(dim=1)
-        if not bool(fed.any()):
-            return [False] * count
-        max_abs, max_abs_index = diff.max(dim=1)
-        at = max_abs_index[:, None]
-        max_abs_a, max_abs_e, max_abs_bound = (t.gather(1, at)[:, 0] for t in (a, e, bound))
-        relative = (diff / e.abs()).nan_to_num_(nan=0.0, posinf=math.inf)
-        max_rel, max_rel_index = relative.max(dim=1)
-        ratio = (diff / bound).nan_to_num_(nan=0.0, posinf=math.inf)
-        max_ratio = torch.where(bound > 0, ratio, 0.0).max(dim=1).values
-        diff_squares = diff.view(count, -1, length).square().sum(dim=2).sum(dim=1)
-        expected_squares = e.view(count, -1, length).square().sum(dim=2).sum(dim=1)
-        columns = zip(
-            fed.tolist(), max_abs.tolist(), max_abs_index.tolist(), max_abs_a.tolist(),
-            max_abs_e.tolist(), max_abs_bound.tolist(), max_rel.tolist(), max_rel_index.tolist(),
-            max_ratio.tolist(), diff_squares.tolist(), expected_squares.tolist(), strict=True,
-        )  # fmt: skip
-        for comparison, (ok, *figures) in zip(comparisons, columns, strict=True):
-            if ok:
-                comparison._add_passing(*figures)
-        return fed.tolist()
-
-    def _add_passing(
-        self,
-        max_abs: float,
-        max_abs_index: int,
-        max_abs_actual: float,
-        max_abs_expected: float,
-        max_abs_bound: float,
-        max_rel: float,
-        max_rel_index: int,
-        max_ratio: float,
-        diff_squares: float,
-        expected_squares: float,
-    ) -> None:
-        """Record a whole tensor compared by :meth:`update_many`: finite, and within
-        tolerance everywhere (so no mismatch, no worst row to keep)."""
-        if self._offset:
-            raise ValueError("update_many takes whole tensors, to comparisons not yet fed")
-        self._max_abs = (max_abs, max_abs_index, max_abs_actual, max_abs_expected, max_abs_bound)
-        self._max_rel = (max_rel, max_rel_index)
-        self._max_ratio = max(self._max_ratio, max_ratio)
-        self._diff_squares += diff_squares
-        self._expected_squares += expected_squares
-        self._offset = self.numel
-
-    def factor_needed(self) -> float:
-        """The smallest factor by which the budget units fed to :meth:`update` would let every
-        finite element pass (elements within what is always allowed count for nothing)."""
-        return self._factor_needed
-
-    def _track_max_abs(
-        self, diff: torch.Tensor, a: torch.Tensor, e: torch.Tensor, bound: torch.Tensor
-    ) -> None:
-        if diff.numel() == 0:
-            return
-        value, index = diff.max(dim=0)
-        if float(value) > self._max_abs[0]:
-            i = int(index)
-            self._max_abs = (
-                float(value),
-                self._offset + i,
-                float(a[i]),
-                float(e[i]),
-                float(bound[i]),
-            )
-
-    def _track_worst(
-        self,
-        bad: torch.Tensor,
-        finite: torch.Tensor,
-        diff: torch.Tensor,
-        ratio: torch.Tensor,
-        a: torch.Tensor,
-        e: torch.Tensor,
-        bound: torch.Tensor,
-    ) -> None:
-        """Keep the worst rows: each mismatched row's worst element, non-finite ones first."""
-        import torch
-
-        measure = ratio if self.rank_by_ratio else diff
-        score = torch.where(bad, torch.where(finite, measure, math.inf), -1.0)
-        row_score, row_channel = score.view(-1, self.row_length).max(dim=1)
-        bad_rows = (row_score >= 0).nonzero().squeeze(1)
-        if not bad_rows.numel():
-            return
-        # Stable sort: among equal scores the earliest rows win, whatever the chunking.
-        order = row_score[bad_rows].sort(descending=True, stable=True).indices[:WORST_ROWS]
-        for row in bad_rows[order].tolist():
-            flat = row * self.row_length + int(row_channel[row])
-            entry = (
-                float(row_score[row]), -(self._offset + flat), float(a[flat]), float(e[flat]),
-                float(bound[flat]),
-            )  # fmt: skip
-            if len(self._worst) < WORST_ROWS:
-                heapq.heappush(self._worst, entry)
-            else:
-                heapq.heappushpop(self._worst, entry)
-
-    def _track_rows(
-        self,
-        invalid: torch.Tensor,
-        rows_bad: torch.Tensor | None,
-        bad: torch.Tensor,
-        a: torch.Tensor,
-        finite: torch.Tensor,
-        row_squares: torch.Tensor,
-        row_norms: torch.Tensor,
-        yardstick_rows: torch.Tensor | None,
-        clean: bool,
-    ) -> None:
-        """Invalid rows: exactly 0 (and which are -0.0); valid rows: each one's relative error."""
-        length = self.row_length
-        any_invalid = bool(invalid.any())
-        if rows_bad is not None:
-            self._mismatched_invalid_rows = (self._mismatched_invalid_rows or 0) + int(
-                (rows_bad & invalid).sum()
-            )
-            if any_invalid:
-                padded_bad = bad.view(-1, length)[invalid]
-                padded_finite = finite.view(-1, length)[invalid]
-                self.beyond_in_invalid_rows += int((padded_bad & padded_finite).sum())
-                self.nonfinite_in_invalid_rows += int((padded_bad & ~padded_finite).sum())
-        elif self._mismatched_invalid_rows is None:
-            self._mismatched_invalid_rows = 0
-        if any_invalid:
-            padded = a.view(-1, length)[invalid]
-            zero = bool((padded == 0).all())
-            self._invalid_rows_zero = zero and self._invalid_rows_zero is not False
-            negative = int(((padded == 0) & padded.signbit()).sum())
-            self._negative_zeros = (self._negative_zeros or 0) + negative
-        elif self._negative_zeros is None:
-            self._negative_zeros = 0
-        usable = ~invalid & (row_norms > 0)
-        if not clean:
-            usable &= finite.view(-1, length).all(dim=1)
-        self._track_row_errors(usable, row_squares, row_norms, yardstick_rows)
-
-    def _track_row_errors(
-        self,
-        usable: torch.Tensor,
-        row_squares: torch.Tensor,
-        row_norms: torch.Tensor,
-        yardstick_rows: torch.Tensor | None,
-    ) -> None:
-        """Each usable row's relative error (and the yardstick's), into the running sums."""
-        if not bool(usable.any()):
-            return
-        norms = row_norms[usable]
-        errors = (row_squares[usable] / norms).sqrt_()
-        count, total, total_squares, low, high = self._row_errors
-        self._row_errors = [
-            count + errors.numel(), total + float(errors.sum()),
-            total_squares + float(errors.square().sum()), min(low, float(errors.min())),
-            max(high, float(errors.max())),
-        ]  # fmt: skip
-        if yardstick_rows is not None:
-            self.yardstick_row_error_sum += float((yardstick_rows[usable] / norms).sqrt_().sum())
+        return general.update_many(comparisons, actual, expected, first.rtol, first.atol)
 
     def result(self, extra_problems: Iterable[str] = (), compared: bool = True) -> TensorComparison:
         """The outcome, once every chunk has been fed.
@@ -908,78 +280,8 @@ class Comparison:
         if not (self.comparable and compared):
             outcome.passed = not problems
             return outcome
-        if self._offset != self.numel:
-            raise ValueError(f"compared {self._offset} of {self.numel} elements of {self.name!r}")
-        rows = self.numel // self.row_length if self.row_length else 0
-        outcome.numel = self.numel
-        outcome.rows = rows
-        outcome.mismatched = self._mismatched
-        outcome.mismatched_fraction = float(self._mismatched / self.numel) if self.numel else 0.0
-        outcome.mismatched_rows = self._mismatched_rows
-        outcome.nan_mismatched = self._nan_mismatched
-        outcome.inf_mismatched = self._inf_mismatched
-        outcome.nan_where_finite = self._nan_where_finite
-        outcome.inf_where_finite = self._inf_where_finite
-        if self._max_abs[1] >= 0:
-            outcome.max_abs_diff = self._max_abs[0]
-            outcome.max_abs_index = self._unravel(self._max_abs[1])
-            outcome.max_rel_diff = self._max_rel[0]
-            outcome.max_rel_index = self._unravel(self._max_rel[1])
-        outcome.budget_ratio = max(self._max_ratio, 0.0) if self.numel else None
-        outcome.rel_l2 = self._relative(self._diff_squares)
-        if self._yardstick_max >= 0:
-            outcome.yardstick_max_abs_diff = self._yardstick_max
-            outcome.yardstick_rel_l2 = self._relative(self._yardstick_squares)
-        outcome.invalid_rows_zero = self._invalid_rows_zero
-        outcome.mismatched_invalid_rows = self._mismatched_invalid_rows
-        outcome.negative_zeros = self._negative_zeros
-        count, total, total_squares, low, high = self._row_errors
-        if count:
-            mean = total / count
-            spread = math.sqrt(max(total_squares / count - mean * mean, 0.0))
-            outcome.row_rel_error = RowErrors(count, mean, spread, low, high)
-        outcome.worst = self._worst_rows()
-        if self._mismatched:
-            problems.append(
-                f"{self._mismatched:,} of {self.numel:,} elements differ beyond tolerance"
-            )
-        if self._invalid_rows_zero is False:
-            problems.append("actual is not exactly 0 at every invalid position")
-        outcome.passed = not problems
+        if self.offset != self.numel:
+            raise ValueError(f"compared {self.offset} of {self.numel} elements of {self.name!r}")
+        self.fill(outcome)
+        outcome.passed = not outcome.problems
         return outcome
-
-    def _relative(self, squares: float) -> float:
-        if self._expected_squares > 0:
-            return math.sqrt(squares / self._expected_squares)
-        return 0.0 if squares == 0 else math.inf
-
-    def _worst_rows(self) -> list[WorstRow]:
-        """The worst rows, worst first, then the row of the greatest absolute difference when
-        it is not among them (it may be within its allowance: the table then says so)."""
-        worst = [
-            self._worst_row(-negative_flat, actual, expected, allowed)
-            for _, negative_flat, actual, expected, allowed in sorted(self._worst, reverse=True)
-        ]
-        value, flat, actual, expected, allowed = self._max_abs
-        if worst and value > 0 and all(w.index != self._unravel(flat) for w in worst):
-            worst.append(self._worst_row(flat, actual, expected, allowed))
-        return worst
-
-    def _worst_row(self, flat: int, actual: float, expected: float, allowed: float) -> WorstRow:
-        index = self._unravel(flat)
-        finite = math.isfinite(actual) and math.isfinite(expected)
-        return WorstRow(
-            row=index[:-1] if len(self.shape) >= 2 else index,
-            index=index,
-            actual=actual,
-            expected=expected,
-            abs_diff=abs(actual - expected) if finite else math.inf,
-            allowed=allowed,
-        )
-
-    def _unravel(self, flat: int) -> list[int]:
-        index = []
-        for size in reversed(self.shape):
-            flat, position = divmod(flat, size) if size else (flat, 0)
-            index.append(position)
-        return index[::-1]

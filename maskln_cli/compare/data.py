@@ -1,5 +1,6 @@
 """What a comparison finds, as plain data: the figures of each tensor and of a whole report,
-the default tolerances, and the conversion of any of it to JSON-ready values.
+the default tolerances, and the conversion of any of it to JSON-ready values; and what a
+comparison is given for each element besides its values.
 
 Rendering is the command line's job; this module only holds the numbers.
 """
@@ -11,21 +12,13 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.files.tensorfile import (
-    torch_dtype,
-)
+from maskln_cli.files.tensorfile import torch_dtype
 
 if TYPE_CHECKING:
     import torch
-
-    Allowances = Callable[..., dict[str, torch.Tensor]]
-    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
-    ``always`` when budgeted) of some rows of a block (None: all), as
-    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
 
 
 # (rtol, atol) by dtype, as torch.testing.assert_close has them; other dtypes must be equal.
@@ -155,6 +148,17 @@ class RowErrors:
     std: float
     min: float
     max: float
+
+
+class PerElement(NamedTuple):
+    """What :meth:`Comparison.update` may be given for each element of a chunk besides its
+    actual and expected values (None: not given): the allowance, a yardstick, and the budget
+    unit and what is always allowed that the allowance was made of."""
+
+    allowance: torch.Tensor | None = None
+    yardstick: torch.Tensor | None = None
+    budget_unit: torch.Tensor | None = None
+    always: torch.Tensor | None = None
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.comparison import Comparison
@@ -29,12 +29,6 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.files.masks import RowMask
-
-    Allowances = Callable[..., dict[str, torch.Tensor]]
-    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
-    ``always`` when budgeted) of some rows of a block (None: all), as
-    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
 
 
 ONE_THREAD_BELOW = 1 << 15

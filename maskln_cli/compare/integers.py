@@ -4,26 +4,16 @@ from ``2**53``.
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.comparison import Comparison
-from maskln_cli.compare.data import INTEGRAL_DTYPES, RECORDED_ROWS, WORST_ROWS
-from maskln_cli.files.tensorfile import (
-    dtype_name,
-)
+from maskln_cli.compare.data import INTEGRAL_DTYPES, WORST_ROWS
+from maskln_cli.files.tensorfile import dtype_name
 
 if TYPE_CHECKING:
     import torch
-
-    Allowances = Callable[..., dict[str, torch.Tensor]]
-    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
-    ``always`` when budgeted) of some rows of a block (None: all), as
-    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
 
 
 def is_integral(dtype: torch.dtype | None) -> bool:
@@ -199,54 +189,49 @@ class IntegerComparison(Comparison):
         diff, magnitude = difference.as_float64(), scale.as_float64()
         bad, bound = self._beyond(difference, scale, diff, magnitude)
         chunk_bad = int(bad.sum())
-        self._mismatched += chunk_bad
+        self.mismatched += chunk_bad
         self.beyond += chunk_bad
 
         value, index = difference.argmax()
-        if value > self._max_abs[0]:
+        if value > self.max_abs[0]:
             expected_value = e.value(index)
-            self._max_abs = (
-                value, self._offset + index, a.value(index), expected_value,
+            self.max_abs = (
+                value, self.offset + index, a.value(index), expected_value,
                 self._allowed(expected_value),
             )  # fmt: skip
         relative = (diff / magnitude).nan_to_num_(nan=0.0, posinf=math.inf)
         index = int(relative.argmax())
         ratio = _exact_ratio(difference.value(index), scale.value(index))
-        if ratio > self._max_rel[0]:
-            self._max_rel = (ratio, self._offset + index)
+        if ratio > self.max_rel[0]:
+            self.max_rel = (ratio, self.offset + index)
         if bound is not None:
             allowed = bound > 0
             if bool(allowed.any()):
                 ratio = float((diff[allowed] / bound[allowed]).max())
-                self._max_ratio = max(self._max_ratio, ratio)
+                self.max_ratio = max(self.max_ratio, ratio)
         elif self.atol > 0:
-            self._max_ratio = max(self._max_ratio, float(diff.max()) / self.atol)
-        self._diff_squares += float(diff.square().sum())
-        self._expected_squares += float(magnitude.square().sum())
+            self.max_ratio = max(self.max_ratio, float(diff.max()) / self.atol)
+        self.diff_squares += float(diff.square().sum())
+        self.expected_squares += float(magnitude.square().sum())
 
         if chunk_bad:
-            length = self.row_length
-            rows_bad = bad.view(-1, length).any(dim=1)
-            self._mismatched_rows += int(rows_bad.sum())
-            if len(self.failing_rows) < RECORDED_ROWS:
-                more = rows_bad.nonzero().squeeze(1)[: RECORDED_ROWS - len(self.failing_rows)]
-                self.failing_rows += (more + self._offset // length).tolist()
+            self.count_failing_rows(bad.view(-1, self.row_length).any(dim=1))
             self._track_worst_exact(bad, difference, a, e)
-        self._offset += count
+        self.offset += count
 
     def _update_equal(self, values: ExactIntegers) -> None:
         """What :meth:`update` does with a chunk whose actual and expected ``values`` are
         equal: every difference is 0, at index 0 first, and only ``|e|``'s squares add up."""
-        if self._max_abs[0] < 0:
+        if self.max_abs[0] < 0:
             first = values.value(0)
-            self._max_abs = (0, self._offset, first, first, self._allowed(first))
-        if self._max_rel[0] < 0:
-            self._max_rel = (0.0, self._offset)
+            self.max_abs = (0, self.offset, first, first, self._allowed(first))
+        if self.max_rel[0] < 0:
+            self.max_rel = (0.0, self.offset)
         if self.atol > 0 or (self.rtol > 0 and bool(values.nonzero_mask().any())):
-            self._max_ratio = max(self._max_ratio, 0.0)  # 0 of a bound above 0
+            self.max_ratio = max(self.max_ratio, 0.0)  # 0 of a bound above 0
         # |e| rounds to float64 as e does, but for its sign: the squares are the same
-        self._expected_squares += float(values.as_float64().square().sum())
-        self._offset += values.high.numel()
+        self.expected_squares += float(values.as_float64().square().sum())
+        self.offset += values.high.numel()
 
     def _beyond(
         self,
@@ -283,11 +268,7 @@ class IntegerComparison(Comparison):
         for row in worst.descending(rows)[:WORST_ROWS].tolist():
             flat = row * self.row_length + int(column[row])
             expected = e.value(flat)
-            entry = (
-                worst.value(row), -(self._offset + flat), a.value(flat), expected,
+            self.keep_worst((
+                worst.value(row), -(self.offset + flat), a.value(flat), expected,
                 self._allowed(expected),
-            )  # fmt: skip
-            if len(self._worst) < WORST_ROWS:
-                heapq.heappush(self._worst, entry)  # type: ignore[arg-type]
-            else:
-                heapq.heappushpop(self._worst, entry)  # type: ignore[arg-type]
+            ))  # type: ignore[arg-type]  # fmt: skip

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from maskln_cli.compare import comparison as compare
 from maskln_cli.compare.comparison import Comparison
+from maskln_cli.compare.data import PerElement
 from maskln_cli.op.threads import map_blocks
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -131,7 +132,10 @@ def _run(case: dict[str, object], fast: bool) -> dict[str, object]:
         if fast:
             comparison.update(actual[part], expected[part], **extra)
         else:
-            comparison._update_general(actual[part], expected[part], **extra)
+            invalid_rows = extra.pop("invalid_rows", None)
+            comparison._update_general(
+                actual[part], expected[part], invalid_rows, PerElement(**extra)
+            )
     return _figures(comparison)
 
 

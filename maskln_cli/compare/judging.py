@@ -1,0 +1,225 @@
+"""Judging the elements of a block against their allowances, for the fast path
+(:mod:`maskln_cli.compare.blocks`): how many are beyond, the greatest ratio, the factor needed
+and each failing row's worst element.
+
+When the allowances are costly to make (``maskln verify``'s budgets), an
+:class:`AllowancesOnDemand` has them made only for the rows that can change a figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    Allowances = Callable[..., dict[str, torch.Tensor]]
+    """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
+    ``always`` when budgeted) of some rows of a block (None: all), as
+    :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
+    no argument making them later, holding copies of just those rows."""
+
+    Judged = tuple[torch.Tensor | None, float, float, tuple[torch.Tensor, ...] | None]
+    """What :meth:`BlockJudge.judge` finds: elements beyond per row (None: none), the greatest
+    ratio, the factor needed, and the worst element of each row with one beyond."""
+
+
+PICKED_FIRST = 8
+"""Rows of a block judged first when no ratio found so far rules out most (see
+:meth:`AllowancesOnDemand._rows_to_judge`)."""
+PICKED_SHARE = 4
+"""When more than one row in this many needs its allowances, every row of the block gets
+them: gathering the rows would cost more than it saves."""
+
+
+class BlockJudge:
+    """Judges the elements of blocks of rows of ``row_length`` against their allowances;
+    failing rows are ranked by ratio or by absolute difference (``rank_by_ratio``)."""
+
+    def __init__(self, row_length: int, rank_by_ratio: bool) -> None:
+        self.row_length = row_length
+        self.rank_by_ratio = rank_by_ratio
+
+    def judge(
+        self,
+        diff: torch.Tensor,
+        bound: torch.Tensor,
+        positive: bool,
+        a64: torch.Tensor,
+        e64: torch.Tensor,
+        rows: int,
+        budget_unit: torch.Tensor | None,
+        always: torch.Tensor | None,
+    ) -> Judged | None:
+        """The figures of a block that depend on each element's allowance ``bound``: elements
+        beyond it per row (None: none), the greatest ratio, the factor needed, and the worst
+        element of each row with one beyond (indices into the block). None on a NaN factor."""
+        import torch
+
+        length = self.row_length
+        ratio = torch.div(diff, bound)
+        if positive:  # no 0/0: the ratio has no NaN to mask
+            max_ratio = float(ratio.max())
+            # diff > bound > 0 makes the ratio 1 or more, even rounded.
+            bad = diff > bound if max_ratio >= 1 else None
+        else:
+            ratio.nan_to_num_(nan=0.0, posinf=math.inf)
+            max_ratio = float(torch.where(bound > 0, ratio, 0.0).max())
+            bad = diff > bound
+        counts = bad.view(rows, length).sum(dim=1) if bad is not None else None
+        if counts is not None and not bool(counts.any()):
+            counts = None
+        factor = 0.0
+        if budget_unit is not None and always is not None:
+            beyond = diff > always.reshape(-1)
+            if bool(beyond.any()):
+                factor = float(torch.where(beyond, diff / budget_unit.reshape(-1), 0.0).max())
+                if math.isnan(factor):
+                    return None
+        worst = None
+        if counts is not None and bad is not None:
+            bad_rows = (counts > 0).nonzero().squeeze(1)
+            measure = (ratio if self.rank_by_ratio else diff).view(rows, length)[bad_rows]
+            inside = bad.view(rows, length)[bad_rows]
+            score, channel = torch.where(inside, measure, -1.0).max(dim=1)
+            flat = bad_rows * length + channel
+            worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
+        return counts, max_ratio, factor, worst
+
+
+class AllowancesOnDemand:
+    """A block whose allowances ``allowance_of`` makes, judged on the rows that need them.
+
+    ``diff``, ``a64`` and ``e64`` are the block's differences and values in float64,
+    ``row_max`` each row's greatest difference, ``invalid`` its invalid rows (or None); every
+    element of a valid row is allowed ``lower`` or more, and invalid rows nothing.
+    """
+
+    def __init__(
+        self,
+        judge: BlockJudge,
+        diff: torch.Tensor,
+        row_max: torch.Tensor,
+        a64: torch.Tensor,
+        e64: torch.Tensor,
+        invalid: torch.Tensor | None,
+        allowance_of: Allowances,
+        lower: float,
+        rows: int,
+    ) -> None:
+        self.judge = judge
+        self.diff = diff
+        self.row_max = row_max
+        self.a64 = a64
+        self.e64 = e64
+        self.invalid = invalid
+        self.allowance_of = allowance_of
+        self.lower = lower
+        self.rows = rows
+
+    def judged(self, top: int, known: float) -> tuple | None:
+        """:meth:`BlockJudge.judge` on the rows :meth:`_rows_to_judge` picks (``known``: the
+        greatest ratio merged so far), their allowances made by ``allowance_of``; the figures
+        of the rows left out are known without them. Then the allowance of element ``top``
+        (the greatest difference), or NaN and how to make it."""
+        import torch
+
+        diff, a64, e64, rows = self.diff, self.a64, self.e64, self.rows
+        length = self.judge.row_length
+        top_row, channel = divmod(top, length)
+        picked = self._rows_to_judge(top_row, known)
+        if picked is None:  # every row: nothing to gather
+            pieces = {k: v.reshape(-1).double() for k, v in self.allowance_of(None).items()}
+            bound = pieces["allowance"]
+            judged = self.judge.judge(
+                diff, bound, bool(bound.amin() > 0), a64, e64, rows,
+                pieces.get("budget_unit"), pieces.get("always"),
+            )  # fmt: skip
+            return None if judged is None else (*judged, float(bound[top]), None)
+        if not picked.numel():
+            # No element beyond anything, no ratio above one already merged (so -1 here):
+            # only the greatest difference's allowance may be reported, made if it is.
+            pair = sorted({top_row, 1 if top_row == 0 else 0})
+            at = pair.index(top_row) * length + channel
+            later = self.allowance_of(torch.tensor(pair), later=True)
+
+            def allowed() -> float:
+                return float(later()["allowance"].reshape(-1)[at])
+
+            return None, -1.0, 0.0, None, math.nan, allowed
+        part = self._judge_picked(picked)
+        if part is None:
+            return None
+        (counts, max_ratio, factor, worst), bound = part
+        if counts is not None:
+            counts = torch.zeros(rows, dtype=counts.dtype).index_copy_(0, picked, counts)
+        if worst is not None:
+            bad_rows, score, flat, *values = worst
+            channels = flat - bad_rows * length
+            bad_rows = picked[bad_rows]
+            worst = (bad_rows, score, bad_rows * length + channels, *values)
+        # The row of the greatest difference among those picked (sorted).
+        at = int(torch.searchsorted(picked, top_row))
+        return counts, max_ratio, factor, worst, float(bound[at * length + channel]), None
+
+    def _judge_picked(self, picked: torch.Tensor) -> tuple[Judged, torch.Tensor] | None:
+        """:meth:`BlockJudge.judge` of rows ``picked`` (sorted indices), and their
+        allowances."""
+        length = self.judge.row_length
+        count = picked.numel()
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, length).index_select(0, picked).reshape(-1)
+
+        pieces = {k: v.reshape(-1).double() for k, v in self.allowance_of(picked).items()}
+        bound = pieces["allowance"]
+        judged = self.judge.judge(
+            gather(self.diff), bound, bool(bound.amin() > 0), gather(self.a64),
+            gather(self.e64), count, pieces.get("budget_unit"), pieces.get("always"),
+        )  # fmt: skip
+        return None if judged is None else (judged, bound)
+
+    def _rows_to_judge(self, top_row: int, known: float) -> torch.Tensor | None:
+        """The rows (sorted indices, two or more: torch sums a lone row differently) whose
+        allowances :meth:`judged` needs; None for all of them, none (empty) when only the
+        greatest difference's allowance (in row ``top_row``) may be needed.
+
+        A valid row's elements are each allowed ``lower`` or more, so a row whose greatest
+        difference ``d`` is at most ``lower`` has no element beyond (nor beyond what is always
+        allowed), and no ratio above ``d / lower`` (rounding is monotonic). So only rows where
+        ``d / lower`` reaches 1 (as it does when ``d > lower``), or exceeds a ratio already
+        found (in this block, or merged from earlier chunks: ``known``), can change a figure;
+        and invalid rows (allowed nothing) that are not all 0.
+        """
+        import torch
+
+        lower, invalid, rows = self.lower, self.invalid, self.rows
+        if lower <= 0 or rows <= 2:
+            return None
+        # inf for an invalid row that is not all 0, NaN (never picked) for one that is.
+        lows = torch.where(invalid, 0.0, lower) if invalid is not None else lower
+        ceiling = torch.div(self.row_max, lows)  # >= every ratio of a valid row
+
+        def pick(known: float) -> torch.Tensor:
+            return ceiling > known if known < 1 else ceiling >= 1
+
+        picked = pick(known)
+        count = int(picked.sum())
+        if count > PICKED_FIRST:
+            # Without a ratio as great as this block's yet, judge its likeliest rows first
+            # (and again with the rest: the greatest ratio is then among those judged).
+            first = ceiling.nan_to_num(nan=-1.0).topk(PICKED_FIRST).indices.sort().values
+            part = self._judge_picked(first)
+            if part is not None and part[0][1] > known:
+                picked = pick(part[0][1])
+                picked[first] = True
+                count = int(picked.sum())
+        if count * PICKED_SHARE > rows:
+            return None
+        if count:
+            picked[top_row] = True
+            if count == 1:
+                picked[1 if top_row == 0 else 0] = True
+        return picked.nonzero().squeeze(1)
