@@ -20,46 +20,40 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.comparison import Comparison
-from maskln_cli.compare.data import (
-    DEFAULT_TOLERANCES,
-    ComparisonReport,
-    TensorComparison,
-    check_tolerance,
-    times,
-)
-from maskln_cli.compare.files import missing, threads_for
+from maskln_cli.compare.data import ComparisonReport, TensorComparison, times
+from maskln_cli.compare.files import threads_for
 from maskln_cli.compare.rows import count_left_out, leave_out
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.masks import RowMask, open_row_mask, parse_mask_spec
 from maskln_cli.files.problem import (
-    FLOATING,
     GRADIENT_KEYS,
     NormalizeOptions,
     Problem,
     Progress,
-    check_eps,
     load_problem,
 )
-from maskln_cli.files.tensorfile import STDIO, TensorFile, dtype_name, open_tensor_file
+from maskln_cli.files.tensorfile import STDIO, TensorFile, open_tensor_file
+from maskln_cli.verify.options import (
+    ROW_TENSORS,
+    VerifyOptions,
+    check_options,
+    parse_check,
+    parse_result_keys,
+)
+from maskln_cli.verify.plan import Checked, Plan
 
 if TYPE_CHECKING:
     import torch
 
     from maskln_cli.compare.data import BlockFigures
     from maskln_cli.op.mistakes import Diagnosis
-    from maskln_cli.verify.budget import Precision, SumBudget, Yardstick
+    from maskln_cli.verify.budget import SumBudget, Yardstick
 
-TENSORS = ("out", *GRADIENT_KEYS)
-"""What RESULT may hold, by the names the report uses."""
-ROW_TENSORS = ("out", "grad_x")
-"""Tensors of x's shape: their invalid rows must be exactly 0."""
-TOLERANCE_MODES = ("budget", "fixed")
-JUDGE_DTYPES = ("auto", "float64", "float32", "float16", "bfloat16")
 CHUNK_ELEMENTS = 1 << 19
 """Elements of x per chunk: the truth, yardstick and budget of a chunk are float64 temporaries
 of 4 MiB each."""
@@ -75,84 +69,8 @@ mean (and the mean is well above rounding): the signature of a formula mistake."
 YARDSTICK_RAISES = True
 """Whether the yardstick's error raises a budget where it exceeds the model (always, in use;
 benchmarks/verify_calibration.py turns it off to measure the model alone)."""
-ALIASES = {
-    "out": ("y", "output", "out", "result", "ln_out"),
-    "grad_x": ("dx", "grad_input", "x_grad", "input_grad", "dinput"),
-    "grad_scale": ("dgamma", "dweight", "dw", "grad_weight", "grad_gamma", "weight_grad"),
-    "grad_bias": ("dbeta", "db", "dbias", "grad_beta", "bias_grad"),
-}
-"""Names kernels often give their results: used only to suggest ``--result-key``."""
 
-
-@dataclass(frozen=True)
-class VerifyOptions:
-    """How RESULT is judged (the options ``maskln verify`` has beyond ``normalize``'s).
-
-    ``check`` limits the tensors checked (default: ``out``, and the three gradients when INPUT
-    holds ``grad_out``); ``result_keys`` maps those names to RESULT's keys. ``tolerance`` is
-    ``budget`` or ``fixed`` (default: budget, unless ``rtol`` or ``atol`` is given); ``dtype``
-    is the dtype the kernel is judged in (``auto``: RESULT's). ``strict`` also fails -0.0 in
-    the padding and any key of RESULT that was not compared.
-    """
-
-    check: tuple[str, ...] | None = None
-    result_keys: Mapping[str, str] = field(default_factory=dict)
-    tolerance: str | None = None
-    factor: float | None = None
-    rtol: float | None = None
-    atol: float | None = None
-    strict: bool = False
-    dtype: str = "auto"
-    valid: str | None = None
-
-    @property
-    def mode(self) -> str:
-        if self.tolerance is not None:
-            return self.tolerance
-        return "fixed" if (self.rtol, self.atol) != (None, None) else "budget"
-
-
-def parse_check(values: Iterable[str]) -> tuple[str, ...]:
-    """``--check out,grad_x`` (repeatable) as a tuple of names.
-
-    Example:
-        >>> parse_check(["out, grad_x", "grad_bias"])
-        ('out', 'grad_x', 'grad_bias')
-    """
-    names: list[str] = []
-    for value in values:
-        for name in (part.strip() for part in value.split(",")):
-            if name not in TENSORS:
-                raise MasklnError(
-                    f"--check: unknown tensor {name!r}; choose from {', '.join(TENSORS)}"
-                )
-            if name not in names:
-                names.append(name)
-    return tuple(names)
-
-
-def parse_result_keys(values: Iterable[str]) -> dict[str, str]:
-    """``--result-key out=y`` (repeatable) as ``{"out": "y"}``.
-
-    Example:
-        >>> parse_result_keys(["out=y", "grad_x=dx"])
-        {'out': 'y', 'grad_x': 'dx'}
-    """
-    mapping: dict[str, str] = {}
-    for value in values:
-        name, sign, key = value.partition("=")
-        name = name.strip()
-        if not sign or not key:
-            raise MasklnError(f"--result-key: expected NAME=KEY such as out=y, got {value!r}")
-        if name not in TENSORS:
-            raise MasklnError(
-                f"--result-key: unknown tensor {name!r} in {value!r}; choose from"
-                f" {', '.join(TENSORS)}"
-            )
-        if name in mapping and mapping[name] != key:
-            raise MasklnError(f"--result-key: {name} is mapped twice ({mapping[name]!r}, {key!r})")
-        mapping[name] = key
-    return mapping
+__all__ = ["VerifyOptions", "parse_check", "parse_result_keys", "verify_file"]
 
 
 def verify_file(
@@ -172,7 +90,7 @@ def verify_file(
     """
     options = options or NormalizeOptions()
     verify = verify or VerifyOptions()
-    _check_options(verify)
+    check_options(verify)
     if input_path == STDIO and result_path == STDIO:
         raise MasklnError("INPUT and RESULT cannot both be '-' (stdin)")
     if verify.valid is not None and parse_mask_spec(verify.valid)[0] == STDIO:
@@ -192,35 +110,6 @@ def verify_file(
         return job.run(progress)
 
 
-def _check_options(verify: VerifyOptions) -> None:
-    check_tolerance(verify.rtol, "--rtol")
-    check_tolerance(verify.atol, "--atol")
-    if verify.tolerance is not None and verify.tolerance not in TOLERANCE_MODES:
-        raise MasklnError(f"--tolerance: must be budget or fixed, got {verify.tolerance!r}")
-    if verify.factor is not None:
-        if not (math.isfinite(verify.factor) and verify.factor >= 1):
-            raise MasklnError(f"--factor: must be a finite number >= 1, got {verify.factor}")
-        if verify.mode == "fixed":
-            raise MasklnError("--factor applies to the error budget, not to --tolerance fixed")
-    if verify.dtype not in JUDGE_DTYPES:
-        raise MasklnError(
-            f"--dtype: must be one of {', '.join(JUDGE_DTYPES)}, got {verify.dtype!r}"
-        )
-    unknown = set(verify.check or ()) - set(TENSORS)
-    if unknown:
-        raise MasklnError(f"--check: unknown tensor {sorted(unknown)[0]!r}")
-
-
-@dataclass
-class _Checked:
-    """One tensor to check: its RESULT key, and the running comparison (None when missing)."""
-
-    name: str
-    key: str
-    comparison: Comparison | None = None
-    outcome: TensorComparison | None = None
-
-
 class _Job:
     """The verification of one RESULT against one INPUT: set up, one streaming pass, words."""
 
@@ -234,135 +123,23 @@ class _Job:
     ) -> None:
         import torch
 
-        from maskln_cli.verify.budget import DEFAULT_FACTOR, Precision
-
+        self.plan = plan = Plan(problem, result, options, verify)
         self.problem = problem
         self.mask = mask
         self.result = result
         self.verify = verify
-        self.mode = verify.mode
-        self.factor = verify.factor if verify.factor is not None else DEFAULT_FACTOR
-        self.notes = list(problem.notes)
-        self.names = self._names()
-        self.keys = self._keys(options)
-        self.judge = self._judge_dtype()
-        # eps as normalize would accept it for x, and usable in the dtype judged.
-        for dtype in (problem.x.dtype, self.judge):
-            check_eps(problem.eps, self._eps_where(), dtype)
-        grad_dtype = problem.grad_out.dtype if problem.grad_out is not None else None
-        self.precision: Precision = Precision.of(
-            self.judge, problem.x.dtype, problem.param_dtype, grad_dtype
-        )
-        self.checked = [self._prepare(name) for name in self.names]
-        self.valid_rows = int(problem.valid.sum())
+        self.mode = plan.mode
+        self.factor = plan.factor
+        self.notes = plan.notes
+        self.names = plan.names
+        self.keys = plan.keys
+        self.judge = plan.judge
+        self.precision = plan.precision
+        self.checked = plan.checked
+        self.valid_rows = plan.valid_rows
         self.chunk_rows = options.chunk_rows or max(2, CHUNK_ELEMENTS // problem.channels)
         self.poisoned: list[int] = []  # invalid rows with NaN or inf in x or grad_out
         self.torch = torch
-
-    # --- set-up ---------------------------------------------------------------------------
-
-    def _names(self) -> list[str]:
-        has_grad_out = self.problem.grad_out is not None
-        if self.verify.check is None:
-            return list(TENSORS if has_grad_out else ("out",))
-        names = list(self.verify.check)
-        gradients = [n for n in names if n != "out"]
-        if gradients and not has_grad_out:
-            raise MasklnError(
-                f"--check {','.join(gradients)}: {self.problem.source} holds no upstream"
-                " gradient 'grad_out' (--grad-out FILE or --grad-out-key KEY gives one)"
-            )
-        return names
-
-    def _keys(self, options: NormalizeOptions) -> dict[str, str]:
-        keys = {name: name for name in TENSORS}
-        if options.out_key != "out":  # the older spelling of --result-key out=KEY
-            keys["out"] = options.out_key
-        given = dict(self.verify.result_keys)
-        if "out" in given and options.out_key not in ("out", given["out"]):
-            raise MasklnError(
-                f"--out-key {options.out_key!r} and --result-key out={given['out']} disagree"
-            )
-        keys.update(given)
-        return keys
-
-    def _judge_dtype(self) -> torch.dtype:
-        import torch
-
-        if self.verify.dtype != "auto":
-            return getattr(torch, self.verify.dtype)
-        x_dtype = self.problem.x.dtype
-        # The first tensor of RESULT checked, of a dtype verify judges.
-        keys = [self.keys[n] for n in self.names if self.keys[n] in self.result]
-        stored = (self.result.info(key).dtype for key in keys)
-        found = next((d for d in stored if d in FLOATING), None)
-        if found is None:
-            return x_dtype
-        dtype = getattr(torch, found)
-        if torch.finfo(dtype).eps < torch.finfo(x_dtype).eps:
-            self.notes.append(
-                f"RESULT is {found} while x is {dtype_name(x_dtype)}: judged as a {found}"
-                f" kernel (--dtype {dtype_name(x_dtype)} judges it by"
-                f" {dtype_name(x_dtype)}'s budget)"
-            )
-        return dtype
-
-    def _eps_where(self) -> str:
-        source = self.problem.eps_source
-        if source.startswith("metadata"):
-            return f"{self.problem.source}: {source} ({self.problem.eps!r})"
-        return source if source != "default" else "eps"
-
-    def _prepare(self, name: str) -> _Checked:
-        problem = self.problem
-        key = self.keys[name]
-        shape = list(problem.shape) if name in ROW_TENSORS else [problem.channels]
-        checked = _Checked(name, key)
-        if key not in self.result:
-            checked.outcome = missing(name, "actual", shape, "float64")
-            hint = self._missing_hint(name)
-            checked.outcome.problems = [f"missing in RESULT: no key {key!r} ({hint})"]
-            return checked
-        info = self.result.info(key)
-        if info.dtype not in FLOATING:  # an integer, bool or complex result is no layer norm
-            checked.outcome = TensorComparison(
-                name=name, passed=False,
-                problems=[f"dtype {info.dtype}: not a floating-point result; values not compared"],
-                shape=list(info.shape), expected_shape=shape, dtype=info.dtype,
-                expected_dtype="float64", rtol=math.nan, atol=math.nan,
-            )  # fmt: skip
-            return checked
-        rtol, atol = self._floor(info.dtype)
-        checked.comparison = Comparison(
-            name, info.shape, info.dtype, shape, "float64", rtol, atol,
-            rank_by_ratio=True, same_dtype=False,
-        )  # fmt: skip
-        return checked
-
-    def _floor(self, dtype: str) -> tuple[float, float]:
-        """The fixed tolerance (always enough to pass) for a RESULT tensor of ``dtype``."""
-        rtol, atol = DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float64"])
-        return (
-            rtol if self.verify.rtol is None else self.verify.rtol,
-            atol if self.verify.atol is None else self.verify.atol,
-        )
-
-    def _missing_hint(self, name: str) -> str:
-        held = self.result.keys()
-        used = {self.keys[n] for n in self.names}
-        unused = [k for k in held if k not in used]
-        guesses = [k for k in unused if k.lower() in ALIASES[name]]
-        shown = ", ".join(repr(k) for k in held[:6]) or "nothing"
-        more = f" and {len(held) - 6} more" if len(held) > 6 else ""
-        hint = f"it holds {shown}{more}; "
-        if guesses:
-            hint += f"--result-key {name}={guesses[0]} maps it"
-        else:
-            hint += f"--result-key {name}=KEY names it"
-        others = [n for n in self.names if n != name]
-        if others:
-            hint += f", --check {','.join(others)} leaves it out"
-        return hint
 
     # --- the streaming pass ---------------------------------------------------------------
 
@@ -413,16 +190,16 @@ class _Job:
                 f"--valid {mask.source}: compared {mask.rows - mask.left_out:,} of"
                 f" {mask.rows:,} rows of {compared}"
             )
-        tensors += self._unchecked()
+        tensors += self.plan.unchecked()
         return ComparisonReport(
-            "verify", self.result.name, problem.source, tensors, self.notes, self._context()
+            "verify", self.result.name, problem.source, tensors, self.notes, self.plan.context()
         )
 
     def _chunk(
         self,
         start: int,
         stop: int,
-        live: dict[str, _Checked],
+        live: dict[str, Checked],
         sums: _Sums | None,
         sum_budget: SumBudget | None,
     ) -> None:
@@ -496,7 +273,7 @@ class _Job:
         return chunks[first:stop]
 
     def _measure_chunks(
-        self, chunks: list[tuple[int, int]], live: dict[str, _Checked]
+        self, chunks: list[tuple[int, int]], live: dict[str, Checked]
     ) -> list[list[dict[str, BlockFigures]] | None]:
         """:meth:`_chunk` without gradients for consecutive ``chunks``, their rows in
         cache-sized blocks measured on worker threads (see :meth:`Comparison.measure`), for
@@ -530,7 +307,7 @@ class _Job:
         self,
         start: int,
         stop: int,
-        live: dict[str, _Checked],
+        live: dict[str, Checked],
         measured: list[dict[str, BlockFigures]],
     ) -> None:
         """Merge the figures of the blocks of rows ``start:stop`` (see :meth:`_measure_chunks`)."""
@@ -549,7 +326,7 @@ class _Job:
                     checked.comparison.merge(parts, invalid)
 
     def _measure_block(
-        self, start: int, stop: int, live: dict[str, _Checked], results: dict[str, torch.Tensor]
+        self, start: int, stop: int, live: dict[str, Checked], results: dict[str, torch.Tensor]
     ) -> dict[str, BlockFigures] | None:
         """The truth, yardstick and allowance of rows ``start:stop``, as :meth:`_chunk` makes
         them, measured against RESULT (None when a value is NaN or inf)."""
@@ -595,7 +372,7 @@ class _Job:
 
     def _allowance_of(
         self,
-        checked: _Checked,
+        checked: Checked,
         inputs: tuple[torch.Tensor, ...],
         rows: torch.Tensor | None,
         later: bool = False,
@@ -613,7 +390,7 @@ class _Job:
 
     def _pieces(
         self,
-        checked: _Checked,
+        checked: Checked,
         x64: torch.Tensor,
         valid: torch.Tensor,
         truth: torch.Tensor,
@@ -651,7 +428,7 @@ class _Job:
         rows = invalid[bad][: 64 - len(self.poisoned)]
         self.poisoned += (rows + start).tolist()
 
-    def _compare_sums(self, live: dict[str, _Checked], sums: _Sums, sum_budget: SumBudget) -> None:
+    def _compare_sums(self, live: dict[str, Checked], sums: _Sums, sum_budget: SumBudget) -> None:
         for name, total, guess in (
             ("grad_scale", sums.scale, sums.judge_scale),
             ("grad_bias", sums.bias, sums.judge_bias),
@@ -673,7 +450,7 @@ class _Job:
 
     def _allowance(
         self,
-        checked: _Checked,
+        checked: Checked,
         model: torch.Tensor,
         guess: torch.Tensor,
         reference: torch.Tensor,
@@ -702,7 +479,7 @@ class _Job:
 
     # --- words ----------------------------------------------------------------------------
 
-    def _describe(self, checked: _Checked) -> None:
+    def _describe(self, checked: Checked) -> None:
         """Replace the generic problem lines of a failing tensor with what is wrong, in words,
         then diagnose it."""
         outcome = checked.outcome
@@ -816,7 +593,7 @@ class _Job:
 
     # --- diagnosis ------------------------------------------------------------------------
 
-    def _diagnose(self, checked: _Checked) -> None:
+    def _diagnose(self, checked: Checked) -> None:
         """Name the known mistake RESULT's tensor matches, from a bounded sample of its failing
         rows (or, for grad_scale and grad_bias, the padding rows holding NaN or inf)."""
         from maskln_cli.op import mistakes as diagnosis
@@ -857,7 +634,7 @@ class _Job:
             found = [_eps_may_be_ours(d, problem.eps) for d in found]
         outcome.diagnosis = [d.to_dict() for d in found]
 
-    def _sample(self, checked: _Checked, rows: Sequence[int]) -> _Sample:
+    def _sample(self, checked: Checked, rows: Sequence[int]) -> _Sample:
         """The failing ``rows`` and their surroundings, at most :data:`DIAGNOSIS_ELEMENTS`
         elements: whole sequences (the last leading axis) when they fit, so that a mistake
         along that axis shows, else the rows themselves."""
@@ -882,63 +659,6 @@ class _Job:
             self, actual.reshape(shape), problem.x[index].reshape(shape),
             problem.valid[index].reshape(leading), grad_out,
         )  # fmt: skip
-
-    # --- notes and the rest ---------------------------------------------------------------
-
-    def _unchecked(self) -> list[TensorComparison]:
-        """Notes on RESULT's keys that were not compared (and, with --strict, failures)."""
-        used = {c.key for c in self.checked}
-        left = [k for k in self.result if k not in used]
-        if not left:
-            return []
-        has_grad_out = self.problem.grad_out is not None
-        reasons: dict[str, list[str]] = {}
-        for key in left:
-            name = next((n for n in TENSORS if self.keys[n] == key), None)
-            if name is not None and name not in self.names:
-                reason = (
-                    f"--check {','.join(self.names)}"
-                    if has_grad_out or name == "out"
-                    else f"{self.problem.source} holds no 'grad_out'"
-                )
-            else:
-                guess = next((n for n in TENSORS if key.lower() in ALIASES[n]), None)
-                reason = (
-                    f"--result-key {guess}={key} maps it" if guess else "not a name verify checks"
-                )
-            reasons.setdefault(reason, []).append(key)
-        for reason, keys in reasons.items():
-            shown = ", ".join(repr(k) for k in keys)
-            self.notes.append(f"{self.result.name}: {shown} not compared ({reason})")
-        if not self.verify.strict:
-            return []
-        failures = []
-        for key in left:
-            info = self.result.info(key)
-            outcome = TensorComparison(
-                name=key, passed=False, problems=["not compared (--strict fails what is not)"],
-                shape=list(info.shape), expected_shape=None, dtype=info.dtype,
-                expected_dtype=None, rtol=math.nan, atol=math.nan,
-            )  # fmt: skip
-            failures.append(outcome)
-        return failures
-
-    def _context(self) -> dict[str, object]:
-        problem = self.problem  # a default eps has its note from load_problem
-        judged = dtype_name(self.judge)
-        return {
-            "reference": "maskln, float64",
-            "eps": problem.eps,
-            "eps_source": problem.eps_source,
-            "rows": problem.rows,
-            "valid_rows": self.valid_rows,
-            "result_dtype": judged,
-            "tolerance": self.mode,
-            "factor": self.factor if self.mode == "budget" else None,
-            "yardstick": f"torch.nn.functional.layer_norm in {judged}",
-            "checked": list(self.names),
-            "strict": self.verify.strict,
-        }
 
 
 @dataclass
