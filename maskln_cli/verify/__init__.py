@@ -2,7 +2,10 @@
 
 This package knows how far from the float64 truth a correct kernel may be (:mod:`.budget`) and
 how to check a RESULT file against the recomputed reference chunk by chunk (:mod:`.job`),
-naming the likely mistake with the op's catalogue (:mod:`maskln_cli.op.mistakes`).
+naming the likely mistake with the op's catalogue (:mod:`maskln_cli.op.mistakes`). The job's
+steps each have a module: the options (:mod:`.options`), what is checked and how
+(:mod:`.plan`), the streaming pass (:mod:`.measure`) with each element's allowance
+(:mod:`.allowance`), and the words and diagnosis of a failure (:mod:`.explain`).
 
 It may import the op, files, comparison and the error types; never grading, jobs or the command
 line, and it never renders: the report is plain data.

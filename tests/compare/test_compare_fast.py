@@ -189,7 +189,8 @@ def test_verify_in_blocks_reports_what_whole_chunks_report(
     options: tuple[str, ...],
 ) -> None:  # fmt: skip
     """``maskln verify`` without gradients computes a chunk's rows in blocks on worker threads
-    (_Job._measure_chunks); its JSON is byte for byte that of whole chunks (_Job._chunk)."""
+    (StreamingPass._measure_chunks); its JSON is byte for byte that of whole chunks
+    (StreamingPass._chunk)."""
     from tests import kernels
 
     inputs = kernels.offset_batch(offset, seed=7, shape=(4, 96, 40), dtype=dtype)
@@ -235,14 +236,14 @@ def _verify_blocked_and_whole(
 ) -> bool:  # fmt: skip
     """Run ``maskln verify --json`` in blocks of 7 rows, then with whole chunks of 50 rows
     only; assert the same exit code and bytes, and return whether blocks were merged."""
-    from maskln_cli.verify import job as verify
+    from maskln_cli.verify import measure
     from tests.clitools import invoke, write
 
     source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
     target = write(tmp_path / "result.safetensors", result)
     options = tuple(f"{target}:keep" if o == "RESULT:keep" else o for o in options)
     monkeypatch.setattr(compare, "BLOCK_ELEMENTS", 40 * 7)  # blocks of 7 rows
-    monkeypatch.setattr(verify, "CHUNK_ELEMENTS", 40 * 50)  # chunks of 50 rows
+    monkeypatch.setattr(measure, "CHUNK_ELEMENTS", 40 * 50)  # chunks of 50 rows
     merged: list[int] = []
     merge = Comparison.merge
 
@@ -253,7 +254,7 @@ def _verify_blocked_and_whole(
     monkeypatch.setattr(Comparison, "merge", counted)
     blocked = invoke("verify", source, target, "--json", *options)
     monkeypatch.setattr(
-        verify._Job, "_measure_chunks", lambda _, chunks, live: [None] * len(chunks)
+        measure.StreamingPass, "_measure_chunks", lambda _, chunks, live: [None] * len(chunks)
     )
     whole = invoke("verify", source, target, "--json", *options)
     assert blocked.exit_code == whole.exit_code and blocked.exit_code in (0, 1)

@@ -1,0 +1,107 @@
+"""How far each element of RESULT may be from the truth, in the form a comparison takes it.
+
+With ``--tolerance budget`` (the default) an element's allowance is its error budget
+(:mod:`maskln_cli.verify.budget`): the rounding model of a correct kernel, raised by the
+yardstick's own error, times ``--factor``, never below what is always allowed; with
+``--tolerance fixed``, ``atol + rtol * |truth|``. Invalid rows are allowed nothing: they must be
+exactly 0. The pieces go to :meth:`Comparison.update` (a chunk, a gradient sum) or, a block's
+rows at a time, to :meth:`Comparison.measure`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from maskln_cli.compare.comparison import Comparison
+    from maskln_cli.verify.plan import Plan
+
+
+class Allowance:
+    """The allowance of the elements a plan compares: its mode, factor and judged dtype."""
+
+    def __init__(self, plan: Plan, yardstick_raises: bool) -> None:
+        self.problem = plan.problem
+        self.mode = plan.mode
+        self.factor = plan.factor
+        self.judge = plan.judge
+        self.precision = plan.precision
+        # Whether the yardstick's error raises a budget (see job.YARDSTICK_RAISES).
+        self.yardstick_raises = yardstick_raises
+
+    def of_rows(
+        self,
+        comparison: Comparison,
+        inputs: tuple[torch.Tensor, ...],
+        rows: torch.Tensor | None,
+        later: bool = False,
+    ) -> dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]:
+        """The allowance pieces of some rows of a block (None: all of them) for
+        :meth:`Comparison.measure`, from the block's ``inputs`` (x in float64, valid, the
+        truth, the yardstick and its error); ``later``, a function making them from copies of
+        just those rows."""
+        if rows is None:
+            return self.pieces(comparison, *inputs)
+        some = [t.index_select(0, rows) for t in inputs]
+        if later:
+            return functools.partial(self.pieces, comparison, *some)
+        return self.pieces(comparison, *some)
+
+    def pieces(
+        self,
+        comparison: Comparison,
+        x64: torch.Tensor,
+        valid: torch.Tensor,
+        truth: torch.Tensor,
+        guess: torch.Tensor,
+        error: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The allowance pieces of rows of x (float64), as those of a whole chunk are made."""
+        from maskln_cli.verify.budget import RowBudget
+
+        problem = self.problem
+        if self.mode == "budget":
+            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, self.precision)
+            return self.from_model(
+                comparison, budget.out(), guess, truth, valid.unsqueeze(1), error
+            )
+        allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
+        return {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
+
+    def from_model(
+        self,
+        comparison: Comparison,
+        model: torch.Tensor,
+        guess: torch.Tensor,
+        reference: torch.Tensor,
+        valid: torch.Tensor | None,
+        error: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
+        pieces it is made of, as :meth:`Comparison.update` takes them. ``error`` is the
+        yardstick's, ``|guess - reference|``, when the caller has it."""
+        import torch
+
+        from maskln_cli.verify import budget
+
+        dtype = _torch_dtype(comparison.dtype) or self.judge
+        if error is None and self.yardstick_raises:
+            error = (guess.double() - reference).abs_()
+        unit = budget.unit(model, error if self.yardstick_raises else None)
+        always = budget.floor(reference, dtype, comparison.rtol, comparison.atol)
+        allowed = torch.maximum(unit * self.factor, always)
+        if valid is not None and not bool(valid.all()):  # else masking changes nothing
+            allowed.masked_fill_(~valid, 0.0)
+            always = always.masked_fill(~valid, math.inf)  # the padding is another matter
+        return {"allowance": allowed, "budget_unit": unit, "always": always}
+
+
+def _torch_dtype(name: str | None) -> torch.dtype | None:
+    from maskln_cli.files.tensorfile import torch_dtype
+
+    return torch_dtype(name) if name else None
