@@ -10,14 +10,12 @@ from collections.abc import Sequence
 import torch
 
 from maskln_cli.grading.clauses import draws
-from maskln_cli.grading.clauses.calls import ClauseRun, one_call_each
+from maskln_cli.grading.clauses.calls import Call, ClauseRun, one_call_each
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
-from maskln_cli.grading.clauses.clause import Judge, make_clause
+from maskln_cli.grading.clauses.clause import Judge, each_call_judge, make_clause
 from maskln_cli.grading.clauses.judging import (
-    PASSED,
     Verdict,
     diagnose_failures,
-    failure_detail,
     format_number,
     relative_rms_error,
 )
@@ -58,33 +56,26 @@ def layer_norm_error(case: Case) -> float:
 
 
 def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
-    def judge(cases: list[Case], run: ClauseRun) -> Verdict:
-        for call in one_call_each(cases):
-            case = cases[call.case]
-            problem = failure_detail(case, call, run)
-            if problem is not None:
-                return Verdict(False, problem)
-            out = run.tensor(call.key, "out")
-            reference = case.reference()
-            if tuple(out.shape) != tuple(reference.shape):
-                return Verdict(False, f"{case.label}: shape {list(out.shape)}")
-            error = relative_rms_error(out, reference)
-            yardstick = layer_norm_error(case)
-            if not error <= max(factor * yardstick, ACCURACY_FLOOR):
-                worst = (out.double() - reference).abs().nan_to_num(math.inf)
-                index = [int(i) for i in torch.unravel_index(worst.argmax(), worst.shape)]
-                detail = (
-                    f"{case.label}: relative RMS error {error:.3g}; F.layer_norm's is"
-                    f" {yardstick:.3g}, the limit {factor:g}x that (the worst element, at"
-                    f" {index}, gave {format_number(out[tuple(index)])}, the reference gives"
-                    f" {format_number(reference[tuple(index)])})"
-                )
-                return Verdict(
-                    False, detail, diagnose_failures([(case, out)]) if diagnose else None
-                )
-        return PASSED
+    def verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
+        out = run.tensor(call.key, "out")
+        reference = case.reference()
+        if tuple(out.shape) != tuple(reference.shape):
+            return Verdict(False, f"{case.label}: shape {list(out.shape)}")
+        error = relative_rms_error(out, reference)
+        yardstick = layer_norm_error(case)
+        if not error <= max(factor * yardstick, ACCURACY_FLOOR):
+            worst = (out.double() - reference).abs().nan_to_num(math.inf)
+            index = [int(i) for i in torch.unravel_index(worst.argmax(), worst.shape)]
+            detail = (
+                f"{case.label}: relative RMS error {error:.3g}; F.layer_norm's is"
+                f" {yardstick:.3g}, the limit {factor:g}x that (the worst element, at"
+                f" {index}, gave {format_number(out[tuple(index)])}, the reference gives"
+                f" {format_number(reference[tuple(index)])})"
+            )
+            return Verdict(False, detail, diagnose_failures([(case, out)]) if diagnose else None)
+        return None
 
-    return judge
+    return each_call_judge(verdict)
 
 
 TWO_PASS = make_clause(

@@ -1,5 +1,6 @@
 """What a clause is (:class:`Clause`: a name, a summary, its cases, a run and a judge), and the
-run and judge most clauses share: make a list of calls, judge their outputs and gradients.
+run and judge most clauses share: make a list of calls, judge their outputs and gradients (or
+judge each case's one call in a clause's own way).
 """
 
 from __future__ import annotations
@@ -7,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from maskln_cli.grading.clauses.calls import Call, ClauseRun, Fn, run_calls
+from maskln_cli.grading.clauses.calls import Call, ClauseRun, Fn, one_call_each, run_calls
 from maskln_cli.grading.clauses.cases import Case
-from maskln_cli.grading.clauses.judging import Verdict, judge_outputs
+from maskln_cli.grading.clauses.judging import PASSED, Verdict, failure_detail, judge_outputs
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,24 @@ def outputs_judge(
 ) -> Judge:
     def judge(cases: list[Case], run: ClauseRun) -> Verdict:
         return judge_outputs(cases, run, calls(cases), diagnose, what)
+
+    return judge
+
+
+def each_call_judge(verdict: Callable[[Case, Call, ClauseRun], Verdict | None]) -> Judge:
+    """A judge of one call of each case (:func:`one_call_each`): the first call that failed,
+    else the first ``verdict`` on a call that ran (None: the call is right), else a pass."""
+
+    def judge(cases: list[Case], run: ClauseRun) -> Verdict:
+        for call in one_call_each(cases):
+            case = cases[call.case]
+            problem = failure_detail(case, call, run)
+            if problem is not None:
+                return Verdict(False, problem)
+            found = verdict(case, call, run)
+            if found is not None:
+                return found
+        return PASSED
 
     return judge
 

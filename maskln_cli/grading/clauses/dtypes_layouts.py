@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from maskln_cli.grading.clauses import draws
-from maskln_cli.grading.clauses.calls import ClauseRun, one_call_each
+from maskln_cli.grading.clauses.calls import Call, ClauseRun, one_call_each
 from maskln_cli.grading.clauses.cases import (
     Case,
     apply_view,
@@ -18,11 +18,9 @@ from maskln_cli.grading.clauses.cases import (
     dtype_name,
     make_case,
 )
-from maskln_cli.grading.clauses.clause import make_clause
+from maskln_cli.grading.clauses.clause import each_call_judge, make_clause
 from maskln_cli.grading.clauses.judging import (
-    PASSED,
     Verdict,
-    failure_detail,
     relative_rms_error,
     value_mismatch,
 )
@@ -59,26 +57,21 @@ def same_device(reported: object, expected: str) -> bool:
     return got.type == "cpu" or (got.index or 0) == (want.index or 0)
 
 
-def _dtypes_judge(cases: list[Case], run: ClauseRun) -> Verdict:
-    for call in one_call_each(cases):
-        case = cases[call.case]
-        problem = failure_detail(case, call, run)
+def _dtype_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
+    out = run.tensor(call.key, "out")
+    expected = dtype_name(case.x.dtype)
+    if out.dtype != case.x.dtype:
+        return Verdict(False, f"{case.label}: returned {dtype_name(out.dtype)}, not {expected}")
+    got_device = run.meta.get(call.key, {}).get("device")
+    if not same_device(got_device, run.device):
+        return Verdict(
+            False, f"{case.label}: returned a tensor on {got_device}, not on {run.device}"
+        )
+    if case.x.dtype == torch.float64:
+        problem = _precision_problem(out, case.reference())
         if problem is not None:
-            return Verdict(False, problem)
-        out = run.tensor(call.key, "out")
-        expected = dtype_name(case.x.dtype)
-        if out.dtype != case.x.dtype:
-            return Verdict(False, f"{case.label}: returned {dtype_name(out.dtype)}, not {expected}")
-        got_device = run.meta.get(call.key, {}).get("device")
-        if not same_device(got_device, run.device):
-            return Verdict(
-                False, f"{case.label}: returned a tensor on {got_device}, not on {run.device}"
-            )
-        if case.x.dtype == torch.float64:
-            problem = _precision_problem(out, case.reference())
-            if problem is not None:
-                return Verdict(False, f"{case.label}: {problem}")
-    return PASSED
+            return Verdict(False, f"{case.label}: {problem}")
+    return None
 
 
 FLOAT32_ROUNDING = (1e-8, 1e-5)
@@ -117,7 +110,7 @@ DTYPES = make_clause(
     "the output has x's dtype and device; float64 is computed in float64",
     _dtypes_cases,
     calls=one_call_each,
-    judge=_dtypes_judge,
+    judge=each_call_judge(_dtype_verdict),
 )
 
 
@@ -191,24 +184,18 @@ def _layout_cases(seed: int) -> list[Case]:
     return cases
 
 
-def _layout_judge(cases: list[Case], run: ClauseRun) -> Verdict:
-    for call in one_call_each(cases):
-        case = cases[call.case]
-        problem = failure_detail(case, call, run)
-        if problem is not None:
-            return Verdict(False, problem)
-        x = case.inputs()["x"]
-        expected = list(torch.empty_like(x).stride())
-        meta = run.meta.get(call.key, {})
-        if meta.get("shape") != list(x.shape):
-            return Verdict(False, f"{case.label}: shape {meta.get('shape')}")
-        if meta.get("stride") != expected:
-            return Verdict(
-                False,
-                f"{case.label}: output strides {meta.get('stride')}, torch.empty_like(x)'s"
-                f" {expected}",
-            )
-    return PASSED
+def _layout_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
+    x = case.inputs()["x"]
+    expected = list(torch.empty_like(x).stride())
+    meta = run.meta.get(call.key, {})
+    if meta.get("shape") != list(x.shape):
+        return Verdict(False, f"{case.label}: shape {meta.get('shape')}")
+    if meta.get("stride") != expected:
+        return Verdict(
+            False,
+            f"{case.label}: output strides {meta.get('stride')}, torch.empty_like(x)'s {expected}",
+        )
+    return None
 
 
 OUTPUT_LAYOUT = make_clause(
@@ -217,5 +204,5 @@ OUTPUT_LAYOUT = make_clause(
     "the output's strides are torch.empty_like(x)'s",
     _layout_cases,
     calls=one_call_each,
-    judge=_layout_judge,
+    judge=each_call_judge(_layout_verdict),
 )

@@ -13,7 +13,7 @@ import torch
 from maskln_cli.grading.clauses import draws
 from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun, one_call_each
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
-from maskln_cli.grading.clauses.clause import make_clause
+from maskln_cli.grading.clauses.clause import each_call_judge, make_clause
 from maskln_cli.grading.clauses.judging import (
     PASSED,
     Verdict,
@@ -337,20 +337,15 @@ def _positive_zero_cases(seed: int) -> list[Case]:
     return cases
 
 
-def _positive_zero_judge(cases: list[Case], run: ClauseRun) -> Verdict:
-    for call in one_call_each(cases):
-        case = cases[call.case]
-        problem = failure_detail(case, call, run)
-        if problem is not None:
-            return Verdict(False, problem)
-        out = run.tensor(call.key, "out")
-        if tuple(out.shape) != tuple(case.x.shape):
-            return Verdict(False, f"{case.label}: shape {list(out.shape)}")
-        negative_zero = case.invalid() & (out == 0) & torch.signbit(out)
-        if negative_zero.any():
-            index = [int(i) for i in negative_zero.nonzero()[0]]
-            return Verdict(False, f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0")
-    return PASSED
+def _positive_zero_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
+    out = run.tensor(call.key, "out")
+    if tuple(out.shape) != tuple(case.x.shape):
+        return Verdict(False, f"{case.label}: shape {list(out.shape)}")
+    negative_zero = case.invalid() & (out == 0) & torch.signbit(out)
+    if negative_zero.any():
+        index = [int(i) for i in negative_zero.nonzero()[0]]
+        return Verdict(False, f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0")
+    return None
 
 
 POSITIVE_ZERO = make_clause(
@@ -359,5 +354,5 @@ POSITIVE_ZERO = make_clause(
     "invalid outputs are +0.0, never -0.0",
     _positive_zero_cases,
     calls=one_call_each,
-    judge=_positive_zero_judge,
+    judge=each_call_judge(_positive_zero_verdict),
 )
