@@ -28,6 +28,8 @@ using a ready-made implementation, unless the function graded is maskln's own op
 
 
 def op_recorders():
+    """The classes ``(RecordFunctions, RecordOps)``: torch modes that keep the names of the torch
+    functions and of the ops that run (defined on first use, with the modes they build on)."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
