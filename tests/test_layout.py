@@ -36,7 +36,6 @@ MAX_CLASS_LINES = 300
 OVERSIZED = {
     "maskln_cli.cli.app",
     "maskln_cli.cli.report",
-    "maskln_cli.grading.clauses",
 }
 """Modules moved whole that are still being split: each must shrink, and leave this set, until
 it is empty (strict: a module that fits fails here until it is taken out)."""

@@ -272,6 +272,34 @@ def _counted(clause: Clause, strict: bool, only: Sequence[str]) -> bool:
     return clause.required or strict or clause.name in only
 
 
+def _grade_each(
+    clauses: Iterable[Clause],
+    run: Callable[[Clause, list[Case]], ClauseRun],
+    strict: bool,
+    only: Sequence[str],
+    seed: int,
+    device: str,
+) -> list[ClauseResult]:
+    """Build, run and judge each clause in turn; ``run(clause, cases)`` calls the function
+    (in this process, or in the child)."""
+    results = []
+    for clause in clauses:
+        started = time.perf_counter()
+        cases = clause.build(seed)
+        clause_run = run(clause, cases)
+        results.append(
+            judge_clause(
+                clause,
+                cases,
+                clause_run,
+                device,
+                _counted(clause, strict, only),
+                time.perf_counter() - started,
+            )
+        )
+    return results
+
+
 def grade(
     fn: Fn,
     strict: bool = False,
@@ -296,21 +324,11 @@ def grade(
     """
     only = list(only)
     device = check_device(device)
-    results = []
-    for clause in select_clauses(only):
-        started = time.perf_counter()
-        cases = clause.build(seed)
-        run = run_clause(fn, clause.name, seed, device, cases)
-        results.append(
-            judge_clause(
-                clause,
-                cases,
-                run,
-                device,
-                _counted(clause, strict, only),
-                time.perf_counter() - started,
-            )
-        )
+
+    def run_here(clause: Clause, cases: list[Case]) -> ClauseRun:
+        return run_clause(fn, clause.name, seed, device, cases)
+
+    results = _grade_each(select_clauses(only), run_here, strict, only, seed, device)
     name = target or getattr(fn, "__qualname__", None) or repr(fn)
     return GradeReport(name, strict, results, seed, device)
 
@@ -354,21 +372,11 @@ def grade_target(
         raise MasklnError(f"--timeout: must be a positive number of seconds, got {timeout}")
     device = check_device(device)
     parse_target(target)  # a missing file is a usage error before anything starts
-    results = []
     with sandbox.Sandbox(target, device, timeout, memory_bytes, contain_processes) as child:
         child.start()  # raises MasklnError when the target cannot be loaded
-        for clause in clauses:
-            started = time.perf_counter()
-            cases = clause.build(seed)
-            run = child.run_clause(clause.name, seed)
-            results.append(
-                judge_clause(
-                    clause,
-                    cases,
-                    run,
-                    device,
-                    _counted(clause, strict, only),
-                    time.perf_counter() - started,
-                )
-            )
+
+        def run_in_child(clause: Clause, cases: list[Case]) -> ClauseRun:
+            return child.run_clause(clause.name, seed)  # the child builds the same cases
+
+        results = _grade_each(clauses, run_in_child, strict, only, seed, device)
     return GradeReport(target, strict, results, seed, device)

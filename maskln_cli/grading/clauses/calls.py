@@ -1,0 +1,176 @@
+"""Calls of the graded function: how each is made (:class:`Call`, :func:`perform`), and what a
+clause's calls gave (:class:`ClauseRun`: tensors, facts, and each failed call's error in words).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from maskln_cli.grading.clauses.cases import Case, dtype_name
+
+Fn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of the function on a case: how it is called, and what comes back.
+
+    ``style``: ``positional`` ``f(x, valid, scale, bias, eps)``, ``keyword`` (every argument
+    named, as the specification's example), ``positional_default`` and ``keyword_default``
+    (eps omitted). ``mode``: ``grad``, ``no_grad`` or ``inference`` (``torch.inference_mode``).
+    With ``backward``, the gradients of ``sum(out * grad_out)`` w.r.t. ``requires``.
+    """
+
+    key: str
+    case: int
+    style: str = "positional"
+    clean: bool = False
+    requires: tuple[str, ...] = ()
+    backward: bool = False
+    mode: str = "grad"
+
+
+GRAD_INPUTS = ("x", "scale", "bias")
+
+
+class Misbehaved(Exception):
+    """The function returned something that is not an output of the op."""
+
+
+CAUGHT = (Exception, SystemExit)
+"""What a call of the graded function may raise and still be reported (sys.exit() too)."""
+
+
+def invoke(fn: Fn, t: dict[str, Any], eps: float, style: str) -> Any:
+    x, valid, scale, bias = t["x"], t["valid"], t["scale"], t["bias"]
+    if style == "positional":
+        return fn(x, valid, scale, bias, eps)
+    if style == "keyword":
+        return fn(x=x, valid=valid, scale=scale, bias=bias, eps=eps)
+    if style == "positional_default":
+        return fn(x, valid, scale, bias)
+    if style == "keyword_default":
+        return fn(x=x, valid=valid, scale=scale, bias=bias)
+    raise ValueError(f"unknown call style {style!r}")
+
+
+def _mode(mode: str) -> contextlib.AbstractContextManager[Any]:
+    if mode == "no_grad":
+        return torch.no_grad()
+    if mode == "inference":
+        return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
+def checked_output(out: Any) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise Misbehaved(f"returned {type(out).__name__}, not a tensor")
+    if not out.is_floating_point():
+        raise Misbehaved(f"returned a {dtype_name(out.dtype)} tensor, not a floating one")
+    return out
+
+
+def export_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain (not a subclass), contiguous CPU copy: what the child can send."""
+    return t.detach().as_subclass(torch.Tensor).to("cpu", copy=True).contiguous()
+
+
+def perform(
+    fn: Fn, case: Case, call: Call, device: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Make one call; returns the tensors it gave (``out``, ``grad_x``, ...) and facts about
+    its output (requires_grad, dtype, device, strides)."""
+    t = case.inputs(device, clean=call.clean)
+    for name in call.requires:
+        t[name].requires_grad_()
+    with _mode(call.mode):
+        out = checked_output(invoke(fn, t, case.eps, call.style))
+    meta = {
+        "requires_grad": bool(out.requires_grad),
+        "device": str(out.device),
+        "dtype": dtype_name(out.dtype),
+        "shape": list(out.shape),
+        "stride": list(out.stride()),
+    }
+    tensors = {"out": export_tensor(out)}
+    if call.backward:
+        if not out.requires_grad:
+            raise Misbehaved(
+                f"the output does not require grad although {', '.join(call.requires)} does"
+            )
+        if tuple(out.shape) != tuple(t["x"].shape):
+            raise Misbehaved(f"returned shape {list(out.shape)} for x {list(t['x'].shape)}")
+        leaves = [t[name] for name in call.requires]
+        grads = torch.autograd.grad(weighted_sum(out, t), leaves, allow_unused=True)
+        for name, grad in zip(call.requires, grads, strict=True):
+            if grad is None:
+                raise Misbehaved(f"no gradient reached {name}: it is not used differentiably")
+            tensors[f"grad_{name}"] = export_tensor(grad)
+    return tensors, meta
+
+
+def weighted_sum(out: torch.Tensor, t: dict[str, Any]) -> torch.Tensor:
+    """``sum(out * grad_out)``: its gradient w.r.t. out is exactly grad_out. (Passing
+    grad_out to autograd.grad instead imports sympy, seconds of start-up.)"""
+    return (out * t["grad_out"]).sum()
+
+
+@dataclass
+class ClauseRun:
+    """What running a clause gave: tensors by ``"<call key>.<name>"``, facts by call key,
+    the error of each call that failed, why the whole clause could not run (a crash, a
+    timeout) when it could not, and the device the cases were built on."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    failure: str | None = None
+    device: str = "cpu"
+
+    def tensor(self, key: str, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[f"{key}.{name}"]
+        except KeyError:
+            raise Misbehaved(f"no {name} came back") from None
+
+
+def describe_exception(error: BaseException) -> str:
+    """The exception's last line, ``RuntimeError: ...``, shortened to one line.
+
+    Example:
+        >>> describe_exception(ValueError("bad\\nthings"))
+        'ValueError: bad things'
+    """
+    if isinstance(error, Misbehaved):
+        text = str(error)
+    else:
+        text = traceback.format_exception_only(type(error), error)[-1].strip()
+        if isinstance(error, MemoryError) or "can't allocate memory" in text:
+            text = f"out of memory: {text}"
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def run_calls(fn: Fn, cases: list[Case], calls: Iterable[Call], device: str) -> ClauseRun:
+    """Make every call, recording each one's tensors and facts, or its error."""
+    run = ClauseRun()
+    for call in calls:
+        try:
+            tensors, meta = perform(fn, cases[call.case], call, device)
+        except CAUGHT as error:
+            run.errors[call.key] = describe_exception(error)
+            continue
+        run.meta[call.key] = meta
+        run.tensors.update({f"{call.key}.{name}": t for name, t in tensors.items()})
+    return run
+
+
+def one_call_each(cases: list[Case], **kwargs: Any) -> list[Call]:
+    """One call of each case, all made alike (``kwargs``: the :class:`Call`'s options)."""
+    return [Call(str(i), i, **kwargs) for i in range(len(cases))]

@@ -1,0 +1,358 @@
+"""The clauses on the mask and the padding: any number of leading axes (a 0-d valid too),
+invalid rows exactly zero (+0.0 for the strict clause), and NaN, inf and 1e30 in invalid rows of
+x changing neither the output nor any gradient.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun, one_call_each
+from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
+from maskln_cli.grading.clauses.clause import each_call_judge, make_clause
+from maskln_cli.grading.clauses.judging import (
+    PASSED,
+    Verdict,
+    diagnose_failures,
+    failure_detail,
+    format_number,
+    judge_gradients,
+    reference_gradients,
+    value_mismatch,
+)
+from maskln_cli.op.mistakes import Diagnosis, diagnose_nan_gradient
+
+# leading_axes -------------------------------------------------------------------------------------
+
+LEADING_SHAPES = ((), (5,), (2, 5), (2, 3, 2, 2), (0,), (3, 0), (0, 4))
+
+
+def _leading_cases(seed: int) -> list[Case]:
+    g = draws.generator(seed, "leading_axes")
+    cases = []
+    for i, leading in enumerate(LEADING_SHAPES):
+        dtype = torch.float32 if i % 2 else torch.float64
+        empty = torch.zeros(*leading, 6, dtype=torch.float64)
+        x = draws.rows(g, leading, 6) if math.prod(leading) else empty
+        valid = draws.mask(g, leading) if leading else torch.tensor(True)
+        valid_shape = "a 0-d valid" if not leading else f"valid {list(leading)}"
+        label = f"{describe_inputs(x, dtype, 1e-5)}, {valid_shape}"
+        cases.append(make_case(label, x, valid, draws.params(g, 6), 1e-5, dtype, g, grad=True))
+    return cases
+
+
+def _leading_calls(cases: list[Case]) -> list[Call]:
+    return [
+        Call(str(i), i, requires=GRAD_INPUTS, backward=True)
+        if case.x.numel()
+        else Call(str(i), i)  # zero-size: the output's shape and dtype
+        for i, case in enumerate(cases)
+    ]
+
+
+LEADING_AXES = make_clause(
+    "leading_axes",
+    True,
+    "0, 1, 2 and 4 leading axes (x [C] with a 0-d valid), and zero-size inputs,"
+    " values and gradients",
+    _leading_cases,
+    calls=_leading_calls,
+)
+
+
+# invalid_rows_zero --------------------------------------------------------------------------------
+
+
+def _invalid_cases(seed: int) -> list[Case]:
+    g = draws.generator(seed, "invalid_rows_zero")
+    cases = []
+    masks = {
+        "trailing padding": torch.arange(6)[None, :] < torch.tensor([4, 1])[:, None],
+        "leading padding": torch.arange(6)[None, :] >= torch.tensor([2, 5])[:, None],
+        "interleaved padding": draws.mask(g, (2, 6)),
+        "every row invalid": torch.zeros(2, 6, dtype=torch.bool),
+    }
+    for dtype in (torch.float64, torch.float32):
+        for what, valid in masks.items():
+            x = draws.rows(g, (2, 6), 8)
+            label = f"{describe_inputs(x, dtype, 1e-5)}, {what}, bias nonzero"
+            cases.append(make_case(label, x, valid, draws.params(g, 8), 1e-5, dtype))
+    x = torch.zeros(2, 6, 8, dtype=torch.float64)
+    label = f"{describe_inputs(x, torch.float32, 1e-5)}, zero padding, bias nonzero"
+    cases.append(
+        make_case(label, x, masks["trailing padding"], draws.params(g, 8), 1e-5, torch.float32)
+    )
+    x = draws.rows(g, (), 8)
+    label = f"{describe_inputs(x, torch.float64, 1e-5)}, a 0-d valid False, bias nonzero"
+    cases.append(make_case(label, x, torch.tensor(False), draws.params(g, 8), 1e-5, torch.float64))
+    return cases
+
+
+def _invalid_judge(cases: list[Case], run: ClauseRun) -> Verdict:
+    failing = []
+    first = None
+    for call in one_call_each(cases):
+        case = cases[call.case]
+        problem = failure_detail(case, call, run)
+        if problem is None:
+            out = run.tensor(call.key, "out")
+            problem = _nonzero_invalid(out, case)
+            if problem is not None:
+                failing.append((case, out))
+        first = first or problem
+    if first is None:
+        return PASSED
+    return Verdict(False, first, diagnose_failures(failing))
+
+
+def _nonzero_invalid(out: torch.Tensor, case: Case) -> str | None:
+    invalid = case.invalid()
+    if out.shape != invalid.shape:
+        return f"{case.label}: shape {list(out.shape)}, the reference's {list(invalid.shape)}"
+    wrong = invalid & (out != 0)  # NaN != 0 too
+    if not wrong.any():
+        return None
+    index = [int(i) for i in wrong.nonzero()[0]]
+    value = out[tuple(index)]
+    return (
+        f"{case.label}: at {index} (an invalid row) gave {format_number(value)},"
+        " the reference gives 0"
+    )
+
+
+INVALID_ROWS_ZERO = make_clause(
+    "invalid_rows_zero",
+    True,
+    "invalid rows are zero although bias is not",
+    _invalid_cases,
+    calls=one_call_each,
+    judge=_invalid_judge,
+)
+
+
+# sanitized_padding --------------------------------------------------------------------------------
+
+POISON_LABEL = "NaN, ±inf and 1e30 in invalid rows"
+_POISON = (math.nan, math.inf, -math.inf, 1e30)
+
+
+def _poison(x: torch.Tensor, valid: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """x with NaN, +inf, -inf and 1e30 in its invalid rows: whole rows of each, and mixes."""
+    poison = torch.tensor(_POISON, dtype=x.dtype)
+    pick = torch.randint(0, len(_POISON), x.shape, generator=g)
+    rows = torch.randint(0, 2 * len(_POISON), x.shape[:-1], generator=g)
+    whole = rows < len(_POISON)  # half the rows hold one poison throughout
+    pick = torch.where(whole[..., None], rows[..., None].clamp_max(len(_POISON) - 1), pick)
+    return torch.where(valid[..., None], x, poison[pick])
+
+
+def _poisoned_cases(seed: int, clause: str, grad: bool) -> list[Case]:
+    g = draws.generator(seed, clause)
+    cases = []
+    for dtype, channels in itertools.product((torch.float64, torch.float32), (8, 3)):
+        x = draws.rows(g, (3, 6), channels)
+        valid = draws.mask(g, (3, 6))
+        label = f"{describe_inputs(x, dtype, 1e-5)}, {POISON_LABEL}"
+        case = make_case(label, x, valid, draws.params(g, channels), 1e-5, dtype, g, grad=grad)
+        case.clean_x = case.x
+        case.x = _poison(case.x, valid, g)
+        cases.append(case)
+    return cases
+
+
+def _sanitized_padding_calls(cases: list[Case]) -> list[Call]:
+    return [
+        call
+        for i in range(len(cases))
+        for call in (Call(str(i), i), Call(f"{i}.clean", i, clean=True))
+    ]
+
+
+def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
+    for i, case in enumerate(cases):
+        call = Call(str(i), i)
+        problem = failure_detail(case, call, run)
+        if problem is not None:
+            return Verdict(False, problem)
+        out = run.tensor(call.key, "out")
+        t = case.inputs()
+        nonfinite = _nonfinite(out, case.reference(), case.invalid())
+        if nonfinite is not None:
+            clean = run.tensors.get(f"{i}.clean.out")
+            diagnosis = _nan_diagnosis("the output", out, clean, case.reference(), t)
+            return Verdict(False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else [])
+        problem = _nonzero_invalid(out, case) or _prefixed(
+            case, value_mismatch(out, case.reference(), case.x.dtype)
+        )
+        if problem is None and f"{i}.clean.out" in run.tensors:
+            clean = run.tensor(f"{i}.clean", "out")
+            mismatch = value_mismatch(out, clean, case.x.dtype)
+            if mismatch is not None:
+                problem = f"{case.label}: {mismatch.replace('the reference', 'clean padding')}"
+        if problem is not None:
+            return Verdict(False, problem)
+    return PASSED
+
+
+def _nan_diagnosis(
+    name: str,
+    actual: torch.Tensor,
+    clean: torch.Tensor | None,
+    reference: torch.Tensor,
+    t: dict[str, torch.Tensor],
+) -> Diagnosis | None:
+    """Why ``actual`` (the output, or gradient ``name``) holds NaN or inf where the reference is
+    finite: the padding's NaN only when the same call with clean padding (``clean``) is finite
+    at those places; when it is not finite there either, a division by zero (None: no clean
+    result to tell)."""
+    leaked = ~actual.isfinite() & reference.isfinite()
+    if clean is None or tuple(clean.shape) != tuple(actual.shape):
+        return None
+    if (leaked & ~clean.isfinite()).any():
+        return Diagnosis(
+            NAN_WITHOUT_PADDING,
+            f"NaN or inf in {name} with clean padding too, so not from the padding: a division"
+            " by zero, such as an invalid row (all zeros once sanitized, variance 0) divided by"
+            " its standard deviation with eps missing, (x - mean) / sqrt(var)",
+            "add eps inside the square root, (x - mean) / sqrt(var + eps), and divide by nothing"
+            " that can be zero (torch.where hides such a NaN in the output, not in gradients)",
+            0.0,
+        )
+    return diagnose_nan_gradient(name, actual, reference, t["x"], t["valid"], t.get("grad_out"))
+
+
+NAN_WITHOUT_PADDING = "nan_without_padding"
+
+
+def _prefixed(case: Case, mismatch: str | None) -> str | None:
+    return None if mismatch is None else f"{case.label}: {mismatch}"
+
+
+def _nonfinite(
+    t: torch.Tensor, reference: torch.Tensor, invalid: torch.Tensor, name: str = ""
+) -> str | None:
+    """Where ``t`` first holds NaN or inf although the reference is finite, in words
+    (``invalid``: where x's invalid rows are, to say which kind of row it is in)."""
+    if tuple(t.shape) != tuple(reference.shape):
+        return None
+    bad = ~t.isfinite() & reference.isfinite()
+    if not bad.any():
+        return None
+    index = [int(i) for i in bad.nonzero()[0]]
+    row = ""
+    if t.shape == invalid.shape:
+        row = " (an invalid row)" if invalid[tuple(index)] else " (a valid row)"
+    where = f"{name} at {index}" if name else f"at {index}"
+    value, expected = format_number(t[tuple(index)]), format_number(reference[tuple(index)])
+    return f"{where}{row} gave {value}, the reference gives {expected}"
+
+
+SANITIZED_PADDING = make_clause(
+    "sanitized_padding",
+    True,
+    "NaN, ±inf and 1e30 in invalid rows of x change nothing",
+    lambda seed: _poisoned_cases(seed, "sanitized_padding", grad=False),
+    calls=_sanitized_padding_calls,
+    judge=_sanitized_padding_judge,
+)
+
+
+# sanitized_gradients ------------------------------------------------------------------------------
+
+
+def _sanitized_gradients_calls(cases: list[Case]) -> list[Call]:
+    """Each poisoned case's backward, and the same with clean padding (to tell a NaN from the
+    padding from one the function makes itself; not judged: the gradients clause judges
+    clean padding)."""
+    return [
+        call
+        for i in range(len(cases))
+        for call in (
+            Call(str(i), i, requires=GRAD_INPUTS, backward=True),
+            Call(f"{i}.clean", i, clean=True, requires=GRAD_INPUTS, backward=True),
+        )
+    ]
+
+
+def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
+    for call in one_call_each(cases, requires=GRAD_INPUTS, backward=True):
+        case = cases[call.case]
+        problem = failure_detail(case, call, run)
+        if problem is not None:
+            return Verdict(False, problem)
+        t = case.inputs()
+        expected = reference_gradients(case)
+        for name, reference in expected.items():
+            grad = run.tensor(call.key, name)
+            nonfinite = _nonfinite(grad, reference, case.invalid(), name)
+            if nonfinite is not None:
+                clean = run.tensors.get(f"{call.key}.clean.{name}")
+                diagnosis = _nan_diagnosis(name, grad, clean, reference, t)
+                return Verdict(
+                    False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else []
+                )
+        dx = run.tensor(call.key, "grad_x")
+        if tuple(dx.shape) == tuple(case.x.shape):
+            leaked = case.invalid() & (dx != 0)
+            if leaked.any():
+                index = [int(i) for i in leaked.nonzero()[0]]
+                return Verdict(
+                    False,
+                    f"{case.label}: grad_x at {index} (an invalid row) gave"
+                    f" {format_number(dx[tuple(index)])}, the reference gives 0",
+                )
+        problem = judge_gradients(case, call, run)
+        if problem is not None:
+            return Verdict(False, problem)
+    return PASSED
+
+
+SANITIZED_GRADIENTS = make_clause(
+    "sanitized_gradients",
+    True,
+    "with NaN and inf in invalid rows: dx is 0 there and every gradient is finite and right",
+    lambda seed: _poisoned_cases(seed, "sanitized_gradients", grad=True),
+    calls=_sanitized_gradients_calls,
+    judge=_sanitized_gradients_judge,
+)
+
+
+# positive_zero ------------------------------------------------------------------------------------
+
+
+def _positive_zero_cases(seed: int) -> list[Case]:
+    g = draws.generator(seed, "positive_zero")
+    cases = []
+    for dtype in (torch.float64, torch.float32):
+        x = -draws.rows(g, (3, 6), 8).abs()  # negative rows and negative bias: -0.0 if multiplied
+        label = f"{describe_inputs(x, dtype, 1e-5)}, bias negative"
+        valid = draws.mask(g, (3, 6))
+        cases.append(
+            make_case(label, x, valid, draws.params(g, 8, negative_bias=True), 1e-5, dtype)
+        )
+    return cases
+
+
+def _positive_zero_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
+    out = run.tensor(call.key, "out")
+    if tuple(out.shape) != tuple(case.x.shape):
+        return Verdict(False, f"{case.label}: shape {list(out.shape)}")
+    negative_zero = case.invalid() & (out == 0) & torch.signbit(out)
+    if negative_zero.any():
+        index = [int(i) for i in negative_zero.nonzero()[0]]
+        return Verdict(False, f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0")
+    return None
+
+
+POSITIVE_ZERO = make_clause(
+    "positive_zero",
+    False,
+    "invalid outputs are +0.0, never -0.0",
+    _positive_zero_cases,
+    calls=one_call_each,
+    judge=each_call_judge(_positive_zero_verdict),
+)

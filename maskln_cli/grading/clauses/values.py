@@ -1,0 +1,194 @@
+"""The clauses on values: the signature (eps's default, positional and keyword calls), the
+specification's worked example, and random cases against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+
+import torch
+
+from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun, Fn, run_calls
+from maskln_cli.grading.clauses.cases import Case, describe_inputs, dtype_name, make_case
+from maskln_cli.grading.clauses.clause import make_clause, outputs_judge
+from maskln_cli.grading.clauses.judging import (
+    EXACT,
+    PASSED,
+    Verdict,
+    diagnose_failures,
+    failure_detail,
+    first_mismatch,
+    judge_outputs,
+)
+
+# signature ----------------------------------------------------------------------------------------
+
+_STYLES = {
+    "positional": "called f(x, valid, scale, bias, eps)",
+    "keyword": "called f(x=x, valid=valid, scale=scale, bias=bias, eps=eps)",
+    "positional_default": "called f(x, valid, scale, bias) without eps",
+    "keyword_default": "called f(x=x, valid=valid, scale=scale, bias=bias) without eps",
+}
+
+
+def _signature_cases(seed: int) -> list[Case]:
+    g = draws.generator(seed, "signature")
+    # Rows of variance near 1e-5: eps 1e-5, 1e-6 or 1e-12 give clearly different outputs.
+    x = draws.rows(g, (2, 6), 16, spreads=(3e-3, 5e-3))
+    valid = draws.mask(g, (2, 6))
+    params = draws.params(g, 16)
+    given = make_case(describe_inputs(x, torch.float64, 0.1), x, valid, params, 0.1, torch.float64)
+    default = make_case(
+        describe_inputs(x, torch.float64, 1e-5), x, valid, params, 1e-5, torch.float64
+    )
+    return [given, default]
+
+
+def _signature_calls(cases: list[Case]) -> list[Call]:
+    return [
+        Call("positional", 0, style="positional"),
+        Call("keyword", 0, style="keyword"),
+        Call("positional_default", 1, style="positional_default"),
+        Call("keyword_default", 1, style="keyword_default"),
+    ]
+
+
+def _signature_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
+    run = run_calls(fn, cases, _signature_calls(cases), device)
+    with contextlib.suppress(Exception):  # a builtin or C function may have no signature
+        parameter = inspect.signature(fn).parameters.get("eps")
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            run.meta["declared"] = {"eps": repr(parameter.default)}
+    return run
+
+
+def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
+    verdict = judge_outputs(
+        cases, run, _signature_calls(cases), what=lambda call: f", {_STYLES[call.style]}"
+    )
+    declared = run.meta.get("declared", {}).get("eps")
+    if not verdict.passed and isinstance(declared, str) and declared != repr(1e-5):
+        verdict.detail = f"{verdict.detail} (the signature declares eps={declared[:40]})"
+    return verdict
+
+
+SIGNATURE = make_clause(
+    "signature",
+    True,
+    "callable as (x, valid, scale, bias, eps=1e-05), positionally and by keyword",
+    _signature_cases,
+    run=_signature_run,
+    judge=_signature_judge,
+)
+
+
+# worked_example -----------------------------------------------------------------------------------
+
+WORKED_EXPECTED = [[[-0.5, 0.5], [0.0, 0.0]]]
+
+
+def _worked_cases(seed: int) -> list[Case]:
+    x = torch.tensor([[[1.0, 3.0], [99.0, -99.0]]], dtype=torch.float64)
+    valid = torch.tensor([[True, False]], dtype=torch.bool)
+    scale = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    bias = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    label = "the specification's worked example (x [1, 2, 2] float64, eps 3)"
+    return [Case(label, x, valid, scale, bias, 3.0)]
+
+
+# As the specification writes it: x, scale and bias require grad; every argument is named.
+_WORKED_CALL = Call("0", 0, style="keyword", requires=GRAD_INPUTS)
+
+
+def _worked_judge(cases: list[Case], run: ClauseRun) -> Verdict:
+    case = cases[0]
+    problem = failure_detail(case, _WORKED_CALL, run)
+    if problem is not None:
+        return Verdict(False, problem)
+    out = run.tensor("0", "out")
+    if out.dtype != torch.float64:
+        return Verdict(False, f"{case.label}: returned {dtype_name(out.dtype)}, not float64")
+    expected = torch.tensor(WORKED_EXPECTED, dtype=torch.float64)
+    mismatch = first_mismatch(out, expected, 0.0, EXACT)
+    if mismatch is None:
+        return PASSED
+    return Verdict(False, f"{case.label}: {mismatch}", diagnose_failures([(case, out)]))
+
+
+WORKED_EXAMPLE = make_clause(
+    "worked_example",
+    True,
+    "the specification's worked example, exactly (float64)",
+    _worked_cases,
+    calls=lambda cases: [_WORKED_CALL],
+    judge=_worked_judge,
+)
+
+
+# values -------------------------------------------------------------------------------------------
+
+VALUE_CHANNELS = (1, 2, 3, 16, 64)
+EPSILONS = (1e-5, 0.1, 3.0)
+# Row spreads from 1e-4 (variance 1e-8: eps dominates) to 2: where eps is added matters.
+VALUE_SPREADS = (1.0, 1e-4, 2.0, 1e-3, 0.3, 3e-3, 1e-2, 1.5, 3e-4, 0.05)
+TAIL_CHANNELS = (9, 12, 17, 31, 33, 100, 129, 257)
+"""Channel counts past a vector width that are not multiples of 8 or 16: a kernel that loses
+its remainder loop (the last C % 8 channels) is wrong on these only."""
+MANY_ROWS = ((3, 331), 20)
+"""993 rows (not a multiple of any block of rows) of 20 channels."""
+
+
+def _values_cases(seed: int) -> list[Case]:
+    g = draws.generator(seed, "values")
+    cases = []
+    for dtype, channels, eps in itertools.product(
+        (torch.float64, torch.float32), VALUE_CHANNELS, EPSILONS
+    ):
+        x = draws.rows(g, (2, 5), channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = describe_inputs(x, dtype, eps, "row variances 1e-8 to 4")
+        cases.append(
+            make_case(label, x, draws.mask(g, (2, 5)), draws.params(g, channels), eps, dtype)
+        )
+    for dtype, channels in itertools.product((torch.float64, torch.float32), TAIL_CHANNELS):
+        x = draws.rows(g, (3, 3), channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = describe_inputs(x, dtype, 1e-5, "row variances 1e-8 to 4")
+        cases.append(
+            make_case(label, x, draws.mask(g, (3, 3)), draws.params(g, channels), 1e-5, dtype)
+        )
+    leading, channels = MANY_ROWS
+    for dtype in (torch.float64, torch.float32):
+        x = draws.rows(g, leading, channels, spreads=VALUE_SPREADS, offset=2.0)
+        label = describe_inputs(x, dtype, 1e-5, "row variances 1e-8 to 4")
+        cases.append(
+            make_case(label, x, draws.mask(g, leading), draws.params(g, channels), 1e-5, dtype)
+        )
+    return cases
+
+
+def _values_calls(cases: list[Case]) -> list[Call]:
+    """Each case without grad, and with x, scale and bias requiring grad (a training path
+    must give the same values)."""
+    return [
+        call
+        for i in range(len(cases))
+        for call in (Call(str(i), i), Call(f"{i}.grad", i, requires=GRAD_INPUTS))
+    ]
+
+
+def _grad_words(call: Call) -> str:
+    return ", x, scale and bias requiring grad" if call.requires else ""
+
+
+VALUES = make_clause(
+    "values",
+    True,
+    "random cases against the float64 reference: float32 and float64, C from 1 to 257"
+    " (9, 17, 33, ...: not multiples of 8), 993 rows, eps 1e-5, 0.1 and 3, rows of"
+    " small variance; with and without grad",
+    _values_cases,
+    calls=_values_calls,
+    judge=outputs_judge(_values_calls, diagnose=True, what=_grad_words),
+)
