@@ -35,7 +35,6 @@ MAX_FILE_LINES = 800
 MAX_CLASS_LINES = 300
 OVERSIZED = {
     "maskln_cli.cli.app",
-    "maskln_cli.cli.report",
     "maskln_cli.compare.comparison",
     "maskln_cli.grading.clauses",
     "maskln_cli.verify.job",

@@ -90,12 +90,12 @@ class OneLineErrors(TyperGroup):
                 raise
             # NoArgsIsHelpError has printed the help already; it needs no message.
             if type(failure).__name__ != "NoArgsIsHelpError":
-                from maskln_cli.cli import report
+                from maskln_cli.cli.report import messages
 
                 context = getattr(failure, "ctx", None)
                 hint = f" (see '{context.command_path} --help')" if context else ""
                 message = format_message().replace("Value error, ", "").rstrip(".")
-                report.error(f"{message}{hint}")
+                messages.error(f"{message}{hint}")
             sys.exit(getattr(failure, "exit_code", EXIT_ERROR))
         except typer.Abort:
             sys.exit(130)
@@ -157,7 +157,7 @@ def reports_errors(command: Command | None = None, *, writes: bool = True) -> An
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from maskln_cli.cli import report
+        from maskln_cli.cli.report import messages
 
         try:
             with warnings.catch_warnings():
@@ -170,10 +170,10 @@ def reports_errors(command: Command | None = None, *, writes: bool = True) -> An
         except MasklnError as failure:
             message = str(failure)
         except KeyboardInterrupt:
-            _report(report, f"interrupted{discarded}")
+            _report(messages, f"interrupted{discarded}")
             raise typer.Exit(130) from None
         except Terminated:
-            _report(report, f"terminated{discarded}")
+            _report(messages, f"terminated{discarded}")
             raise typer.Exit(143) from None
         except MemoryError:
             message = "out of memory; try a smaller --chunk-rows"
@@ -186,16 +186,16 @@ def reports_errors(command: Command | None = None, *, writes: bool = True) -> An
                 f"internal error: {type(failure).__name__}: {failure} (please report it; set"
                 " MASKLN_DEBUG=1 for a traceback)"
             )
-        _report(report, message)
+        _report(messages, message)
         _detach_broken_stdout()
         raise typer.Exit(EXIT_ERROR)
 
     return wrapper  # type: ignore[return-value]
 
 
-def _report(report: Any, message: str) -> None:
+def _report(messages: Any, message: str) -> None:
     with contextlib.suppress(OSError):  # stderr itself may be gone
-        report.error(message)
+        messages.error(message)
 
 
 def _detach_broken_stdout() -> None:
@@ -417,7 +417,8 @@ def normalize(
     maskln normalize dumps/*.safetensors --out-dir normalized/
     ```
     """
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report import messages
+    from maskln_cli.cli.report.progress import progress_bar
     from maskln_cli.jobs.normalize import normalize_file
 
     options = _normalize_options(locals())
@@ -425,18 +426,18 @@ def normalize(
     failures = 0
     for input_path, output_path in jobs:
         try:
-            with report.progress_bar(f"normalize {input_path}", enabled=not quiet) as progress:
+            with progress_bar(f"normalize {input_path}", enabled=not quiet) as progress:
                 result = normalize_file(input_path, output_path, options, progress, fsync)
         except MasklnError as failure:
             if len(jobs) == 1:
                 raise
-            report.error(str(failure))
+            messages.error(str(failure))
             failures += 1
             continue
         if not quiet:
             for message in result.notes:
-                report.note(message)
-            report.render_normalize_result(result)
+                messages.note(message)
+            messages.render_normalize_result(result)
     if failures:
         raise MasklnError(
             f"{failures} of {len(jobs)} inputs failed; their outputs were not written"
@@ -519,16 +520,18 @@ def inspect(
     maskln inspect --json dump.safetensors | jq '.tensors[] | {name, nan}'
     ```
     """
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report.inspect import render_file_summary
+    from maskln_cli.cli.report.json_output import print_json
+    from maskln_cli.cli.report.progress import progress_bar
     from maskln_cli.jobs.inspect import summarize_file
 
-    with report.progress_bar(f"inspect {path}", enabled=not keys_only) as progress:
+    with progress_bar(f"inspect {path}", enabled=not keys_only) as progress:
         summary = summarize_file(path, patterns or (), progress, keys_only)
     with _quiet_when_stdout_closes(0):
         if json_output:
-            report.print_json(summary.to_dict())
+            print_json(summary.to_dict())
         else:
-            report.render_file_summary(summary)
+            render_file_summary(summary)
 
 
 @app.command(cls=PlainHelp, no_args_is_help=True)
@@ -608,7 +611,8 @@ def generate(
     maskln generate - --shape 2,64,32 | maskln normalize - out.safetensors
     ```
     """
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report import messages
+    from maskln_cli.cli.report.progress import progress_bar
     from maskln_cli.files.output import write_tensors
     from maskln_cli.files.problem import check_eps
     from maskln_cli.files.tensorfile import torch_dtype
@@ -619,7 +623,7 @@ def generate(
         "eps": repr(check_eps(eps, "--eps", torch_dtype(dtype.value))),
         "maskln_version": installed_version(),
     }
-    with report.progress_bar(f"generate {output}", enabled=not quiet) as progress:
+    with progress_bar(f"generate {output}", enabled=not quiet) as progress:
         # Two phases on one bar: sampling x (and grad_out), then writing the file.
         sampled = 0
 
@@ -649,7 +653,7 @@ def generate(
         )
     if not quiet and output != "-":
         valid = tensors["valid"]
-        report.note(
+        messages.note(
             f"wrote {output}: {', '.join(tensors)}; x {list(tensors['x'].shape)} {dtype.value},"
             f" {int(valid.sum()):,} of {valid.numel():,} positions valid"
         )
@@ -826,7 +830,7 @@ def verify(
         --valid-key attention_mask --valid acts.safetensors:attention_mask
     ```
     """
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report.progress import progress_bar
     from maskln_cli.verify.job import VerifyOptions, parse_check, parse_result_keys, verify_file
 
     options = _normalize_options({**locals(), "dtype": ComputeDtype.auto})
@@ -841,7 +845,7 @@ def verify(
         dtype=dtype.value,
         valid=valid_rows,
     )
-    with report.progress_bar(f"verify {input_path}") as progress:
+    with progress_bar(f"verify {input_path}") as progress:
         result = verify_file(input_path, result_path, options, judged, progress)
     _finish_comparison(result, json_output, quiet)
 
@@ -951,7 +955,8 @@ def grade(
     maskln grade solution.py --json | jq '.clauses[] | select(.passed | not)'
     ```
     """
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report.grade import render_grade
+    from maskln_cli.cli.report.json_output import print_json
     from maskln_cli.grading.runner import grade_target
 
     result = grade_target(
@@ -964,22 +969,23 @@ def grade(
         contain_processes=True,  # this process does nothing else: detached processes come back
     )
     if json_output:
-        report.print_json(result.to_dict())
+        print_json(result.to_dict())
     else:
-        report.render_grade(result, quiet=quiet)
+        render_grade(result, quiet=quiet)
     if not result.passed:
         raise typer.Exit(EXIT_MISMATCH)
 
 
 def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report.comparison import render_comparison
+    from maskln_cli.cli.report.json_output import print_json
 
     code = 0 if result.passed else EXIT_MISMATCH
     with _quiet_when_stdout_closes(code):
         if json_output:
-            report.print_json(result.to_dict())
+            print_json(result.to_dict())
         else:
-            report.render_comparison(result, quiet=quiet)
+            render_comparison(result, quiet=quiet)
     if code:
         raise typer.Exit(code)
 
