@@ -34,7 +34,6 @@ LAYERS = {
 MAX_FILE_LINES = 800
 MAX_CLASS_LINES = 300
 OVERSIZED = {
-    "maskln_cli.cli.app",
     "maskln_cli.compare.comparison",
     "maskln_cli.grading.clauses",
     "maskln_cli.verify.job",
