@@ -1,5 +1,5 @@
 """A fast path for rich's table layout, for the simple tables and grids the reports are made of:
-rich's own output (tests/cli/test_report.py holds it to that), without rich laying out each cell.
+rich's own output (tests/cli/test_tables.py holds it to that), without rich laying out each cell.
 
 Whatever it does not know (a table that wraps, other boxes and styles) it leaves to rich.
 """
@@ -114,6 +114,8 @@ def print_simple_table(
     for row in cells:
         widths = [max(w, _cells(text)) for w, (text, _) in zip(widths, row, strict=True)]
     padded = [w + left + right for w, (left, right) in zip(widths, pads, strict=True)]
+    if 0 in padded:
+        return False  # rich makes a column of no width at all 1 wide: let it
     edge, between = (" ", " ") if headed else ("", "")
     table_width = sum(padded) + len(between) * (count - 1) + 2 * len(edge)
     if table_width > console.width:
