@@ -27,7 +27,9 @@ from maskln_cli.cli.options import (
     ValidKey,
     ValidRows,
     XKey,
+    key_option,
     normalize_options,
+    tolerance_option,
 )
 
 if TYPE_CHECKING:
@@ -63,22 +65,17 @@ def verify(
     grad_out_key: GradOutKey = None,
     out_key: Annotated[
         str,
-        typer.Option(
-            "--out-key",
-            metavar="KEY",
-            help="RESULT's key of out (as --result-key out=KEY).",
-            rich_help_panel="Keys",
+        key_option(
+            "--out-key", "RESULT's key of out (as --result-key out=KEY).", show_default=True
         ),
     ] = "out",
     result_keys: Annotated[
         list[str] | None,
-        typer.Option(
+        key_option(
             "--result-key",
+            "RESULT's KEY holds NAME (out, grad_x, grad_scale or grad_bias), e.g. grad_x=dx."
+            " Repeatable.",
             metavar="NAME=KEY",
-            help="RESULT's KEY holds NAME (out, grad_x, grad_scale or grad_bias), e.g."
-            " grad_x=dx. Repeatable.",
-            show_default=False,
-            rich_help_panel="Keys",
         ),
     ] = None,
     check: Annotated[
@@ -98,35 +95,27 @@ def verify(
     config: Config = None,
     dtype: Annotated[
         JudgeDtype,
-        typer.Option(
+        tolerance_option(
             "--dtype",
-            metavar="DTYPE",
-            help="The dtype the kernel computed in, whose error budget applies: auto (RESULT's"
+            "DTYPE",
+            "The dtype the kernel computed in, whose error budget applies: auto (RESULT's"
             " dtype), float64, float32, float16 or bfloat16.",
-            show_default=False,
-            rich_help_panel="Tolerance",
         ),
     ] = JudgeDtype.auto,
     tolerance: Annotated[
         ToleranceMode | None,
-        typer.Option(
+        tolerance_option(
             "--tolerance",
-            metavar="MODE",
-            help="budget: within --factor times the rounding of a correct kernel in its dtype,"
+            "MODE",
+            "budget: within --factor times the rounding of a correct kernel in its dtype,"
             " calibrated against PyTorch's F.layer_norm; fixed: within --rtol and --atol."
             " (default: budget, fixed when --rtol or --atol is given)",
-            show_default=False,
-            rich_help_panel="Tolerance",
         ),
     ] = None,
     factor: Annotated[
         float | None,
-        typer.Option(
-            "--factor",
-            metavar="F",
-            help="How many times the modelled rounding a kernel may err. (default: 3)",
-            show_default=False,
-            rich_help_panel="Tolerance",
+        tolerance_option(
+            "--factor", "F", "How many times the modelled rounding a kernel may err. (default: 3)"
         ),
     ] = None,
     rtol: Rtol = None,

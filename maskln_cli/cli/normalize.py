@@ -23,14 +23,12 @@ from maskln_cli.cli.options import (
     ScaleKey,
     ValidKey,
     XKey,
+    key_option,
     normalize_options,
 )
 from maskln_cli.errors import MasklnError
 
-OutKey = Annotated[
-    str,
-    typer.Option("--out-key", metavar="KEY", help="Key of the result.", rich_help_panel="Keys"),
-]
+OutKey = Annotated[str, key_option("--out-key", "Key of the result.", show_default=True)]
 Dtype = Annotated[
     ComputeDtype,
     typer.Option(

@@ -22,51 +22,43 @@ class ComputeDtype(str, Enum):
     float64 = "float64"
 
 
+def key_option(flag: str, help: str, metavar: str = "KEY", show_default: bool = False) -> Any:
+    """An option saying where a tensor is (a key, a module), listed under Keys. Its help says
+    the default in words, unless ``show_default``: then typer shows it."""
+    return typer.Option(
+        flag, metavar=metavar, help=help, show_default=show_default, rich_help_panel="Keys"
+    )
+
+
+def tolerance_option(flag: str, metavar: str, help: str) -> Any:
+    """An option saying how close is close enough, listed under Tolerance; its help says the
+    default in words."""
+    return typer.Option(
+        flag, metavar=metavar, help=help, show_default=False, rich_help_panel="Tolerance"
+    )
+
+
 # The problem normalize and verify read: where x, the mask, scale, bias and grad_out are, eps.
-XKey = Annotated[
-    str,
-    typer.Option("--x-key", metavar="KEY", help="Key of x, [..., C].", rich_help_panel="Keys"),
-]
+XKey = Annotated[str, key_option("--x-key", "Key of x, [..., C].", show_default=True)]
 ValidKey = Annotated[
     str | None,
-    typer.Option(
+    key_option(
         "--valid-key",
-        metavar="KEY",
-        help="Key of the mask [...]: bool, or 0/1 numbers."
+        "Key of the mask [...]: bool, or 0/1 numbers."
         " (default: valid; when absent, all positions are valid)",
-        show_default=False,
-        rich_help_panel="Keys",
     ),
 ]
 ScaleKey = Annotated[
-    str | None,
-    typer.Option(
-        "--scale-key",
-        metavar="KEY",
-        help="Key of scale [C]. (default: scale; when absent, ones)",
-        show_default=False,
-        rich_help_panel="Keys",
-    ),
+    str | None, key_option("--scale-key", "Key of scale [C]. (default: scale; when absent, ones)")
 ]
 BiasKey = Annotated[
-    str | None,
-    typer.Option(
-        "--bias-key",
-        metavar="KEY",
-        help="Key of bias [C]. (default: bias; when absent, zeros)",
-        show_default=False,
-        rich_help_panel="Keys",
-    ),
+    str | None, key_option("--bias-key", "Key of bias [C]. (default: bias; when absent, zeros)")
 ]
 GradOutKey = Annotated[
     str | None,
-    typer.Option(
+    key_option(
         "--grad-out-key",
-        metavar="KEY",
-        help="Key of the upstream gradient [..., C]."
-        " (default: grad_out; when absent, no gradients)",
-        show_default=False,
-        rich_help_panel="Keys",
+        "Key of the upstream gradient [..., C]. (default: grad_out; when absent, no gradients)",
     ),
 ]
 Params = Annotated[
@@ -81,13 +73,11 @@ Params = Annotated[
 ]
 Module = Annotated[
     str | None,
-    typer.Option(
+    key_option(
         "--module",
-        metavar="NAME",
-        help="The layer norm whose scale and bias to use: NAME.weight and NAME.bias, or"
+        "The layer norm whose scale and bias to use: NAME.weight and NAME.bias, or"
         " NAME.gamma and NAME.beta, whichever --params (else INPUT) holds.",
-        show_default=False,
-        rich_help_panel="Keys",
+        metavar="NAME",
     ),
 ]
 Config = Annotated[
@@ -141,22 +131,14 @@ Fsync = Annotated[
 # verify and diff, which compare (and grade, whose report takes --json and -q too).
 Rtol = Annotated[
     float | None,
-    typer.Option(
-        "--rtol",
-        metavar="RTOL",
-        help="Relative tolerance. (default: by dtype, as torch.testing.assert_close)",
-        show_default=False,
-        rich_help_panel="Tolerance",
+    tolerance_option(
+        "--rtol", "RTOL", "Relative tolerance. (default: by dtype, as torch.testing.assert_close)"
     ),
 ]
 Atol = Annotated[
     float | None,
-    typer.Option(
-        "--atol",
-        metavar="ATOL",
-        help="Absolute tolerance. (default: by dtype, as torch.testing.assert_close)",
-        show_default=False,
-        rich_help_panel="Tolerance",
+    tolerance_option(
+        "--atol", "ATOL", "Absolute tolerance. (default: by dtype, as torch.testing.assert_close)"
     ),
 ]
 JsonOutput = Annotated[
