@@ -427,13 +427,13 @@ def test_the_progress_bar_shows_a_path_as_it_is(monkeypatch):
 
     from rich.console import Console
 
-    from maskln_cli.cli import report
+    from maskln_cli.cli.report.progress import progress_bar
 
     stream = io.StringIO()
     console = Console(file=stream, force_terminal=True, emoji=False, width=120)
-    monkeypatch.setattr(report, "stderr_console", lambda: console)
-    monkeypatch.setattr(report, "PROGRESS_DELAY", 0.0)
-    with report.progress_bar("inspect run:up:1.safetensors [red]x") as update:
+    monkeypatch.setattr("maskln_cli.cli.report.consoles.stderr_console", lambda: console)
+    monkeypatch.setattr("maskln_cli.cli.report.progress.PROGRESS_DELAY", 0.0)
+    with progress_bar("inspect run:up:1.safetensors [red]x") as update:
         update(1, 2)
         console.file.flush()
         shown = stream.getvalue()

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from maskln_cli.cli import report
+from maskln_cli.cli.report.grade import render_grade
 from maskln_cli.grading import runner as grading
 from maskln_cli.grading.clauses import CLAUSES
 from maskln_cli.grading.runner import GradeReport, grade
@@ -208,14 +208,14 @@ def test_grade_help_does_not_import_torch():
 def test_the_report_escapes_what_the_function_said(capsys):
     hostile = "\x1b[2J[bold red]owned[/]"
     result = GradeReport("f", False, [grading.ClauseResult("values", True, False, 0.1, hostile)])
-    report.render_grade(result)
+    render_grade(result)
     out = capsys.readouterr().out
     assert "\x1b[2J" not in out and "\\x1b[2J[bold red]owned[/]" in out
 
 
 def test_quiet_prints_the_verdict_line_only(capsys):
     result = grade(broken.contiguous_output, only=["values", "output_layout"])
-    report.render_grade(result, quiet=True)
+    render_grade(result, quiet=True)
     assert capsys.readouterr().out == "FAIL: 1 of 2 clauses pass (output_layout)\n"
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from maskln_cli.cli import report
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.checkpoint import open_checkpoint
+from maskln_cli.files.resources import human_bytes
 from maskln_cli.files.tensorfile import TensorFile
 from maskln_cli.jobs import inspect as stats
 from tests.clitools import ROOT, invoke, write
@@ -90,7 +90,7 @@ def test_keys_reads_the_header_only(tmp_path, monkeypatch):
         }
     human = invoke("inspect", "--keys", path)
     assert human.exit_code == 0
-    size = report.human_bytes(sum(t.numel() * t.element_size() for t in tensors.values()))
+    size = human_bytes(sum(t.numel() * t.element_size() for t in tensors.values()))
     assert f"{path}\n" in human.stdout  # the path whole, on a line of its own
     assert f"{len(tensors)} tensors, {size}" in human.stdout and "min=" not in human.stdout
 
@@ -316,8 +316,8 @@ def test_statistics_leave_torch_threads_as_they_were(tmp_path):
 def terminal(monkeypatch):
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=250)  # room for long tmp paths
-    monkeypatch.setattr(report, "stderr_console", lambda: console)
-    monkeypatch.setattr(report, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr("maskln_cli.cli.report.consoles.stderr_console", lambda: console)
+    monkeypatch.setattr("maskln_cli.cli.report.progress.PROGRESS_DELAY", 0.0)
     return screen
 
 

@@ -1,0 +1,235 @@
+"""``maskln verify`` and ``maskln diff``: a kernel's result judged against maskln's, and two
+files compared key by key; both end in the same report, or the same JSON."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from maskln_cli.cli.failures import EXIT_MISMATCH, quiet_when_stdout_closes, reports_errors
+from maskln_cli.cli.options import (
+    Atol,
+    BiasKey,
+    ChunkRows,
+    ComputeDtype,
+    Config,
+    Eps,
+    GradOutFile,
+    GradOutKey,
+    JsonOutput,
+    Module,
+    Params,
+    QuietReport,
+    Rtol,
+    ScaleKey,
+    ValidKey,
+    ValidRows,
+    XKey,
+    key_option,
+    normalize_options,
+    tolerance_option,
+)
+
+if TYPE_CHECKING:
+    from maskln_cli.compare.data import ComparisonReport
+
+
+class JudgeDtype(str, Enum):
+    auto = "auto"
+    float64 = "float64"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class ToleranceMode(str, Enum):
+    budget = "budget"
+    fixed = "fixed"
+
+
+@reports_errors(writes=False)
+def verify(
+    input_path: Annotated[
+        str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
+    ],
+    result_path: Annotated[
+        str,
+        typer.Argument(metavar="RESULT", help="The kernel's result to judge; '-' reads stdin."),
+    ],
+    x_key: XKey = "x",
+    valid_key: ValidKey = None,
+    scale_key: ScaleKey = None,
+    bias_key: BiasKey = None,
+    grad_out_key: GradOutKey = None,
+    out_key: Annotated[
+        str,
+        key_option(
+            "--out-key", "RESULT's key of out (as --result-key out=KEY).", show_default=True
+        ),
+    ] = "out",
+    result_keys: Annotated[
+        list[str] | None,
+        key_option(
+            "--result-key",
+            "RESULT's KEY holds NAME (out, grad_x, grad_scale or grad_bias), e.g. grad_x=dx."
+            " Repeatable.",
+            metavar="NAME=KEY",
+        ),
+    ] = None,
+    check: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--check",
+            metavar="NAMES",
+            help="Check only these, e.g. out,grad_x. (default: out, and grad_x, grad_scale and"
+            " grad_bias when INPUT holds grad_out)",
+            show_default=False,
+        ),
+    ] = None,
+    params: Params = None,
+    module: Module = None,
+    grad_out: GradOutFile = None,
+    eps: Eps = None,
+    config: Config = None,
+    dtype: Annotated[
+        JudgeDtype,
+        tolerance_option(
+            "--dtype",
+            "DTYPE",
+            "The dtype the kernel computed in, whose error budget applies: auto (RESULT's"
+            " dtype), float64, float32, float16 or bfloat16.",
+        ),
+    ] = JudgeDtype.auto,
+    tolerance: Annotated[
+        ToleranceMode | None,
+        tolerance_option(
+            "--tolerance",
+            "MODE",
+            "budget: within --factor times the rounding of a correct kernel in its dtype,"
+            " calibrated against PyTorch's F.layer_norm; fixed: within --rtol and --atol."
+            " (default: budget, fixed when --rtol or --atol is given)",
+        ),
+    ] = None,
+    factor: Annotated[
+        float | None,
+        tolerance_option(
+            "--factor", "F", "How many times the modelled rounding a kernel may err. (default: 3)"
+        ),
+    ] = None,
+    rtol: Rtol = None,
+    atol: Atol = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Also fail -0.0 in the padding, and any key of RESULT that was not compared.",
+            rich_help_panel="Tolerance",
+        ),
+    ] = False,
+    chunk_rows: ChunkRows = None,
+    valid_rows: ValidRows = None,
+    json_output: JsonOutput = False,
+    quiet: QuietReport = False,
+) -> None:
+    """Judge RESULT, a kernel's output, against maskln's float64 result for INPUT.
+
+    RESULT's out (and grad_x, grad_scale and grad_bias when INPUT holds grad_out) must each be
+    as close to the float64 truth as a correct kernel in RESULT's dtype can be: within --factor
+    times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm on the
+    same data. A tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at
+    every invalid position. A failing tensor is described and diagnosed. Exit code 0 when all
+    pass, 1 on any failure, 2 on an error.
+
+    **Examples**
+
+    ```
+    maskln verify inputs.safetensors kernel_out.safetensors
+    maskln verify in.safetensors kernel.safetensors --result-key grad_x=dx \\
+        --check out,grad_x
+    maskln verify in.safetensors kernel.safetensors --rtol 1e-4 --atol 1e-5
+    maskln verify in.safetensors kernel.safetensors --json | jq .passed
+    maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
+        --module encoder.layer.0.output.LayerNorm --config checkpoint/ \\
+        --valid-key attention_mask --valid acts.safetensors:attention_mask
+    ```
+    """
+    from maskln_cli.cli.report.progress import progress_bar
+    from maskln_cli.verify.job import VerifyOptions, parse_check, parse_result_keys, verify_file
+
+    options = normalize_options({**locals(), "dtype": ComputeDtype.auto})
+    judged = VerifyOptions(
+        check=parse_check(check) if check else None,
+        result_keys=parse_result_keys(result_keys or ()),
+        tolerance=tolerance.value if tolerance is not None else None,
+        factor=factor,
+        rtol=rtol,
+        atol=atol,
+        strict=strict,
+        dtype=dtype.value,
+        valid=valid_rows,
+    )
+    with progress_bar(f"verify {input_path}") as progress:
+        result = verify_file(input_path, result_path, options, judged, progress)
+    _finish_comparison(result, json_output, quiet)
+
+
+@reports_errors(writes=False)
+def diff(
+    actual_path: Annotated[
+        str, typer.Argument(metavar="ACTUAL", help="A safetensors file; '-' reads stdin.")
+    ],
+    expected_path: Annotated[
+        str, typer.Argument(metavar="EXPECTED", help="A safetensors file; '-' reads stdin.")
+    ],
+    keys: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--key",
+            "-k",
+            metavar="KEY",
+            help="Compare only this key (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    rtol: Rtol = None,
+    atol: Atol = None,
+    valid_rows: ValidRows = None,
+    json_output: JsonOutput = False,
+    quiet: QuietReport = False,
+) -> None:
+    """Compare the tensors of two safetensors files, key by key.
+
+    A key in only one file, or a shape or dtype difference, is a mismatch. An element passes when
+    |actual - expected| <= atol + rtol * |expected|; NaN matches only NaN, inf only the same inf.
+    Exit code 0 when everything matches, 1 on any mismatch, 2 on an error.
+
+    **Examples**
+
+    ```
+    maskln diff kernel_out.safetensors reference.safetensors
+    maskln normalize - - < in.safetensors | maskln diff - ref.safetensors -k out
+    maskln diff a.safetensors b.safetensors --json --rtol 1e-3
+    maskln diff out.safetensors model_layer.safetensors \\
+        --valid acts.safetensors:attention_mask
+    ```
+    """
+    from maskln_cli.compare.files import diff_files
+
+    result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows)
+    _finish_comparison(result, json_output, quiet)
+
+
+def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
+    from maskln_cli.cli.report.comparison import render_comparison
+    from maskln_cli.cli.report.json_output import print_json
+
+    code = 0 if result.passed else EXIT_MISMATCH
+    with quiet_when_stdout_closes(code):
+        if json_output:
+            print_json(result.to_dict())
+        else:
+            render_comparison(result, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
