@@ -344,3 +344,18 @@ def test_sample_data_is_regenerated_byte_for_byte(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == committed
     for name in committed:
         assert (tmp_path / name).read_bytes() == (PAIRS.parent / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("length", [380, 5000])
+def test_piped_inspect_keeps_every_field_of_a_row_with_a_long_key(tmp_path, length):
+    """Off a terminal nothing is cut: a long key's row still shows its dtype, shape, size,
+    values and NaN and inf counts (at a fixed 400 columns they were all cut away)."""
+    key = "k" * length
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    path = write(tmp_path / "wide.safetensors", {key: x, "x": torch.ones(3)})
+    result = invoke("inspect", path)
+    assert result.exit_code == 0, result.stderr
+    (row,) = [line for line in result.stdout.splitlines() if key in line]
+    shape = "2\N{MULTIPLICATION SIGN}2"
+    fields = ["min=1", "max=2", "mean=1.5", "std=0.5", "NaN=1", "inf=1"]
+    assert row.split() == [key, "float32", shape, "16", "B", *fields]

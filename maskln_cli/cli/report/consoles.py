@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
+PIPED_WIDTH = 1 << 20
+"""The width of stdout off a terminal: wider than any row, so that rich never shrinks a table's
+columns (at 400 columns a 380-character key cut every other field of its row away), and nothing
+is wrapped. Tables are as wide as their cells; cells' padding is stripped at line ends."""
+
+
 @functools.cache
 def stdout_console() -> Console:
     from rich.console import Console
@@ -31,7 +37,7 @@ def stdout_console() -> Console:
     if sys.stdout is None:
         raise MasklnError("<stdout>: is closed")
     # Off a terminal (a pipe, a file) nothing is wrapped to a guessed width of 80 columns.
-    width = None if sys.stdout.isatty() else 400
+    width = None if sys.stdout.isatty() else PIPED_WIDTH
     return StdoutConsole(highlight=False, soft_wrap=False, width=width, emoji=False)
 
 
