@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,21 +227,32 @@ def test_kill_9_while_stdin_is_spooled_leaves_nothing_in_tmpdir(tmp_path):
     assert not (tmp_path / "out.safetensors").exists()
 
 
+@pytest.fixture(scope="module")
+def input_and_result(tmp_path_factory) -> tuple[Path, Path]:
+    """A 16 MiB input and its result: read two rows at a time, they take seconds."""
+    folder = tmp_path_factory.mktemp("truncated")
+    source, result = folder / "big.safetensors", folder / "result.safetensors"
+    assert run("generate", source, "--shape", "32768,128", "--quiet").returncode == 0
+    assert run("normalize", source, result, "--quiet").returncode == 0
+    return source, result
+
+
 @pytest.mark.parametrize("command", ["normalize", "verify"])
-def test_an_input_truncated_while_read_is_one_line_and_exit_2(tmp_path, command):
-    source = tmp_path / "big.safetensors"
-    assert run("generate", source, "--shape", "131072,128", "--quiet").returncode == 0
+def test_an_input_truncated_while_read_is_one_line_and_exit_2(tmp_path, input_and_result, command):
+    source = Path(shutil.copy(input_and_result[0], tmp_path / "big.safetensors"))
     folder = tmp_path / "out"
     folder.mkdir()
     if command == "normalize":
         process = _start("normalize", source, folder / "out.safetensors", "--chunk-rows", "2")
         _wait_until(lambda: writing_into(process.pid, folder), process)
     else:
-        result = folder / "result.safetensors"
-        assert run("normalize", source, result, "--quiet").returncode == 0
+        result = input_and_result[1]
         process = _start("verify", source, result, "--chunk-rows", "2", "--quiet")
-        _wait_until(lambda: _has_open(process.pid, source), process)
-        time.sleep(0.5)  # past opening: reading rows
+        # Both files open means both headers were read: verify is reading rows.
+        _wait_until(
+            lambda: _has_open(process.pid, source) and _has_open(process.pid, result), process
+        )
+        time.sleep(0.5)
     os.truncate(source, 4096)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 2, stderr
