@@ -1,7 +1,7 @@
 """maskln: masked layer normalization, forward and backward, over tensors and safetensors files.
 
     >>> from maskln_cli import MaskedLayerNorm, masked_layer_normalization
-    >>> from maskln_cli import swap_layer_norms  # MaskedLayerNorm in a whole model
+    >>> from maskln_cli import capture, swap_layer_norms  # a whole model's layer norms
 
 torch is imported only when one of them is first looked up, so ``maskln --help`` stays fast.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from maskln_cli.models.capture import capture
     from maskln_cli.models.swap import swap_layer_norms
     from maskln_cli.op.api import masked_layer_normalization
     from maskln_cli.op.module import MaskedLayerNorm
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MaskedLayerNorm",
     "__version__",
+    "capture",
     "masked_layer_normalization",
     "swap_layer_norms",
 ]
@@ -37,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from maskln_cli.op.module import MaskedLayerNorm
 
         return MaskedLayerNorm
+    if name == "capture":
+        from maskln_cli.models.capture import capture
+
+        return capture
     if name == "swap_layer_norms":
         from maskln_cli.models.swap import swap_layer_norms
 

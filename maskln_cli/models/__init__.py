@@ -14,6 +14,7 @@ verify, grading, jobs or the command line. Only the facade (``maskln_cli.capture
 ``maskln verify`` reads as files, not through this package.
 """
 
+from maskln_cli.models.capture import Capture, capture
 from maskln_cli.models.swap import SwappedLayerNorm, swap_layer_norms
 
-__all__ = ["SwappedLayerNorm", "swap_layer_norms"]
+__all__ = ["Capture", "SwappedLayerNorm", "capture", "swap_layer_norms"]
