@@ -57,7 +57,9 @@ def capture(
 
     Args:
         model: any ``nn.Module`` (a transformers model, in eval or train mode, float32 or
-            under autocast).
+            under autocast). A ``torch.compile``'d model runs eagerly inside the block
+            (``torch.compiler.set_stance("force_eager")``; its compiled code calls no hooks),
+            so its dumps are what its modules compute eagerly.
         out_dir: a new or empty folder (created if missing): dumps of two runs never mix.
         valid: the batch's mask, ``[batch, seq]`` as a transformers ``attention_mask`` (by the
             one mask rule: bool, or 0/1 of any integer or floating dtype, 1 = valid), for the
@@ -106,7 +108,7 @@ class Capture:
         backward: bool,
         max_calls: int | None,
     ) -> None:
-        self._targets = select_layer_norms(model, modules)
+        self._targets = select_layer_norms(_uncompiled(model), modules)
         if not self._targets:
             raise ValueError(f"{type(model).__name__} has no nn.LayerNorm or MaskedLayerNorm")
         if max_calls is not None and (
@@ -126,6 +128,7 @@ class Capture:
         self._lock = threading.RLock()  # backward hooks may run on autograd's threads
         self._entered = self._closed = False
         self._warned: set[str] = set()
+        self._eager: Any = None  # the compiler stance in force inside the block
         self.calls = self.skipped = 0
 
     @property
@@ -156,6 +159,9 @@ class Capture:
                 f" {dumps[0].name!r}); capture into a new or empty folder, so that the dumps of"
                 " two runs never mix"
             )
+        # A torch.compile'd model would run its compiled code, which calls no hooks: nothing
+        # would be recorded. Inside the block, compiled code runs eagerly instead.
+        self._eager = torch.compiler.set_stance("force_eager")
         for path, module in self._targets:
             self._handles += [
                 module.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -176,8 +182,16 @@ class Capture:
                         _restore(call)
             self._open.clear()
             self._closed = True
+            if self._eager is not None:
+                self._eager.__exit__(None, None, None)  # the stance before the block
+                self._eager = None
             if kind is None and self._pending_call is not None:
                 self._flush()
+        if kind is None and self.calls == self.skipped == 0:
+            self._warn_once(
+                "capture: no layer norm of the model was called in the with block, so nothing"
+                " was recorded: run the model you gave capture() inside the block"
+            )
 
     # --- the forward pass ---------------------------------------------------------------------
 
@@ -350,6 +364,13 @@ class Capture:
         self._pending_call, self._pending = None, {}
         if call is not None and gradients:
             self._dumps.add_gradients(call, gradients)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """A ``torch.compile``'d model's own module, whose paths are the model's (without
+    ``_orig_mod.``, as in its checkpoint)."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def _restore(call: _Call) -> None:

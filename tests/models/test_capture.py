@@ -411,3 +411,35 @@ def test_gradient_checkpointing_recomputation_is_not_recorded_twice(tmp_path):
     assert len(recording.files) == 1
     assert any("gradient checkpointing" in str(w.message) for w in caught)
     assert math.isfinite(float(read(recording.files[0])["x"].sum()))
+
+
+def test_a_compiled_model_runs_eagerly_in_the_block_and_compiled_after_it(tmp_path):
+    """Compiled code calls no hooks: without the eager stance, nothing would be recorded."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    compiled = torch.compile(model, backend="eager")
+    x, mask = torch.randn(2, 3, 8), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    compiled(x)  # compiled before the capture, as a trained model is
+    with capture(compiled, tmp_path / "compiled", valid=mask) as recording:
+        compiled(x)
+    with capture(model, tmp_path / "eager", valid=mask) as eager:
+        model(x)
+    assert [f.name for f in recording.files] == ["00000-1.safetensors"]
+    ours, theirs = read(recording.files[0]), read(eager.files[0])
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    calls = []
+    handle = model[1].register_forward_hook(lambda *args: calls.append(1))
+    compiled(x)  # compiled again after the block: the hook is not called
+    handle.remove()
+    assert calls == []
+
+
+def test_a_block_that_runs_no_layer_norm_warns(tmp_path):
+    model, _ = build("gpt2")
+    with (
+        pytest.warns(UserWarning, match="no layer norm of the model was called"),
+        capture(model, tmp_path),
+    ):
+        pass
+    assert list(tmp_path.iterdir()) == []
