@@ -41,6 +41,8 @@ __all__ = ["Capture", "capture"]
 
 PARAMETERS = (("weight", "scale", "grad_scale"), ("bias", "bias", "grad_bias"))
 """A module's parameter, its name in a dump, and its gradient's."""
+INPUT_NAMES = ("input", "x")
+"""A layer norm's input by name: nn.LayerNorm's forward(input), MaskedLayerNorm's (x, valid)."""
 
 
 def capture(
@@ -211,7 +213,8 @@ class Capture:
             )
             calls.append(None)
             return None
-        x = args[0] if args else next(iter(kwargs.values()), None)
+        keyword = next((key for key in INPUT_NAMES if key in kwargs), None)
+        x = args[0] if args else kwargs.get(keyword) if keyword else None
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"capture: expected a tensor as the layer norm's input, got {x!r}")
         call = _Call(self.calls, module, x)
@@ -234,7 +237,7 @@ class Capture:
         call.gradients.add("grad_x")
         if args:
             return (alias, *args[1:]), kwargs
-        return args, {**kwargs, next(iter(kwargs)): alias}
+        return args, {**kwargs, keyword: alias}
 
     def _after_hook(self, path: str):  # type: ignore[no-untyped-def]
         def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:

@@ -443,3 +443,30 @@ def test_a_block_that_runs_no_layer_norm_warns(tmp_path):
     ):
         pass
     assert list(tmp_path.iterdir()) == []
+
+
+class ByName(nn.Module):
+    """Layer norms called with their input by name, the mask first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain, self.masked = nn.LayerNorm(8), MaskedLayerNorm(8)
+
+    def forward(self, x, mask):
+        return self.masked(valid=mask, x=self.plain(input=x))
+
+
+def test_an_input_given_by_name_is_recorded_as_x(tmp_path):
+    torch.manual_seed(0)
+    model = ByName()
+    x, mask = torch.randn(2, 3, 8, requires_grad=True), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    with capture(model, tmp_path, valid=mask) as recording:
+        (model(x, mask) * torch.randn(2, 3, 8)).sum().backward()
+    plain, masked = (read(f) for f in recording.files)
+    assert torch.equal(plain["x"], x.detach())
+    assert torch.equal(masked["x"], plain["out"]) and torch.equal(masked["valid"], mask.bool())
+    for dump in (plain, masked):
+        expected = reference(dump, 1e-5)
+        valid = dump["valid"]
+        for key in ("out", "grad_x"):
+            assert relative_error(dump[key][valid], expected[key][valid]) < 1e-6, key
