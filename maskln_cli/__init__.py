@@ -1,9 +1,9 @@
 """maskln: masked layer normalization, forward and backward, over tensors and safetensors files.
 
     >>> from maskln_cli import MaskedLayerNorm, masked_layer_normalization
+    >>> from maskln_cli import capture, swap_layer_norms  # a whole model's layer norms
 
-torch is imported only when the op or the module is first looked up, so ``maskln --help`` stays
-fast.
+torch is imported only when one of them is first looked up, so ``maskln --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -11,10 +11,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from maskln_cli.models.capture import capture
+    from maskln_cli.models.swap import swap_layer_norms
     from maskln_cli.op.api import masked_layer_normalization
     from maskln_cli.op.module import MaskedLayerNorm
 
-__all__ = ["MaskedLayerNorm", "__version__", "masked_layer_normalization"]
+__all__ = [
+    "MaskedLayerNorm",
+    "__version__",
+    "capture",
+    "masked_layer_normalization",
+    "swap_layer_norms",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +39,12 @@ def __getattr__(name: str) -> Any:
         from maskln_cli.op.module import MaskedLayerNorm
 
         return MaskedLayerNorm
+    if name == "capture":
+        from maskln_cli.models.capture import capture
+
+        return capture
+    if name == "swap_layer_norms":
+        from maskln_cli.models.swap import swap_layer_norms
+
+        return swap_layer_norms
     raise AttributeError(f"module 'maskln_cli' has no attribute {name!r}")

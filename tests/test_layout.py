@@ -3,8 +3,8 @@
 Read from the source with ``ast`` (every import counts, those inside functions and under
 ``TYPE_CHECKING`` too: each says what a module knows). The layers, top to bottom::
 
-    maskln_cli (the public facade)  ->  cli  ->  jobs  ->  verify | grading  ->  compare
-        ->  files  ->  op  ->  errors
+    maskln_cli (the public facade)  ->  cli  ->  jobs  ->  verify | grading
+        ->  compare | models  ->  files  ->  op  ->  errors
 
 A module may import its own package and any layer below its own; never one above, nor a
 neighbour on its own layer (verify and grading know nothing of each other).
@@ -25,6 +25,9 @@ LAYERS = {
     "op": 1,
     "files": 2,
     "compare": 3,
+    # models (capture, swap) needs the op and files (it writes dumps); nothing below may know
+    # nn.Module hooks, and verify reads its dumps as files, so it sits beside compare.
+    "models": 3,
     "verify": 4,
     "grading": 4,
     "jobs": 5,

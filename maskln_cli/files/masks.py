@@ -1,7 +1,8 @@
 """Row masks from files: ``--valid FILE[:KEY]``, and any tensor read as a bool mask.
 
-A mask is bool, or an integer or floating tensor holding only 0 and 1 (a transformers
-``attention_mask`` is int64 0/1); anything else is refused with a message naming the file and key.
+A mask is bool, or an integer or floating tensor holding only 0 and 1, 1 meaning valid (a
+transformers ``attention_mask`` is int64 0/1): the op's one mask rule, which the function and
+``MaskedLayerNorm`` apply too. Anything else is refused with a message naming the file and key.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.files.tensorfile import NUMERIC, STDIO, dtype_name, open_tensor_file
+from maskln_cli.files.tensorfile import STDIO, open_tensor_file
 
 if TYPE_CHECKING:
     import torch
@@ -91,61 +92,16 @@ def open_row_mask(spec: str) -> Iterator[RowMask]:
 
 
 def as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...]) -> torch.Tensor:
-    """valid as bool: bool as is; integer or floating only if it holds nothing but 0 and 1."""
-    import torch
+    """valid as bool, by the op's one mask rule (:func:`maskln_cli.op.checks.as_valid_mask`):
+    bool as is; integer or floating only if it holds nothing but 0 and 1."""
+    from maskln_cli.op.checks import as_valid_mask
 
     where = f"{source}: tensor {key!r}"
     if tuple(valid.shape) != leading:
         raise MasklnError(
             f"{where} has shape {list(valid.shape)}; expected x's leading shape {list(leading)}"
         )
-    if valid.dtype == torch.bool:
-        return valid
-    values = _exact_values(valid)
-    if values is None:
-        raise MasklnError(
-            f"{where} has dtype {dtype_name(valid.dtype)}; a mask is bool, or an integer or"
-            " floating dtype holding only 0 and 1"
-        )
-    is_zero, is_one = values == 0, values == 1
-    bad = ~(is_zero | is_one)
-    if bad.any():
-        index = [int(i) for i in bad.nonzero()[0]]
-        raise MasklnError(
-            f"{where} must hold only 0 and 1 (or be bool); found {values[tuple(index)].item()!r}"
-            f" at index {index}"
-        )
-    return is_one
-
-
-_SIGNED_OF_UNSIGNED = {"uint16": "int16", "uint32": "int32", "uint64": "int64"}
-
-
-def _exact_values(mask: torch.Tensor) -> torch.Tensor | None:
-    """A mask's values in a dtype torch compares in (0 and 1 stay exactly 0 and 1), or None
-    for dtypes with no such form (complex, float4).
-
-    torch barely computes with uint16 to uint64: their bits are read as the signed integer
-    of the same size, where 0 and 1 are the same bits (anything else stays neither). float8
-    formats are converted to float32, exactly.
-
-    Example:
-        >>> import torch
-        >>> _exact_values(torch.tensor([0, 1, 70000], dtype=torch.uint32)).tolist()
-        [0, 1, 70000]
-    """
-    import torch
-
-    name = dtype_name(mask.dtype)
-    if name in _SIGNED_OF_UNSIGNED:
-        return mask.view(getattr(torch, _SIGNED_OF_UNSIGNED[name]))
-    if mask.dtype.is_complex:
-        return None
-    if mask.dtype.is_floating_point and mask.dtype.itemsize == 1:
-        try:
-            return mask.float()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return None
-    if mask.dtype.is_floating_point or name in NUMERIC:
-        return mask
-    return None
+    try:
+        return as_valid_mask(valid, where)
+    except (TypeError, ValueError) as error:
+        raise MasklnError(str(error)) from None

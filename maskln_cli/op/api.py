@@ -11,7 +11,7 @@ from maskln_cli.op.autograd import (
     transformed,
 )
 from maskln_cli.op.blocked import forward
-from maskln_cli.op.checks import check_inputs, compute_dtype
+from maskln_cli.op.checks import as_valid_mask, check_inputs, compute_dtype
 from maskln_cli.op.functional import masked_layer_norm_functional
 
 __all__ = ["masked_layer_normalization"]
@@ -29,8 +29,10 @@ def masked_layer_normalization(
     Args:
         x: ``[..., C]`` floating tensor (float32 or float64; float16 and bfloat16 are
             computed in float32 and returned in their own dtype). Any strides.
-        valid: ``[...]`` bool tensor, exactly ``x``'s leading shape. ``False`` rows give
-            ``+0.0`` whatever ``x`` holds there, NaN and inf included.
+        valid: ``[...]``, exactly ``x``'s leading shape: bool, or an integer or floating
+            tensor holding only 0 and 1 (1 = valid; a transformers ``attention_mask`` is
+            int64 0/1); any other value is refused. Invalid rows give ``+0.0`` whatever ``x``
+            holds there, NaN and inf included.
         scale: ``[C]`` tensor of ``x``'s dtype (or float32, when x is float16 or bfloat16, as
             under autocast), multiplied after normalization.
         bias: ``[C]``, likewise; added after scaling.
@@ -53,6 +55,7 @@ def masked_layer_normalization(
         tensor([[[-0.5000,  0.5000],
                  [ 0.0000,  0.0000]]], dtype=torch.float64)
     """
+    valid = as_valid_mask(valid)
     eps = check_inputs(x, valid, scale, bias, eps)
     dtype = x.dtype
     compute = compute_dtype(dtype)

@@ -1,6 +1,8 @@
 """The op's argument checks and dtype rules, shared by the public function and the registered op.
 
 A message always names the offending argument, so a user can act on it without a traceback.
+The mask rule (:func:`as_valid_mask`) is here once, for the function, ``MaskedLayerNorm``,
+the model tools and the files a command reads.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
         raise ValueError("x must have a channel axis (shape [..., C]), got a 0-d tensor")
     if not isinstance(valid, torch.Tensor):
         raise TypeError(f"valid must be a bool torch.Tensor, got {type(valid).__name__}")
-    if valid.dtype != torch.bool:
+    if valid.dtype != torch.bool:  # as_valid_mask converts masks of numbers first
         raise TypeError(f"valid must be a bool tensor, got {dtype_name(valid.dtype)}")
     if valid.shape != x.shape[:-1]:
         raise ValueError(
@@ -101,3 +103,91 @@ def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def as_valid_mask(valid: object, name: str = "valid") -> torch.Tensor:
+    """``valid`` as a bool mask, by maskln's one mask rule: a bool tensor is taken as it is; an
+    integer or floating tensor only if it holds nothing but 0 and 1, where 1 means valid (a
+    transformers ``attention_mask`` is int64 0/1). Anything else raises TypeError or ValueError
+    naming ``name`` and the first offending value; a floating mask holding other values is most
+    likely additive (0 where valid, -inf where masked), and the message says so.
+
+    A bool mask costs nothing (no pass over it, nothing torch.compile would break on). Under
+    torch.compile a mask of numbers is checked in the graph, by an assertion naming ``name``.
+
+    Example:
+        >>> as_valid_mask(torch.tensor([1, 0, 1])).tolist()
+        [True, False, True]
+        >>> as_valid_mask(torch.tensor([1, 2]), "mask")
+        Traceback (most recent call last):
+        ...
+        ValueError: mask must hold only 0 and 1 (1 = valid), or be bool; found 2 at index [1]
+    """
+    if not isinstance(valid, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(valid).__name__}")
+    if valid.dtype == torch.bool or valid.layout != torch.strided:
+        return valid  # a sparse mask is refused by check_inputs, which names its layout
+    values = _exact_values(valid)
+    if values is None:
+        raise TypeError(
+            f"{name} must be bool, or an integer or floating tensor holding only 0 and 1"
+            f" (1 = valid); got {dtype_name(valid.dtype)}"
+        )
+    rule = f"{name} must hold only 0 and 1 (1 = valid), or be bool"
+    if torch.compiler.is_compiling() or _symbolic(values):
+        # No data-dependent branch in a graph, nor on fake or meta tensors: assert in it.
+        torch._assert_async(((values == 0) | (values == 1)).all(), rule)
+        return values != 0
+    other = (values != 0) & (values != 1)  # NaN too
+    if other.any():
+        index = [int(i) for i in other.nonzero()[0]]
+        message = f"{rule}; found {values[tuple(index)].item()!r} at index {index}"
+        if valid.is_floating_point():
+            message += (
+                ": a floating mask holding other values is most likely additive (0 where valid,"
+                " -inf or a large negative number where masked); make it a 0/1 or bool mask"
+                " first, e.g. mask == 0"
+            )
+        raise ValueError(message)
+    return values != 0
+
+
+def _symbolic(tensor: torch.Tensor) -> bool:
+    """Fake, meta or other subclass tensors (tracing, export): no values to branch on."""
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type == "meta"
+
+
+_SIGNED_OF_UNSIGNED = {
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+}
+_ORDINARY_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _exact_values(mask: torch.Tensor) -> torch.Tensor | None:
+    """A mask's values in a dtype torch compares in on every torch version we support (0 and 1
+    stay exactly 0 and 1), or None for dtypes with no such form (complex, float4, sub-byte
+    integers, quantized).
+
+    uint16 to uint64 are read as the signed integer of the same size (torch before 2.5 could
+    not compare them), where 0 and 1 are the same bits and anything else stays neither. float8
+    formats are converted to float32, exactly.
+
+    Example:
+        >>> _exact_values(torch.tensor([0, 1, 70000], dtype=torch.uint32)).tolist()
+        [0, 1, 70000]
+    """
+    dtype = mask.dtype
+    if dtype in _SIGNED_OF_UNSIGNED:
+        return mask.view(_SIGNED_OF_UNSIGNED[dtype])
+    if dtype.is_complex:
+        return None
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        try:
+            return mask.float()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+    if dtype.is_floating_point or dtype in _ORDINARY_INTEGERS:
+        return mask
+    return None

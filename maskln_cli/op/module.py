@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from maskln_cli.op.api import masked_layer_normalization
+from maskln_cli.op.checks import as_valid_mask
 
 __all__ = ["MaskedLayerNorm"]
 
@@ -30,9 +31,14 @@ class MaskedLayerNorm(nn.Module):
         bias: learn ``bias`` too (with ``elementwise_affine``).
         device, dtype: of the parameters.
 
-    ``forward(x, valid)``: x ``[..., C]``; valid ``[...]``, bool, or an integer mask such as a
-    transformers ``attention_mask`` (nonzero is valid). Floating masks are refused: an additive
-    mask (0 and -inf) read as 0/1 would silently invert.
+    ``forward(x, valid)``: x ``[..., C]``; valid ``[...]``, by maskln's one mask rule (as
+    :func:`masked_layer_normalization` takes it): bool, or an integer or floating tensor holding
+    only 0 and 1, 1 meaning valid, such as a transformers ``attention_mask``. Any other value is
+    refused, naming it: a mask holding 2 is not "nonzero, so valid", and a floating mask holding
+    -inf is an additive mask, which read as 0/1 would silently invert.
+
+    In a model whose layer norms are called with the hidden states alone (transformers),
+    :func:`maskln_cli.swap_layer_norms` swaps them in and hands them the model's mask.
 
     Example:
         >>> norm = MaskedLayerNorm(2, eps=3.0)
@@ -115,16 +121,7 @@ class MaskedLayerNorm(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        if not isinstance(valid, torch.Tensor):
-            raise TypeError(f"valid must be a torch.Tensor, got {type(valid).__name__}")
-        if valid.dtype != torch.bool:
-            if valid.is_floating_point() or valid.is_complex():
-                raise TypeError(
-                    f"valid must be bool or an integer 0/1 mask, got {valid.dtype}: a floating"
-                    " mask may be additive (0 and -inf); convert it with valid = mask == 0 or"
-                    " mask != 0, whichever it means"
-                )
-            valid = valid != 0
+        valid = as_valid_mask(valid)  # before x's checks: the op's order of messages
         channels = self.normalized_shape[0]
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != channels:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

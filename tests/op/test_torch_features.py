@@ -395,7 +395,9 @@ def test_state_dict_moves_between_layer_norm_and_masked_layer_norm(affine, has_b
     assert repr(converted) == repr(ours)
 
 
-def test_module_masks_bool_and_integer_and_refuses_floating_masks():
+def test_module_takes_masks_by_the_one_mask_rule():
+    """bool, or 0/1 of any integer or floating dtype; 2 or an additive mask refused (the rule's
+    own tests: tests/op/test_mask_rule.py)."""
     torch.manual_seed(0)
     norm = MaskedLayerNorm(6)
     with torch.no_grad():
@@ -405,9 +407,14 @@ def test_module_masks_bool_and_integer_and_refuses_floating_masks():
     out = norm(x, attention_mask)
     assert torch.equal(out, norm(x, attention_mask.bool()))
     assert torch.equal(out, norm(x, attention_mask.to(torch.uint8)))
+    assert torch.equal(out, norm(x, attention_mask.float()))
     assert_no_padding_in(out, attention_mask.bool())
-    with pytest.raises(TypeError, match="additive"):
-        norm(x, attention_mask.float())
+    with pytest.raises(ValueError, match="additive"):
+        norm(x, torch.where(attention_mask.bool(), 0.0, -math.inf))
+    with pytest.raises(
+        ValueError, match=r"valid must hold only 0 and 1.*found 2 at index \[0, 1\]"
+    ):
+        norm(x, attention_mask * torch.tensor([1, 2, 1]))
     norm.reset_parameters()
     assert torch.equal(norm.bias, torch.zeros(6)) and torch.equal(norm.weight, torch.ones(6))
     assert repr(norm) == "MaskedLayerNorm((6,), eps=1e-05, elementwise_affine=True)"

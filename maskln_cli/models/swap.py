@@ -1,0 +1,244 @@
+"""``swap_layer_norms``: a model's ``nn.LayerNorm`` modules become ``MaskedLayerNorm``, fed the
+mask of each forward call.
+
+A transformers model calls its layer norms with the hidden states alone, so the mask reaches
+them through the model: a forward pre-hook on the model takes it from the call's arguments
+(by name or by position, as the model's ``forward`` binds them) into a :class:`ModelMask` that
+the swapped layer norms read, and a forward hook (always called, errors included) takes it
+away again. The hooks are bound methods of that ModelMask, so a deep copy of the model
+(``copy.deepcopy``, ``torch.optim.swa_utils.AveragedModel``) copies it with the model and wires
+the copy's hooks to the copy's layer norms: no closure keeps a copy reading the original's mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from maskln_cli.models.masks import fit_mask
+from maskln_cli.models.select import select_layer_norms
+from maskln_cli.op.checks import as_valid_mask
+from maskln_cli.op.module import MaskedLayerNorm
+
+__all__ = ["ModelMask", "SwappedLayerNorm", "swap_layer_norms"]
+
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class ModelMask:
+    """The bool mask of the model's forward call in progress, which its swapped layer norms
+    read; None between calls, so that a layer norm called on its own never reads an earlier
+    batch's mask.
+
+    ``argument`` names the forward's argument that carries the mask, and ``position`` is its
+    index among the positional arguments (None when it can only be given by name).
+    """
+
+    def __init__(self, argument: str, position: int | None) -> None:
+        self.argument = argument
+        self.position = position
+        self.mask: torch.Tensor | None = None
+        self._outer: list[torch.Tensor | None] = []  # a forward inside a forward of the model
+
+    def take(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's forward pre-hook: the call's mask, by the one mask rule."""
+        self._outer.append(self.mask)  # first: drop() runs even when this raises
+        self.mask = None
+        mask = kwargs.get(self.argument)
+        if mask is None and self.position is not None and self.position < len(args):
+            mask = args[self.position]
+        if mask is None:
+            raise TypeError(
+                f"{type(model).__name__} was called without {self.argument}, which its layer"
+                f" norms (swapped by maskln_cli.swap_layer_norms) need to zero the padding:"
+                f" pass {self.argument}= (all ones when nothing is padded)"
+            )
+        self.mask = as_valid_mask(mask, self.argument)
+
+    def drop(self, model: nn.Module, args: object, kwargs: object, output: object) -> None:
+        """The model's forward hook, also called when the forward raised."""
+        self.mask = self._outer.pop() if self._outer else None
+
+
+class SwappedLayerNorm(MaskedLayerNorm):
+    """A ``MaskedLayerNorm`` standing in for a model's ``nn.LayerNorm``: called with the hidden
+    states alone, it takes its mask from the model's forward call (see
+    :func:`swap_layer_norms`); called with ``valid``, it uses that.
+
+    ``path`` is its place in the model (for messages); ``model_mask`` the model's
+    :class:`ModelMask`. Its parameters are the ``nn.LayerNorm``'s own, under the same names.
+    """
+
+    path: str
+    model_mask: ModelMask | None
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        if valid is None:
+            valid = self.mask_for(x)
+        return super().forward(x, valid)
+
+    def mask_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The bool mask of ``x``'s rows, from the model's forward call in progress."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            got = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"x must be a torch.Tensor of shape [..., C], got {got}")
+        source = getattr(self, "model_mask", None)
+        mask = None if source is None else source.mask
+        if mask is None:
+            argument = "its mask" if source is None else source.argument
+            raise RuntimeError(
+                f"layer norm {self.path!r} was called outside a forward call of the model"
+                f" swap_layer_norms swapped it into, so it has no mask: call the model (its"
+                f" forward hands {argument} to its layer norms), or pass valid= to this module"
+            )
+        return fit_mask(mask, x.shape[:-1], f"layer norm {self.path!r}")
+
+    @classmethod
+    def replacing(
+        cls, layer_norm: nn.LayerNorm, model_mask: ModelMask, path: str
+    ) -> SwappedLayerNorm:
+        """A SwappedLayerNorm with ``layer_norm``'s size, eps, training mode and parameters:
+        the same Parameter objects, so an optimizer made before the swap still trains them."""
+        _check_swappable(path, layer_norm)
+        norm = cls(
+            layer_norm.normalized_shape,
+            eps=layer_norm.eps,
+            elementwise_affine=layer_norm.elementwise_affine,
+            bias=layer_norm.bias is not None,
+            device="meta",  # no memory: the parameters are layer_norm's own
+        )
+        norm.weight = layer_norm.weight
+        norm.bias = layer_norm.bias
+        norm.train(layer_norm.training)
+        norm.path = path
+        norm.model_mask = model_mask
+        return norm
+
+    def extra_repr(self) -> str:
+        source = getattr(self, "model_mask", None)
+        return super().extra_repr() + (f", mask={source.argument}" if source else "")
+
+
+def swap_layer_norms(
+    model: nn.Module,
+    *,
+    mask_argument: str = "attention_mask",
+    modules: str | list[str] | None = None,
+) -> nn.Module:
+    """Replace every ``nn.LayerNorm`` of ``model`` by a ``MaskedLayerNorm`` that zeroes the
+    padding, and return ``model`` (changed in place).
+
+    Each forward call of ``model`` hands its ``mask_argument`` (by name or by position, as
+    ``model.forward`` binds it) to every swapped layer norm, by maskln's one mask rule: bool,
+    or integers or floats holding only 0 and 1, 1 meaning valid. A call without it raises,
+    as does a swapped layer norm called outside a forward of ``model``, or on rows the mask
+    does not fit (see :func:`maskln_cli.models.masks.fit_mask`); nothing falls back to "every
+    row valid". The model's ``state_dict`` is unchanged (the same parameters, under the same
+    names), and the swap survives ``copy.deepcopy``, ``AveragedModel`` (EMA, SWA),
+    ``torch.save`` and ``torch.compile`` (no graph break).
+
+    Args:
+        model: the model; its forward must take ``mask_argument`` (or ``**kwargs``).
+        mask_argument: the forward's argument that carries the mask.
+        modules: glob patterns of module paths (``"encoder.*"``): swap only those layer
+            norms. Default: all of them.
+
+    Raises:
+        TypeError: ``model.forward`` takes no ``mask_argument``.
+        ValueError: a layer norm that MaskedLayerNorm cannot stand in for (one normalizing
+            several axes, or a subclass with its own forward): leave it out with ``modules``.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> class Tagger(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = model
+        ...     def forward(self, x, attention_mask):
+        ...         return self.body(x)
+        >>> tagger = swap_layer_norms(Tagger())
+        >>> tagger.body[1]
+        SwappedLayerNorm((4,), eps=1e-05, elementwise_affine=True, mask=attention_mask)
+        >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        >>> out = tagger(torch.randn(2, 3, 4), mask)
+        >>> bool((out[mask == 0] == 0).all()), bool((out[mask == 1] != 0).all())
+        (True, True)
+        >>> tagger(torch.randn(2, 3, 4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: Tagger was called without attention_mask, which its layer norms ...
+    """
+    targets = select_layer_norms(model, modules, kinds=(nn.LayerNorm,))
+    for path, layer_norm in targets:  # every refusal before any change
+        _check_swappable(path, layer_norm)
+    model_mask = _hooked_mask(model)
+    if model_mask is None:
+        model_mask = ModelMask(mask_argument, _mask_position(model, mask_argument))
+    elif model_mask.argument != mask_argument:
+        raise ValueError(
+            f"model's layer norms were swapped with their mask from {model_mask.argument!r};"
+            f" they cannot take it from {mask_argument!r} too"
+        )
+    swapped = {
+        id(layer_norm): SwappedLayerNorm.replacing(layer_norm, model_mask, path)
+        for path, layer_norm in targets
+    }
+    # Set by identity, in every parent: a layer norm shared by two blocks stays shared.
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in swapped:
+                setattr(parent, name, swapped[id(child)])
+    if _hooked_mask(model) is None:
+        model.register_forward_pre_hook(model_mask.take, with_kwargs=True)
+        model.register_forward_hook(model_mask.drop, with_kwargs=True, always_call=True)
+    return model
+
+
+def _check_swappable(path: str, layer_norm: nn.LayerNorm) -> None:
+    if not path:
+        raise ValueError(
+            "model is itself an nn.LayerNorm: MaskedLayerNorm.from_layer_norm converts it"
+        )
+    if type(layer_norm).forward is not nn.LayerNorm.forward:
+        raise ValueError(
+            f"layer norm {path!r} is a {type(layer_norm).__name__}, an nn.LayerNorm with a"
+            " forward of its own, which MaskedLayerNorm cannot stand in for; leave it out"
+            " with modules="
+        )
+    if len(layer_norm.normalized_shape) != 1:
+        raise ValueError(
+            f"layer norm {path!r} normalizes {list(layer_norm.normalized_shape)}:"
+            " MaskedLayerNorm normalizes the last axis only; leave it out with modules="
+        )
+
+
+def _hooked_mask(model: nn.Module) -> ModelMask | None:
+    """The ModelMask whose hooks ``model`` already has (swapped before), if any."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, ModelMask):
+            return owner
+    return None
+
+
+def _mask_position(model: nn.Module, argument: str) -> int | None:
+    """The index of ``argument`` among ``model.forward``'s positional parameters, or None
+    when it can be given by name only; a TypeError when the forward cannot take it."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: by name only
+        return None
+    named = next((p for p in parameters if p.name == argument), None)
+    if named is None:
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return None
+        raise TypeError(
+            f"{type(model).__name__}.forward takes no argument {argument!r}: name the one that"
+            " carries the mask with mask_argument="
+        )
+    if named.kind not in POSITIONAL:
+        return None
+    return [p for p in parameters if p.kind in POSITIONAL].index(named)
