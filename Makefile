@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		--constraint constraints.txt --editable '.[test]'
+		--constraint constraints.txt --editable '.[test,docs]'
 	touch $@
 
 demo: $(INSTALLED)
