@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint bench sample-data checkpoint-example clean
+.PHONY: demo test lint bench docs docs-examples docs-serve sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,5 +40,20 @@ sample-data: $(INSTALLED)
 checkpoint-example: $(INSTALLED)
 	$(BIN)/python scripts/make_checkpoint_example.py
 
+# The documentation site, built into site/ with --strict (a broken link or reference fails);
+# the CLI reference must match the commands' --help (cog --check).
+docs: $(INSTALLED)
+	$(BIN)/cog --check --diff --check-fail-msg "make docs-examples regenerates it" docs/reference/cli.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# Regenerate what the docs show from real runs: the CLI reference (cog) and the output of every
+# console example (tests/docs/runner.py). Review the diff, then commit it.
+docs-examples: $(INSTALLED)
+	$(BIN)/cog -r --verbosity 1 docs/reference/cli.md
+	$(BIN)/python -m tests.docs.runner --update
+
+docs-serve: $(INSTALLED)
+	$(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(VENV) demo-output checkpoint-example .pytest_cache .hypothesis .ruff_cache build *.egg-info
+	rm -rf $(VENV) site demo-output checkpoint-example .pytest_cache .hypothesis .ruff_cache build *.egg-info
