@@ -5,13 +5,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint bench sample-data checkpoint-example clean
+.PHONY: demo test lint bench docs docs-examples docs-serve sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		--constraint constraints.txt --editable '.[test]'
+		--constraint constraints.txt --editable '.[test,docs]'
 	touch $@
+
+# say: a line in bold green on a terminal (plain when piped, or with NO_COLOR set).
+say = if [ -t 1 ] && [ -z "$${NO_COLOR-}" ]; then printf '\033[1;32m%s\033[0m\n' $(1); \
+	else printf '%s\n' $(1); fi
 
 demo: $(INSTALLED)
 	@mkdir -p demo-output
@@ -19,9 +23,18 @@ demo: $(INSTALLED)
 	$(BIN)/maskln normalize sample_data/pair_features.safetensors demo-output/pair_features.safetensors
 	$(BIN)/maskln inspect demo-output/pair_features.safetensors
 	$(BIN)/maskln verify sample_data/pair_features.safetensors sample_data/pair_features_expected.safetensors
-	@# examples/first_attempt.py has one real mistake: its grade is a FAIL (exit 1), by design;
-	@# any other exit code (2: the grader could not run it; 0: it passed) fails the demo.
-	$(BIN)/maskln grade examples/first_attempt.py || test $$? -eq 1
+	@echo
+	@echo "Next: maskln grade on examples/first_attempt.py, a first attempt at the op with one"
+	@echo "deliberate mistake (NaN in the padding reaches its gradients). FAIL is the expected"
+	@echo "outcome: the grade says which clause fails, where, and how to fix it."
+	@echo
+	@# A FAIL exits 1, by design; any other exit code (2: the grader could not run it; 0: it
+	@# passed) fails the demo.
+	@echo '$(BIN)/maskln grade examples/first_attempt.py'
+	@$(BIN)/maskln grade examples/first_attempt.py; status=$$?; test $$status -eq 1 || \
+		{ echo "make demo: the grade exited $$status, not 1 (the expected FAIL)" >&2; exit 1; }
+	@echo
+	@$(call say,"The demo completed: every step ran as expected (the FAIL above is the deliberate mistake).")
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
@@ -40,5 +53,20 @@ sample-data: $(INSTALLED)
 checkpoint-example: $(INSTALLED)
 	$(BIN)/python scripts/make_checkpoint_example.py
 
+# The documentation site, built into site/ with --strict (a broken link or reference fails);
+# the CLI reference must match the commands' --help (cog --check).
+docs: $(INSTALLED)
+	$(BIN)/cog --check --diff --check-fail-msg "make docs-examples regenerates it" docs/reference/cli.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# Regenerate what the docs show from real runs: the CLI reference (cog) and the output of every
+# console example (tests/docs/runner.py). Review the diff, then commit it.
+docs-examples: $(INSTALLED)
+	$(BIN)/cog -r --verbosity 1 docs/reference/cli.md
+	$(BIN)/python -m tests.docs.runner --update
+
+docs-serve: $(INSTALLED)
+	$(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(VENV) demo-output checkpoint-example .pytest_cache .hypothesis .ruff_cache build *.egg-info
+	rm -rf $(VENV) site demo-output checkpoint-example .pytest_cache .hypothesis .ruff_cache build *.egg-info

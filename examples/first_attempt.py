@@ -1,4 +1,4 @@
-"""A first attempt at the graded exercise (../README.md, "Grading an implementation").
+"""A first attempt at the graded exercise (docs/guides/grading.md, "Grade an implementation").
 
 It reads well and passes the specification's worked example, but it has one real mistake,
 the one the specification warns about: it masks the output and never sanitizes the padding

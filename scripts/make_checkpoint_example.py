@@ -1,4 +1,4 @@
-"""Write the files of the README's "With a transformers checkpoint" walk-through.
+"""Write the files of the docs' walk-through of a sharded checkpoint (docs/guides/models.md).
 
     .venv/bin/python scripts/make_checkpoint_example.py [FOLDER]     # default: checkpoint-example
 

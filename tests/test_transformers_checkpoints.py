@@ -229,12 +229,12 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
 
 
 def readme_recipe():
-    """The README's code block for MaskedLayerNorm inside a transformers model, executed."""
-    readme = (ROOT / "README.md").read_text()
+    """The docs' code block for MaskedLayerNorm inside a transformers model, executed."""
+    readme = (ROOT / "docs" / "op" / "module.md").read_text()
     marker = "<!-- recipe: tests/test_transformers_checkpoints.py runs this block -->"
     block = readme.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict[str, object] = {}
-    exec(compile(block, "README.md (recipe)", "exec"), namespace)
+    exec(compile(block, "docs/op/module.md (recipe)", "exec"), namespace)
     return namespace["use_masked_layer_norms"]
 
 
