@@ -178,10 +178,14 @@ def _grade_one(target: str, options: dict, json_output: bool, quiet: bool) -> No
     """One TARGET: its report (or JSON document), the verdict's exit code."""
     from maskln_cli.cli.report.grade import clause_progress, prepare_rendering, render_grade
     from maskln_cli.cli.report.json_output import print_json
-    from maskln_cli.grading import guard
+    from maskln_cli.grading import guard, sandbox
     from maskln_cli.grading.runner import grade_target
 
-    prepare_rendering()  # imported before any submission runs, as everything the grader uses
+    # Everything the grader uses is imported (its bytecode written) before the seal and before
+    # any submission runs: a module first imported sealed leaves no bytecode, which another
+    # process could write meanwhile and look like tampering.
+    prepare_rendering()
+    sandbox.preload()
     with guard.sealing(), clause_progress(target, enabled=not json_output) as progress:
         result = grade_target(
             target,
