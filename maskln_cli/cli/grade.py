@@ -125,7 +125,7 @@ def grade(
     maskln grade solution.py
     maskln grade solution.py:my_layer_norm --strict
     maskln grade solution.py --with positive_zero,second_order --with half
-    maskln grade my_kernels.ops:masked_ln --device cuda --only gradients,large_shapes
+    maskln grade my_kernels.ops:masked_ln --device cuda --only large_shapes
     maskln grade submissions/ --jobs 4 --csv gradebook.csv
     maskln grade submissions/ --shard 2/8 --json > part-2.jsonl
     ```

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from maskln_cli.grading.targets import expand_targets, shard
-from tests.clitools import ROOT, assert_one_line_error, invoke
+from tests.clitools import ROOT, assert_one_line_error, invoke, run
 
 HANGS = """
 import time
@@ -46,19 +46,21 @@ def classroom(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def graded(classroom, tmp_path_factory):
-    """One class run: the folder and a module target, JSON lines and a gradebook."""
+    """One class run: the folder and a module target, JSON lines and a gradebook. As a real
+    process: a sealed grader checks every file it has loaded, and a test worker has loaded many
+    that other workers write (bytecode, temporary files)."""
     gradebook = tmp_path_factory.mktemp("out") / "gradebook.csv"
     started = time.monotonic()
     module = "tests.solutions.correct:masked_layer_normalization"
     options = ("--timeout", "2", "--jobs", "3", "--json", "--csv", gradebook)
-    result = invoke("grade", classroom, module, *ONLY, *options)
+    result = run("grade", classroom, module, *ONLY, *options)
     return result, gradebook, time.monotonic() - started
 
 
 def test_a_class_with_a_hanging_a_crashing_and_a_correct_submission(classroom, graded):
     result, _, seconds = graded
-    assert result.exit_code == 1, result.stdout + result.stderr
-    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
     by_target = {line["target"]: line for line in lines}
     assert list(by_target) == sorted(by_target)  # one object per submission, in target order
     assert len(lines) == 5  # _helper.py is not a submission
@@ -94,9 +96,9 @@ def test_the_gradebook_has_a_row_per_submission_and_a_column_per_clause(classroo
 
 
 def test_the_table_has_a_row_per_submission_and_the_root_cause(classroom):
-    result = invoke("grade", classroom / "c_correct.py", classroom / "d_wrong.py", *ONLY)
-    assert result.exit_code == 1
-    lines = result.stdout.splitlines()
+    result = run("grade", classroom / "c_correct.py", classroom / "d_wrong.py", *ONLY)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.decode().splitlines()
     assert lines[0] == "maskln grade: 2 submissions"
     row = next(line for line in lines if line.startswith(str(classroom / "d_wrong.py")))
     assert "FAIL" in row and "unbiased variance (divides by C - 1)" in row
@@ -114,8 +116,10 @@ def test_shards_are_deterministic_slices_that_concatenate_into_the_whole():
 
 def test_a_shard_grades_its_slice_of_the_sorted_targets(classroom):
     expected = shard(expand_targets([str(classroom)]), 2, 2)
-    result = invoke("grade", classroom, "--shard", "2/2", "--only", "signature", "--json")
-    assert [json.loads(line)["target"] for line in result.stdout.splitlines()] == expected
+    result = run("grade", classroom, "--shard", "2/2", "--only", "signature", "--json")
+    assert result.returncode == 1, result.stderr  # d_wrong.py fails its signature
+    lines = result.stdout.decode().splitlines()
+    assert [json.loads(line)["target"] for line in lines] == expected
 
 
 def test_class_usage_errors_are_one_line(classroom, tmp_path):
