@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from maskln_cli.cli.report.grade import render_grade
 from maskln_cli.grading import runner as grading
 from maskln_cli.grading.clauses import CLAUSES
 from maskln_cli.grading.runner import GradeReport, grade
-from tests.clitools import ROOT, assert_one_line_error, invoke, run
+from tests.clitools import ROOT, assert_one_line_error, run
 from tests.solutions import broken
 
 REQUIRED = [name for name, clause in CLAUSES.items() if clause.level == "required"]
@@ -29,8 +30,18 @@ SOLUTIONS = ROOT / "tests" / "solutions"
 EXAMPLE = ROOT / "examples" / "first_attempt.py"
 
 
+def grade_command(*args: object) -> SimpleNamespace:
+    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
+    grade seals its process and checks every file it has loaded, and a test worker has loaded
+    many files that other workers write meanwhile (bytecode, temporary files)."""
+    done = run("grade", *args)
+    return SimpleNamespace(
+        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
+    )
+
+
 def test_maskln_grades_its_own_op_strict_included():
-    result = invoke("grade", "maskln_cli:masked_layer_normalization", "--strict", "--json")
+    result = grade_command("maskln_cli:masked_layer_normalization", "--strict", "--json")
     assert result.exit_code == 0, result.stdout
     document = json.loads(result.stdout)
     assert document["passed"] is True and document["strict"] is True
@@ -42,7 +53,7 @@ def test_a_file_that_imports_maskln_op_fails_raw_ops(tmp_path):
     """Only maskln's own target may run maskln's op: a file that re-exports it uses it."""
     path = tmp_path / "solution.py"
     path.write_text("from maskln_cli import masked_layer_normalization  # noqa: F401\n")
-    result = invoke("grade", path, "--json")
+    result = grade_command(path, "--json")
     assert result.exit_code == 1
     failing = [c for c in json.loads(result.stdout)["clauses"] if not c["passed"]]
     assert [c["name"] for c in failing] == ["raw_ops"]
@@ -53,7 +64,7 @@ def test_a_file_that_imports_maskln_op_fails_raw_ops(tmp_path):
 
 
 def test_the_example_first_attempt_fails_with_a_report():
-    result = invoke("grade", EXAMPLE)
+    result = grade_command(EXAMPLE)
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"maskln grade {EXAMPLE}")
@@ -79,7 +90,7 @@ def test_the_example_first_attempt_fails_with_a_report():
 
 
 def test_json_document():
-    result = invoke("grade", EXAMPLE, "--json", "--only", "sanitized_gradients", "--only", "values")
+    result = grade_command(EXAMPLE, "--json", "--only", "sanitized_gradients", "--only", "values")
     assert result.exit_code == 1
     document = json.loads(result.stdout)
     assert set(document) == {
@@ -104,7 +115,7 @@ def test_json_document():
 
 def test_a_hanging_function_times_out_and_the_next_clause_still_runs():
     target = f"{SOLUTIONS / 'misbehaving.py'}:hangs_on_wide_rows"
-    result = invoke("grade", target, "--timeout", "2", "--only", "dtypes", "--only", "values",
+    result = grade_command(target, "--timeout", "2", "--only", "dtypes", "--only", "values",
                     "--json")  # fmt: skip
     assert result.exit_code == 1
     values, dtypes = json.loads(result.stdout)["clauses"]
@@ -115,7 +126,7 @@ def test_a_hanging_function_times_out_and_the_next_clause_still_runs():
 
 def test_a_crashing_function_fails_its_clauses_then_the_rest_are_not_run():
     target = f"{SOLUTIONS / 'misbehaving.py'}:crashes"
-    result = invoke("grade", target, "--only", "worked_example", "--only", "values",
+    result = grade_command(target, "--only", "worked_example", "--only", "values",
                     "--only", "dtypes")  # fmt: skip
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
@@ -130,7 +141,7 @@ def test_a_crashing_function_fails_its_clauses_then_the_rest_are_not_run():
 
 
 def test_a_raising_function_fails_every_clause_in_one_child():
-    result = invoke("grade", f"{SOLUTIONS / 'misbehaving.py'}:starter_code", "--json")
+    result = grade_command(f"{SOLUTIONS / 'misbehaving.py'}:starter_code", "--json")
     assert result.exit_code == 1
     clauses = json.loads(result.stdout)["clauses"]
     assert [c["name"] for c in clauses] == RUN_BY_DEFAULT
@@ -142,7 +153,7 @@ def test_a_raising_function_fails_every_clause_in_one_child():
 def test_an_allocation_beyond_the_memory_cap_fails_the_clause(monkeypatch):
     monkeypatch.setenv("MASKLN_GRADE_MEMORY_GIB", "1.5")
     target = f"{SOLUTIONS / 'misbehaving.py'}:allocates_too_much"
-    result = invoke("grade", target, "--only", "worked_example", "--json")
+    result = grade_command(target, "--only", "worked_example", "--json")
     assert result.exit_code == 1
     (worked,) = json.loads(result.stdout)["clauses"]
     assert (
@@ -154,7 +165,7 @@ def test_an_allocation_beyond_the_memory_cap_fails_the_clause(monkeypatch):
 
 def test_patching_torch_in_the_child_cannot_change_a_verdict():
     target = f"{SOLUTIONS / 'misbehaving.py'}:fools_comparisons"
-    result = invoke("grade", target, "--only", "values", "--only", "worked_example", "--json")
+    result = grade_command(target, "--only", "values", "--only", "worked_example", "--json")
     assert result.exit_code == 1
     document = json.loads(result.stdout)
     assert [c["passed"] for c in document["clauses"]] == [False, False]
@@ -171,7 +182,7 @@ def test_patching_torch_in_the_child_cannot_change_a_verdict():
 def test_a_target_that_cannot_be_loaded_is_a_one_line_usage_error(tmp_path, source, fragments):
     path = tmp_path / "solution.py"
     path.write_text(source)
-    result = invoke("grade", path)
+    result = grade_command(path)
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, str(path), *fragments)
 
@@ -180,7 +191,7 @@ def test_a_target_whose_import_hangs_is_stopped_after_the_timeout(tmp_path):
     path = tmp_path / "solution.py"
     path.write_text("import time\n\ntime.sleep(3600)\n")
     started = time.monotonic()
-    result = invoke("grade", path, "--timeout", "2")
+    result = grade_command(path, "--timeout", "2")
     elapsed = time.monotonic() - started
     assert result.exit_code == 2
     assert_one_line_error(
@@ -190,20 +201,20 @@ def test_a_target_whose_import_hangs_is_stopped_after_the_timeout(tmp_path):
 
 
 def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
-    result = invoke("grade", "no/such/solution.py")
+    result = grade_command("no/such/solution.py")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "TARGET no/such/solution.py: no such file")
-    result = invoke("grade", EXAMPLE, "--only", "nope")
+    result = grade_command(EXAMPLE, "--only", "nope")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "--only: no clause 'nope'")
-    result = invoke("grade", EXAMPLE, "--timeout", "0")
+    result = grade_command(EXAMPLE, "--timeout", "0")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "--timeout: must be a positive number of seconds")
-    result = invoke("grade", EXAMPLE, "--device", "nosuch")
+    result = grade_command(EXAMPLE, "--device", "nosuch")
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "--device: not a device: 'nosuch'")
     if not torch.xpu.is_available():
-        result = invoke("grade", EXAMPLE, "--device", "xpu")
+        result = grade_command(EXAMPLE, "--device", "xpu")
         assert result.exit_code == 2
         assert_one_line_error(result.stderr, "--device xpu: no xpu device is available")
 
@@ -335,7 +346,7 @@ def test_a_process_the_function_detaches_is_killed_with_the_child(tmp_path):
     """A double fork and setsid leave the child's process group and session; the command is a
     child subreaper while it grades, so the daemon comes back to it and is killed."""
     path, pidfile = solution(tmp_path, DETACHES)
-    result = invoke("grade", path, "--only", "worked_example")
+    result = grade_command(path, "--only", "worked_example")
     assert result.exit_code == 0, result.stdout
     assert ended_within(int(pidfile.read_text()), 0.5)
 

@@ -12,16 +12,27 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from maskln_cli.grading import guard
 from maskln_cli.grading.runner import grade_target
-from tests.clitools import ROOT, invoke, run
+from tests.clitools import ROOT, run
 
 SOLUTIONS = ROOT / "tests" / "solutions"
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
 CORRECT = "from tests.solutions.correct import masked_layer_normalization as correct\n"
+
+
+def grade_command(*args: object) -> SimpleNamespace:
+    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
+    grade seals its process and checks every file it has loaded, and a test worker has loaded
+    many files that other workers write meanwhile (bytecode, temporary files)."""
+    done = run("grade", *args)
+    return SimpleNamespace(
+        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
+    )
 
 
 def test_a_file_the_grader_loaded_changed_by_the_solution_leaves_no_verdict(tmp_path, monkeypatch):
@@ -138,7 +149,7 @@ def test_no_bytecode_is_written_beside_the_solution(tmp_path, monkeypatch):
 def test_a_memory_bomb_fails_as_out_of_memory_naming_the_cap(monkeypatch):
     monkeypatch.setenv("MASKLN_GRADE_MEMORY_GIB", "1")
     target = f"{SOLUTIONS / 'misbehaving.py'}:memory_bomb"
-    result = invoke("grade", target, "--only", "worked_example", "--timeout", "3", "--json")
+    result = grade_command(target, "--only", "worked_example", "--timeout", "3", "--json")
     assert result.exit_code == 1
     (clause,) = json.loads(result.stdout)["clauses"]
     assert clause["detail"].startswith("out of memory (cap 1 GiB, MASKLN_GRADE_MEMORY_GIB)")
@@ -147,7 +158,7 @@ def test_a_memory_bomb_fails_as_out_of_memory_naming_the_cap(monkeypatch):
 
 def test_the_output_cap_says_it_is_the_graders_and_its_size():
     target = f"{SOLUTIONS / 'misbehaving.py'}:prints_too_much"
-    result = invoke("grade", target, "--only", "worked_example", "--json")
+    result = grade_command(target, "--only", "worked_example", "--json")
     assert result.exit_code == 1
     (clause,) = json.loads(result.stdout)["clauses"]
     assert "it wrote more than the grader's cap of 64 MiB" in clause["detail"], clause["detail"]
