@@ -14,6 +14,18 @@ Four targets:
   (default 5): two clauses time out (each: the timeout, SIGTERM, a new child), then the grader
   stops running the function and reports. Expect about 2 x (timeout + 1 s grace) + start-ups.
 
+The repetitions are interleaved (one run of each target in turn, then again), so that a change
+in the machine's load touches every target alike.
+
+    .venv/bin/python benchmarks/grade_wall_time.py --refusals     # usage errors, before torch
+    .venv/bin/python benchmarks/grade_wall_time.py --class 30     # a class of 30 submissions
+
+``--refusals`` times a missing TARGET and a bad ``--only`` (refused before torch is imported:
+target 0.5 s) beside ``maskln --help`` (their peer: Python and the CLI's start-up).
+``--class N`` grades a folder of N submissions (correct ones in several styles and one-mistake
+ones, from tests/solutions/, cycled) with ``--jobs`` (default: the CPU count), once per
+repetition.
+
 Prints min, median and max wall seconds per target, and how many cores other processes kept
 busy meanwhile (well above 0: the machine was shared, rerun before drawing conclusions).
 """
@@ -25,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,38 +60,82 @@ def targets(timeout: float) -> dict[str, list[str]]:
     }
 
 
-def wall_time(arguments: list[str]) -> tuple[float, int]:
+REFUSALS = {
+    "maskln --help (the peer)": ["--help"],
+    "grade no/such/solution.py": ["grade", "no/such/solution.py"],
+    "grade --only nope": ["grade", "examples/first_attempt.py", "--only", "nope"],
+}
+
+CLASS_SOURCES = [
+    "from tests.solutions.correct import masked_layer_normalization",
+    "from tests.solutions.variants import welford as masked_layer_normalization",
+    "from tests.solutions.variants import var_mean as masked_layer_normalization",
+    "from tests.solutions.mistakes import unbiased_variance as masked_layer_normalization",
+    "from tests.solutions.mistakes import eps_outside_sqrt as masked_layer_normalization",
+    "from tests.solutions.precision import float64_computed_in_float32 as"
+    " masked_layer_normalization",
+    "from tests.solutions.false_passes import all_invalid_times_zero as masked_layer_normalization",
+]
+
+
+def wall_time(arguments: list[str], codes: tuple[int, ...] = (0, 1)) -> tuple[float, int]:
     start = time.perf_counter()
-    done = subprocess.run(
-        [*MASKLN, "grade", *arguments, "--quiet"], cwd=ROOT, capture_output=True, check=False
-    )
-    if done.returncode not in (0, 1):
-        raise SystemExit(f"maskln grade {' '.join(arguments)} failed: {done.stderr.decode()}")
+    quiet = ["--quiet"] if codes == (0, 1) else []  # a grade; refusals print one line anyway
+    command = [*MASKLN, *arguments, *quiet]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, check=False)
+    if done.returncode not in codes:
+        raise SystemExit(f"maskln {' '.join(arguments)} failed: {done.stderr.decode()}")
     return time.perf_counter() - start, done.returncode
+
+
+def write_class(folder: Path, count: int) -> None:
+    """``count`` submissions, cycling through :data:`CLASS_SOURCES`."""
+    for i in range(count):
+        source = CLASS_SOURCES[i % len(CLASS_SOURCES)]
+        (folder / f"student_{i:03}.py").write_text(source + "  # noqa: F401\n")
+
+
+def measure(runs: dict[str, list[str]], repeat: int, codes: tuple[int, ...] = (0, 1)) -> None:
+    """Each of ``runs``, ``repeat`` times, interleaved; a table row each."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    exits: dict[str, set[int]] = {name: set() for name in runs}
+    for _ in range(repeat):
+        for name, arguments in runs.items():
+            seconds, code = wall_time(arguments, codes)
+            times[name].append(seconds)
+            exits[name].add(code)
+            print(f"  {name}: {seconds:.2f} s", file=sys.stderr)
+    for name in runs:
+        row = times[name]
+        print(
+            f"| {name} | {','.join(map(str, sorted(exits[name])))} | {min(row):.2f}"
+            f" | {statistics.median(row):.2f} | {max(row):.2f} |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--refusals", action="store_true", help="time usage errors only")
+    parser.add_argument("--class", dest="size", type=int, help="time a class of this many")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
     options = parser.parse_args()
-    print(f"maskln grade wall time, {options.repeat} runs each, {os.cpu_count()} cores")
+    print(f"maskln wall time, {options.repeat} runs each, interleaved, {os.cpu_count()} cores")
     print()
-    print("| target | exit | min s | median s | max s |")
+    print("| run | exit | min s | median s | max s |")
     print("|---|---:|---:|---:|---:|")
     start = cpu_snapshot()
-    for name, arguments in targets(options.timeout).items():
-        times, codes = [], set()
-        for _ in range(options.repeat):
-            seconds, code = wall_time(arguments)
-            times.append(seconds)
-            codes.add(code)
-            print(f"  {name}: {seconds:.1f} s", file=sys.stderr)
-        exits = ",".join(map(str, sorted(codes)))
-        print(
-            f"| {name} | {exits} | {min(times):.1f} | {statistics.median(times):.1f}"
-            f" | {max(times):.1f} |"
-        )
+    if options.refusals:
+        measure(REFUSALS, options.repeat, codes=(0, 2))
+    elif options.size:
+        with tempfile.TemporaryDirectory() as folder:
+            write_class(Path(folder), options.size)
+            name = f"a class of {options.size}, --jobs {options.jobs}"
+            measure({name: ["grade", folder, "--jobs", str(options.jobs)]}, options.repeat)
+    else:
+        runs = {name: ["grade", *args] for name, args in targets(options.timeout).items()}
+        measure(runs, options.repeat)
     end = cpu_snapshot()
     print()
     print(

@@ -336,17 +336,23 @@ def test_nothing_is_ever_unpickled_or_run_through_a_shell():
         "exec(",
     ):
         assert forbidden not in source, forbidden
-    # Only maskln grade's sandbox starts a process: Python itself, from an argument list.
+    # Only maskln grade starts processes (its sandbox's child, a class's workers; processes.py
+    # only kills them): Python itself, from an argument list.
     starters = [
         path.name
         for path in sorted(PACKAGE.rglob("*.py"))
         if re.search(r"^\s*import subprocess|^\s*from subprocess", path.read_text(), re.MULTILINE)
     ]
-    assert starters == ["sandbox.py"]
-    sandbox = (PACKAGE / "grading" / "sandbox.py").read_text()
-    assert sandbox.count("subprocess.Popen(") == 1
-    popen = r'Popen\(\s*\[\s*sys\.executable,\s*"-m",\s*"maskln_cli\.grading\.sandbox",'
-    assert re.search(popen, sandbox)
+    assert starters == ["classroom.py", "processes.py", "sandbox.py"]
+    assert "Popen(" not in (PACKAGE / "grading" / "processes.py").read_text().replace(
+        "subprocess.Popen[", ""
+    )
+    for name in ("sandbox", "worker"):
+        source = PACKAGE / "grading" / ("sandbox.py" if name == "sandbox" else "classroom.py")
+        text = source.read_text()
+        assert text.count("subprocess.Popen(") == 1
+        popen = rf'Popen\(\s*\[\s*sys\.executable,\s*"-m",\s*"maskln_cli\.grading\.{name}"'
+        assert re.search(popen, text), name
 
 
 def test_paths_are_used_as_given(tmp_path):

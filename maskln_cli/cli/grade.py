@@ -1,36 +1,65 @@
-"""``maskln grade``: an implementation of masked_layer_normalization graded clause by clause."""
+"""``maskln grade``: implementations of masked_layer_normalization graded clause by clause; one
+TARGET as a report, several (or a folder, a shard, a gradebook) as a class."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import os
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from maskln_cli.cli.failures import EXIT_MISMATCH, reports_errors
+from maskln_cli.cli.failures import (
+    EXIT_ERROR,
+    EXIT_MISMATCH,
+    quiet_when_stdout_closes,
+    reports_errors,
+)
 from maskln_cli.cli.options import JsonOutput, QuietReport
 
+if TYPE_CHECKING:
+    from maskln_cli.grading.report import GradeReport
+    from maskln_cli.grading.selection import Selection
 
-@reports_errors
+EXIT_INTERRUPTED = 130
+
+
+@reports_errors(writes=False)
 def grade(
-    target: Annotated[
-        str,
+    targets: Annotated[
+        list[str],
         typer.Argument(
-            metavar="TARGET",
+            metavar="TARGET...",
             help="path/to/solution.py (its masked_layer_normalization), path/to/solution.py:NAME,"
-            " or package.module:NAME.",
+            " package.module:NAME, or a folder (each of its *.py files). Several TARGETs, or a"
+            " folder, grade a class: a row each.",
             show_default=False,
         ),
     ],
     strict: Annotated[
         bool,
-        typer.Option("--strict", help="Strict clauses (maskln's own guarantees) count too."),
+        typer.Option(
+            "--strict",
+            help="Strict clauses (maskln's own guarantees) count too, but output_layout (name"
+            " it with --with).",
+        ),
     ] = False,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--with",
+            metavar="CLAUSES",
+            help="These count too: strict clauses (positive_zero,second_order,...), optional"
+            " ones (half_values, half_gradients, run only when named), or the group 'half'."
+            " Comma-separated or repeated.",
+            show_default=False,
+        ),
+    ] = None,
     only: Annotated[
         list[str] | None,
         typer.Option(
             "--only",
             metavar="CLAUSE",
-            help="Grade only this clause (repeatable); each one named counts.",
+            help="Grade only these clauses (comma-separated or repeated); each one named counts.",
             show_default=False,
         ),
     ] = None,
@@ -46,43 +75,185 @@ def grade(
             "--device", metavar="DEVICE", help="Device the cases are built on (cpu, cuda, ...)."
         ),
     ] = "cpu",
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            metavar="N",
+            help="Submissions graded at once, each in its own processes. (default: the CPU count)",
+            show_default=False,
+        ),
+    ] = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            "--shard",
+            metavar="K/N",
+            help="Grade the K-th of N slices of the sorted TARGETs (1/4 to 4/4: their JSON lines"
+            " concatenate into the whole report).",
+            show_default=False,
+        ),
+    ] = None,
+    csv_path: Annotated[
+        str | None,
+        typer.Option(
+            "--csv",
+            metavar="FILE",
+            help="Also write a gradebook: a row per submission, a column per clause.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
-    """Grade an implementation of masked_layer_normalization against the whole contract.
+    """Grade implementations of masked_layer_normalization against the whole contract.
 
     Each clause of the specification (required) and of maskln's own guarantees (strict) is
     checked on deterministic cases against maskln's float64 reference; a failure shows its
-    first counterexample and the known mistake it matches. The function runs in a child
-    process: a crash, a hang or too much memory fails a clause, not the grader.
-    Exit code 0 when every required clause passes (and strict ones with --strict), 1 when one
-    fails, 2 when TARGET cannot be found, imported or called.
+    first counterexample and the known mistake it matches, and the report leads with the one
+    mistake that explains the most failing clauses. The function runs in a child process: a
+    crash, a hang or too much memory fails a clause, not the grader. Several TARGETs (or a
+    folder) are graded as a class, --jobs at a time: a table with a row per submission, JSON
+    lines with --json. Exit code 0 when every counted clause passes (of every submission), 1
+    when one fails, 2 when a TARGET cannot be found or an option is wrong (one TARGET that
+    cannot be imported or called: 2; in a class, its row fails), 130 on Ctrl-C.
 
     **Examples**
 
     ```
     maskln grade solution.py
     maskln grade solution.py:my_layer_norm --strict
-    maskln grade my_kernels.ops:masked_ln --device cuda --only gradients
-    maskln grade solution.py --json | jq '.clauses[] | select(.passed | not)'
+    maskln grade solution.py --with positive_zero,second_order --with half
+    maskln grade my_kernels.ops:masked_ln --device cuda --only large_shapes
+    maskln grade submissions/ --jobs 4 --csv gradebook.csv
+    maskln grade submissions/ --shard 2/8 --json > part-2.jsonl
     ```
     """
-    from maskln_cli.cli.report.grade import render_grade
+    from maskln_cli.grading.selection import check_timeout, select
+    from maskln_cli.grading.targets import expand_targets, parse_shard
+    from maskln_cli.grading.targets import shard as shard_of
+
+    chosen = select(only or (), strict, include or ())  # usage errors before torch is imported
+    check_timeout(timeout)
+    if jobs is not None and jobs < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--jobs")
+    listed = expand_targets(targets)
+    slice_of = parse_shard(shard) if shard is not None else None
+    whole_class = len(listed) > 1 or any(map(os.path.isdir, targets)) or slice_of or csv_path
+    if slice_of is not None:
+        listed = shard_of(listed, *slice_of)
+    if csv_path is not None:
+        _check_gradebook(csv_path, listed)
+    options = {
+        "strict": strict,
+        "only": list(only or ()),
+        "include": list(include or ()),
+        "seed": seed,
+        "timeout": timeout,
+        "device": device,
+    }
+    if whole_class:
+        _grade_class(listed, options, chosen, jobs, csv_path, json_output, quiet)
+    else:
+        _grade_one(listed[0], options, json_output, quiet)
+
+
+def _check_gradebook(path: str, targets: list[str]) -> None:
+    """--csv is writable and none of the TARGETs (by identity: a link or another path to one
+    of them is refused too)."""
+    from maskln_cli.files.output import check_output_path
+    from maskln_cli.files.tensorfile import file_identity
+
+    read = {}
+    for target in targets:
+        location = target.rpartition(":")[0] if ":" in target else target
+        identity = file_identity(location) if os.path.isfile(location) else None
+        if identity is not None:
+            read[identity] = f"the TARGET {target}"
+    check_output_path(path, read_files=read)
+
+
+def _grade_one(target: str, options: dict, json_output: bool, quiet: bool) -> None:
+    """One TARGET: its report (or JSON document), the verdict's exit code."""
+    from maskln_cli.cli.report.grade import clause_progress, prepare_rendering, render_grade
     from maskln_cli.cli.report.json_output import print_json
+    from maskln_cli.grading import guard, sandbox
     from maskln_cli.grading.runner import grade_target
 
-    result = grade_target(
-        target,
-        strict=strict,
-        only=only or (),
-        seed=seed,
-        timeout=timeout,
-        device=device,
-        contain_processes=True,  # this process does nothing else: detached processes come back
+    # Everything the grader uses is imported (its bytecode written) before the seal and before
+    # any submission runs: a module first imported sealed leaves no bytecode, which another
+    # process could write meanwhile and look like tampering.
+    prepare_rendering()
+    sandbox.preload()
+    with guard.sealing(), clause_progress(target, enabled=not json_output) as progress:
+        result = grade_target(
+            target,
+            **options,
+            contain_processes=True,  # this process does nothing else: detached processes come back
+            progress=progress,
+        )
+    code = 0 if result.passed else EXIT_MISMATCH
+    with quiet_when_stdout_closes(code):
+        if json_output:
+            print_json(result.to_dict())
+        else:
+            render_grade(result, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
+
+
+def _grade_class(
+    targets: list[str],
+    options: dict,
+    chosen: Selection,
+    jobs: int | None,
+    csv_path: str | None,
+    json_output: bool,
+    quiet: bool,
+) -> None:
+    """Several TARGETs: a row each (or a JSON line each, as each is graded), the gradebook, and
+    exit 1 when any fails, 130 when interrupted."""
+    from maskln_cli.cli.report.grade import (
+        class_progress,
+        prepare_rendering,
+        print_json_line,
+        render_class,
+        write_gradebook,
     )
-    if json_output:
-        print_json(result.to_dict())
-    else:
-        render_grade(result, quiet=quiet)
-    if not result.passed:
-        raise typer.Exit(EXIT_MISMATCH)
+    from maskln_cli.errors import StdoutClosed
+    from maskln_cli.grading import guard
+    from maskln_cli.grading.classroom import grade_class
+
+    if options["device"].split(":")[0] != "cpu":
+        from maskln_cli.grading.runner import check_device
+
+        check_device(options["device"])
+    prepare_rendering()
+    printing = [json_output]  # off once stdout's reader has gone (| head)
+
+    def on_report(report: GradeReport, graded: int, total: int) -> None:
+        progress(graded, total)
+        if printing[0]:
+            try:
+                print_json_line(report.to_dict())
+            except StdoutClosed:
+                printing[0] = False  # the rest is still graded: the verdict is the whole class's
+
+    with guard.sealing():
+        with class_progress(len(targets), enabled=not json_output) as progress:
+            result = grade_class(targets, **options, jobs=jobs, on_report=on_report)
+        code = 0
+        if result.interrupted:
+            code = EXIT_INTERRUPTED
+        elif result.problem is not None:
+            code = EXIT_ERROR
+        elif not result.passed:
+            code = EXIT_MISMATCH
+        if not json_output:
+            with quiet_when_stdout_closes(code):
+                render_class(result, chosen, quiet=quiet)
+        if csv_path is not None:
+            write_gradebook(csv_path, result)
+    if code:
+        raise typer.Exit(code)

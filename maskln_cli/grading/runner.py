@@ -1,10 +1,14 @@
 """Grade any implementation of masked layer normalization against its whole contract.
 
 The contract is a list of clauses (:data:`~maskln_cli.grading.clauses.CLAUSES`), each a
-property from the specification (required) or one of maskln's own stronger guarantees (strict), with
+property from the specification (required), one of maskln's own stronger guarantees (strict), or
+beyond the specification and graded only when asked for (optional: half precision), with
 deterministic cases, a *run* that calls the function and a *judge* that compares what came
 back with the float64 reference and names the likely mistake (:mod:`maskln_cli.grading.clauses`).
-This module grades a function clause by clause into a plain-data :class:`GradeReport`.
+This module grades a function clause by clause into a plain-data :class:`GradeReport`
+(:mod:`maskln_cli.grading.report`), led by the root cause of its failures
+(:mod:`maskln_cli.grading.rootcause`); which clauses run and count is
+:mod:`maskln_cli.grading.selection`'s.
 
 Two ways in:
 
@@ -24,10 +28,9 @@ Example:
 
 from __future__ import annotations
 
-import math
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -43,7 +46,32 @@ from maskln_cli.grading.clauses import (
     describe_exception,
     run_clause,
 )
+from maskln_cli.grading.guard import Tampered
+from maskln_cli.grading.report import (
+    NO_MATCH,
+    ClauseResult,
+    GradeReport,
+    RootCause,
+    diagnosis_lines,
+)
+from maskln_cli.grading.rootcause import Judged, find_root_cause
+from maskln_cli.grading.selection import Selection, check_timeout, select
 from maskln_cli.grading.targets import parse_target
+
+__all__ = [
+    "CLAUSES",
+    "DEFAULT_SEED",
+    "DEFAULT_TIMEOUT",
+    "NO_MATCH",
+    "ClauseResult",
+    "GradeReport",
+    "RootCause",
+    "assert_conforms",
+    "diagnosis_lines",
+    "grade",
+    "grade_target",
+    "run_clause",
+]
 
 DEFAULT_SEED = 0
 DEFAULT_TIMEOUT = 60.0
@@ -51,149 +79,16 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_FUNCTION_NAME = "masked_layer_normalization"
 
 Fn = Callable[..., Any]
-
-
-# --- reports --------------------------------------------------------------------------------------
-
-
-@dataclass
-class ClauseResult:
-    """A clause's verdict. ``detail``: the first counterexample or the reason it could not
-    run, in one line (None when it passed). ``diagnosis``: the known mistakes the failure
-    matches (an empty list: none matches; None: not a failure known mistakes explain)."""
-
-    name: str
-    required: bool
-    passed: bool
-    seconds: float
-    detail: str | None = None
-    diagnosis: list[dict[str, Any]] | None = None
-    counted: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "required": self.required,
-            "passed": self.passed,
-            "seconds": round(self.seconds, 3),
-            "detail": self.detail,
-            "diagnosis": self.diagnosis,
-        }
-
-
-NO_MATCH = "matches none of the known mistakes"
-
-
-@dataclass
-class GradeReport:
-    """The whole grade, as plain data: :meth:`to_dict` is ``maskln grade --json``."""
-
-    target: str
-    strict: bool
-    clauses: list[ClauseResult]
-    seed: int = DEFAULT_SEED
-    device: str = "cpu"
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.clauses if c.counted)
-
-    @property
-    def diagnosis(self) -> list[dict[str, Any]]:
-        """Every failing clause's diagnosis, with the clause's name; a clause whose failure
-        matches no known mistake says so."""
-        found = []
-        for clause in self.clauses:
-            if clause.passed or clause.diagnosis is None:
-                continue
-            if not clause.diagnosis:
-                found.append(
-                    {
-                        "clause": clause.name,
-                        "mistake": None,
-                        "description": NO_MATCH,
-                        "fix": None,
-                        "distance": None,
-                    }
-                )
-            for diagnosis in clause.diagnosis:
-                found.append({"clause": clause.name, **diagnosis})
-        return found
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "target": self.target,
-            "strict": self.strict,
-            "clauses": [c.to_dict() for c in self.clauses],
-            "diagnosis": self.diagnosis,
-        }
-
-    def verdict(self) -> str:
-        """``PASS: 14 of 14 required clauses pass`` or ``FAIL: ... (names)``; strict clauses
-        are counted with ``strict`` (or when named with ``only``), else mentioned.
-
-        Example:
-            >>> report = GradeReport("f", False, [ClauseResult("values", True, False, 0.1),
-            ...                                   ClauseResult("signature", True, True, 0.1)])
-            >>> report.verdict()
-            'FAIL: 1 of 2 required clauses pass (values)'
-        """
-        counted = [c for c in self.clauses if c.counted]
-        failed = [c.name for c in counted if not c.passed]
-        if any(not c.required for c in counted):
-            kind = "clauses, strict included," if self.strict else "clauses"
-        else:
-            kind = "required clauses"
-        line = f"{len(counted) - len(failed)} of {len(counted)} {kind} pass"
-        line = f"{'PASS' if not failed else 'FAIL'}: {line}"
-        if failed:
-            line += f" ({', '.join(failed)})"
-        uncounted = [c for c in self.clauses if not c.counted]
-        if uncounted:
-            failing = [c.name for c in uncounted if not c.passed]
-            strict = f"; strict: {len(uncounted) - len(failing)} of {len(uncounted)}"
-            line += strict + (f" ({', '.join(failing)})" if failing else "")
-        return line
-
-    def text(self) -> str:
-        """The report as plain text (for :func:`assert_conforms` and logs)."""
-        lines = [f"maskln grade {self.target} (seed {self.seed}, device {self.device})"]
-        width = max((len(c.name) for c in self.clauses), default=0)
-        for c in self.clauses:
-            verdict = "PASS" if c.passed else "FAIL"
-            level = "required" if c.required else "strict"
-            lines.append(f"  {verdict}  {c.name:<{width}}  {level:<8}  {c.seconds:6.2f} s")
-            if c.detail:
-                lines.append(f"        {c.detail}")
-        if self.diagnosis:
-            lines.append("diagnosis")
-            lines += [f"  {line}" for line in diagnosis_lines(self)]
-        lines.append(self.verdict())
-        return "\n".join(lines)
-
-
-def diagnosis_lines(report: GradeReport) -> list[str]:
-    """One line per diagnosis: ``values: likely unbiased variance ...; use ...``."""
-    lines = []
-    for found in report.diagnosis:
-        if found["mistake"] is None:
-            lines.append(f"{found['clause']}: the result {NO_MATCH}")
-        else:
-            lines.append(f"{found['clause']}: likely {found['description']}; {found['fix']}")
-    return lines
+Progress = Callable[[str, int, int], None]
+"""Told ``(clause, index, total)`` as each clause starts (index from 0)."""
 
 
 # --- grading -----------------------------------------------------------------------------------
 
 
 def select_clauses(only: Iterable[str] = ()) -> list[Clause]:
-    """The clauses to grade, in table order: all, or those named (checked)."""
-    names = list(dict.fromkeys(only))
-    unknown = [n for n in names if n not in CLAUSES]
-    if unknown:
-        raise MasklnError(f"--only: no clause {unknown[0]!r}; the clauses are {', '.join(CLAUSES)}")
-    return [c for c in CLAUSES.values() if not names or c.name in names]
+    """The clauses :func:`grade` runs for ``only`` (checked), in table order."""
+    return [CLAUSES[name] for name in select(only).run]
 
 
 def check_device(device: str) -> str:
@@ -265,39 +160,65 @@ def judge_clause(
         verdict.detail if not verdict.passed else None,
         diagnosis,
         counted,
+        clause.level,
     )
 
 
-def _counted(clause: Clause, strict: bool, only: Sequence[str]) -> bool:
-    return clause.required or strict or clause.name in only
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread while grading, as in the child: the cases are small, and a busy
+    machine makes torch's thread pool spin (judging one clause took 9.4 s on two threads,
+    0.37 s on one, at a load of 17 on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _grade_each(
-    clauses: Iterable[Clause],
+    selection: Selection,
     run: Callable[[Clause, list[Case]], ClauseRun],
-    strict: bool,
-    only: Sequence[str],
     seed: int,
     device: str,
-) -> list[ClauseResult]:
-    """Build, run and judge each clause in turn; ``run(clause, cases)`` calls the function
-    (in this process, or in the child)."""
-    results = []
-    for clause in clauses:
+    progress: Progress | None = None,
+    judged: list[Judged] | None = None,
+) -> tuple[list[ClauseResult], RootCause | None]:
+    """Build, run and judge each clause in turn (``run(clause, cases)`` calls the function, in
+    this process or in the child), then find the failures' root cause. ``judged`` receives
+    each clause as it is judged (what was graded before an interruption)."""
+    judged = [] if judged is None else judged
+    with one_thread():
+        _judge_each(selection, run, seed, device, progress, judged)
+        root = find_root_cause(judged)
+    return [j.result for j in judged], root
+
+
+def _judge_each(
+    selection: Selection,
+    run: Callable[[Clause, list[Case]], ClauseRun],
+    seed: int,
+    device: str,
+    progress: Progress | None,
+    judged: list[Judged],
+) -> None:
+    for index, name in enumerate(selection.run):
+        if progress is not None:
+            progress(name, index, len(selection.run))
+        clause = CLAUSES[name]
         started = time.perf_counter()
         cases = clause.build(seed)
         clause_run = run(clause, cases)
-        results.append(
-            judge_clause(
-                clause,
-                cases,
-                clause_run,
-                device,
-                _counted(clause, strict, only),
-                time.perf_counter() - started,
-            )
+        result = judge_clause(
+            clause,
+            cases,
+            clause_run,
+            device,
+            name in selection.counted,
+            time.perf_counter() - started,
         )
-    return results
+        judged.append(Judged(clause, cases, clause_run, result))
 
 
 def grade(
@@ -307,10 +228,14 @@ def grade(
     seed: int = DEFAULT_SEED,
     device: str = "cpu",
     target: str | None = None,
+    include: Iterable[str] = (),
+    progress: Progress | None = None,
 ) -> GradeReport:
     """Grade ``fn`` in this process; returns the report as plain data.
 
-    ``strict``: strict clauses count toward ``passed`` (they are reported either way).
+    ``strict``: strict clauses count toward ``passed`` (they are reported either way), but for
+    ``output_layout``, maskln's own convention. ``include``: clauses that count too, strict ones
+    or optional ones (``half_values``, or the group ``half``), which run only when named.
     ``only``: grade these clauses (each counts). An exception in ``fn`` fails the clause it
     happened in; a crash or hang is this process's (``grade_target`` isolates those).
 
@@ -322,15 +247,16 @@ def grade(
         >>> report.passed, report.diagnosis[0]["mistake"]
         (False, 'rms_norm')
     """
-    only = list(only)
+    included = list(include)
+    selection = select(only, strict, included)
     device = check_device(device)
 
     def run_here(clause: Clause, cases: list[Case]) -> ClauseRun:
         return run_clause(fn, clause.name, seed, device, cases)
 
-    results = _grade_each(select_clauses(only), run_here, strict, only, seed, device)
+    results, root = _grade_each(selection, run_here, seed, device, progress)
     name = target or getattr(fn, "__qualname__", None) or repr(fn)
-    return GradeReport(name, strict, results, seed, device)
+    return GradeReport(name, strict, results, seed, device, root, included=included)
 
 
 def assert_conforms(fn: Fn, strict: bool = False, **options: Any) -> None:
@@ -354,6 +280,8 @@ def grade_target(
     timeout: float = DEFAULT_TIMEOUT,
     memory_bytes: int | None = None,
     contain_processes: bool = False,
+    include: Iterable[str] = (),
+    progress: Progress | None = None,
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.grading.sandbox`.
@@ -366,17 +294,27 @@ def grade_target(
     """
     from maskln_cli.grading import sandbox
 
-    only = list(only)
-    clauses = select_clauses(only)
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise MasklnError(f"--timeout: must be a positive number of seconds, got {timeout}")
+    included = list(include)
+    selection = select(only, strict, included)
+    check_timeout(timeout)
     device = check_device(device)
     parse_target(target)  # a missing file is a usage error before anything starts
-    with sandbox.Sandbox(target, device, timeout, memory_bytes, contain_processes) as child:
-        child.start()  # raises MasklnError when the target cannot be loaded
+    judged: list[Judged] = []
+    try:
+        with sandbox.Sandbox(target, device, timeout, memory_bytes, contain_processes) as child:
+            child.start()  # raises MasklnError when the target cannot be loaded
 
-        def run_in_child(clause: Clause, cases: list[Case]) -> ClauseRun:
-            return child.run_clause(clause.name, seed)  # the child builds the same cases
+            def run_in_child(clause: Clause, cases: list[Case]) -> ClauseRun:
+                return child.run_clause(clause.name, seed)  # the child builds the same cases
 
-        results = _grade_each(clauses, run_in_child, strict, only, seed, device)
-    return GradeReport(target, strict, results, seed, device)
+            with one_thread():
+                _judge_each(selection, run_in_child, seed, device, progress, judged)
+    except Tampered as tampered:  # the grader's own files changed: no verdict but FAIL
+        results = [j.result for j in judged]
+        return GradeReport(
+            target, strict, results, seed, device, problem=str(tampered), included=included
+        )
+    with one_thread():
+        root = find_root_cause(judged)
+    results = [j.result for j in judged]
+    return GradeReport(target, strict, results, seed, device, root, included=included)

@@ -23,13 +23,19 @@ start-up (Python, torch, the grader) by :data:`START_TIMEOUT`.
 
 The child caps its address space (``RLIMIT_AS``; :data:`DEFAULT_MEMORY_GIB`, or
 ``MASKLN_GRADE_MEMORY_GIB``) on the CPU, so an allocation beyond it fails the call that made
-it ("out of memory (cap 4 GiB)") instead of the machine.
+it ("out of memory (cap 4 GiB)") instead of the machine; a clause that runs out of time with the
+child's address space at the cap (allocating, failing, retrying) is out of memory too. What it
+prints, and any file it writes, is capped at :data:`OUTPUT_CAP`. Before each call the child
+says which case it is on (``{"at": ...}``), so a timeout names it. It writes no bytecode (no
+``__pycache__`` beside the solution) and runs torch on one thread.
+
+The processes the function starts are killed with the child (:mod:`.processes`); files the
+grader loads are checked after the child ends, when the grader is sealed (:mod:`.guard`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -39,11 +45,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection
 from pathlib import Path
 from typing import IO, Any
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.grading import guard
+from maskln_cli.grading.processes import (
+    GRACE_SECONDS,
+    children,
+    die_with_parent,
+    kill_descendants,
+    kill_group,
+    kill_session,
+    protected_grader,
+)
 
 HEADER = struct.Struct(">QQ")
 MAX_JSON = 16 << 20
@@ -51,15 +66,19 @@ MAX_DATA = 1 << 30
 """The largest frame the parent accepts: the clauses' tensors are a few MiB at most."""
 DEFAULT_MEMORY_GIB = 4.0
 MEMORY_ENV = "MASKLN_GRADE_MEMORY_GIB"
-GRACE_SECONDS = 1.0
-"""Between SIGTERM and SIGKILL."""
 GIVE_UP_AFTER = 2
 """Crashes or timeouts in a row after which the remaining clauses are not run."""
 START_TIMEOUT = 60.0
 """How long the child may take to import torch and the grader (before the target: its import
 is bounded by ``--timeout``, as each clause is)."""
-_FILE_SIZE_LIMIT = 64 << 20
-"""What the child may print (its stdout and stderr go to a temporary file)."""
+OUTPUT_CAP = 64 << 20
+"""What the child may print (its stdout and stderr go to a temporary file), and the largest
+file it may write (``RLIMIT_FSIZE``)."""
+MEMORY_NEAR_CAP = 0.9
+"""A child whose address space reached this share of its cap when it timed out was stopped by
+the cap (allocating, failing, retrying), not by a slow computation."""
+MAX_LABEL = 300
+"""The longest case label the child may send (it names the case a timeout happened in)."""
 
 
 def memory_cap_bytes(gib: float | None = None) -> int:
@@ -81,7 +100,38 @@ def memory_cap_bytes(gib: float | None = None) -> int:
 
 
 def _gib(count: int) -> str:
-    return f"{count / (1 << 30):g} GiB"
+    return f"{count / (1 << 30):.3g} GiB"
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):g} MiB"
+
+
+def preload() -> None:
+    """Import what the grader uses once the child has run (the tensors' decoder): a solution
+    runs as the same user and could change those files meanwhile (:mod:`.guard`)."""
+    import safetensors.torch  # noqa: F401
+
+    from maskln_cli.grading import clauses, rootcause  # noqa: F401
+
+
+def last_log_line(log: IO[bytes] | None) -> str:
+    """The child's last printed line (its "Fatal Python error" line, when it crashed so)."""
+    if log is None:
+        return ""
+    with contextlib.suppress(OSError):
+        log.seek(0, os.SEEK_END)
+        size = log.tell()
+        log.seek(max(0, size - 8192))
+        lines = [
+            line.strip()
+            for line in log.read().decode(errors="replace").splitlines()
+            if line.strip()
+        ]
+        fatal = [line for line in lines if line.startswith("Fatal Python error")]
+        chosen = fatal[-1] if fatal else (lines[-1] if lines else "")
+        return chosen[:300]
+    return ""
 
 
 class ChildGone(Exception):
@@ -123,12 +173,14 @@ class Sandbox:
         self.buffer = bytearray()
         self.failures_in_a_row = 0
         self.failed_clauses: list[str] = []
+        self.case: str | None = None
+        self.peak_memory = 0
 
     def __enter__(self) -> Sandbox:
+        preload()  # what the parent uses later, imported before any submission runs
         self._protection = contextlib.ExitStack()
         self._protection.enter_context(protected_grader(self.contain_processes))
-        me = os.getpid()
-        self._others = {pid for pid, ppid, _ in _processes() if ppid == me}  # not ours to kill
+        self._others = children()  # not ours to kill
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -138,6 +190,7 @@ class Sandbox:
             if self._protection is not None:
                 self._protection.close()
                 self._protection = None
+        guard.check()  # a sealed grader: nothing it loads changed meanwhile (else no verdict)
 
     # -- the process --------------------------------------------------------------------------
 
@@ -188,6 +241,7 @@ class Sandbox:
         if self.memory_bytes:
             env["_MASKLN_GRADE_MEMORY_BYTES"] = str(self.memory_bytes)
         env["_MASKLN_GRADE_PARENT"] = str(os.getpid())
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written beside the solution
         try:
             self.process = subprocess.Popen(
                 [
@@ -220,10 +274,10 @@ class Sandbox:
                     os.close(fd)
         self.requests = self.responses = -1
         if process is not None:
-            _kill_group(process)
-            _kill_session(process.pid)
+            kill_group(process)
+            kill_session(process.pid)
             if self.contain_processes:
-                _kill_adopted(spare=self._others)
+                kill_descendants(spare=self._others)
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -244,32 +298,15 @@ class Sandbox:
             what = {
                 "SIGSEGV": " (a segmentation fault)",
                 "SIGABRT": " (aborted)",
-                "SIGKILL": " (killed: out of memory?)",
+                "SIGKILL": f" (killed{self._memory_words()})",
                 "SIGBUS": " (a bus error)",
-                "SIGXFSZ": " (it printed too much)",
+                "SIGXFSZ": f" (it wrote more than the grader's cap of {_mib(OUTPUT_CAP)})",
             }.get(name, "")
             reason = f"the process crashed: {name}{what}"
         else:
             reason = f"the process exited with code {code} in the middle of the clause"
-        last = self._last_log_line()
+        last = last_log_line(self.log)
         return f"{reason}; it printed: {last}" if last else reason
-
-    def _last_log_line(self) -> str:
-        if self.log is None:
-            return ""
-        with contextlib.suppress(OSError):
-            self.log.seek(0, os.SEEK_END)
-            size = self.log.tell()
-            self.log.seek(max(0, size - 8192))
-            lines = [
-                line.strip()
-                for line in self.log.read().decode(errors="replace").splitlines()
-                if line.strip()
-            ]
-            fatal = [line for line in lines if line.startswith("Fatal Python error")]
-            chosen = fatal[-1] if fatal else (lines[-1] if lines else "")
-            return chosen[:300]
-        return ""
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -282,16 +319,23 @@ class Sandbox:
             raise ChildGone(self._reason()) from None
 
     def _receive(self, timeout: float) -> tuple[dict[str, Any], bytes]:
+        """The child's next answer; a frame saying which case it is on (``{"at": ...}``) is
+        kept (:attr:`case`), the child's memory is sampled meanwhile (:attr:`peak_memory`)."""
         deadline = time.monotonic() + timeout
         while True:
             frame = self._frame()
             if frame is not None:
+                if set(frame[0]) == {"at"}:
+                    self.case = str(frame[0]["at"])[:MAX_LABEL]
+                    continue
                 return frame
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self._sample_memory()
                 raise TimeoutError
-            ready, _, _ = select.select([self.responses], [], [], remaining)
+            ready, _, _ = select.select([self.responses], [], [], min(remaining, 0.5))
             if not ready:
+                self._sample_memory()
                 continue
             chunk = os.read(self.responses, 1 << 20)
             if not chunk:
@@ -335,128 +379,56 @@ class Sandbox:
                 self.start()
             except MasklnError as error:
                 return self._failed(name, ClauseRun(failure=f"could not restart: {error}"))
+        self.case = None
         try:
             self._send({"op": "run", "clause": name, "seed": seed})
             header, data = self._receive(self.timeout)
         except TimeoutError:
+            failure = self._timeout_words()
             self.stop()
-            failure = f"timed out after {self.timeout:g} s (the function hung, or is that slow)"
+            guard.check()
             return self._failed(name, ClauseRun(failure=failure))
         except ChildGone as gone:
             self.stop()
+            guard.check()
             return self._failed(name, ClauseRun(failure=str(gone)))
         self.failures_in_a_row = 0
         return decode_run(header, data)
+
+    def _timeout_words(self) -> str:
+        """Why the clause ran out of time: the memory cap, when the child's address space was
+        at it (allocating, failing and retrying); else a hang or slowness, and in which case."""
+        where = f" in the case {self.case}" if self.case else ""
+        if self.memory_bytes and self.peak_memory >= MEMORY_NEAR_CAP * self.memory_bytes:
+            return (
+                f"out of memory (cap {_gib(self.memory_bytes)}, {MEMORY_ENV}): the process"
+                f" held {_gib(self.peak_memory)} when the clause's {self.timeout:g} s ran out"
+                f"{where}"
+            )
+        return f"timed out after {self.timeout:g} s{where} (the function hung, or is that slow)"
+
+    def _sample_memory(self) -> None:
+        """Keep the child's largest address space seen (VmPeak, Linux)."""
+        if self.process is None:
+            return
+        with (
+            contextlib.suppress(OSError, ValueError),
+            open(f"/proc/{self.process.pid}/status") as status,
+        ):
+            for line in status:
+                if line.startswith("VmPeak:"):
+                    self.peak_memory = max(self.peak_memory, int(line.split()[1]) * 1024)
+
+    def _memory_words(self) -> str:
+        """``: out of memory?``, or what the child held, when it was near its cap."""
+        if self.memory_bytes and self.peak_memory >= MEMORY_NEAR_CAP * self.memory_bytes:
+            return f": out of memory, the process held {_gib(self.peak_memory)}"
+        return ": out of memory?"
 
     def _failed(self, name: str, run: Any) -> Any:
         self.failures_in_a_row += 1
         self.failed_clauses.append(name)
         return run
-
-
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the child's process group, then SIGKILL after a grace period."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(GRACE_SECONDS)
-        os.killpg(process.pid, signal.SIGKILL)  # what it started, too
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(GRACE_SECONDS)
-
-
-def _kill_session(session: int) -> None:
-    """SIGKILL what is left of the child's session (it is the session's leader: ``session`` is
-    its pid): processes that left its process group with setpgid, not those that left the
-    session with setsid (:func:`_kill_adopted` finds those)."""
-    for pid, _, sid in _processes():
-        if sid == session and pid != os.getpid():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _kill_adopted(spare: Collection[int] = (), rounds: int = 20) -> None:
-    """SIGKILL and reap this process's children: as a child subreaper (:func:`protected_grader`
-    with ``contain``) and with the child stopped, they are processes the function started and
-    detached (a double fork, setsid), which came back to this process when their parents
-    ended (``spare``: children this process had before the grade). Killing one may orphan its
-    own children: repeat until none is left."""
-    me = os.getpid()
-    for _ in range(rounds):
-        children = [pid for pid, ppid, _ in _processes() if ppid == me and pid not in spare]
-        if not children:
-            return
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in children:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-
-
-def _processes() -> list[tuple[int, int, int]]:
-    """(pid, parent pid, session id) of every process this one can see in /proc (Linux;
-    elsewhere none)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    fields = stat.read().rpartition(b")")[2].split()
-                found.append((int(entry), int(fields[1]), int(fields[3])))
-            except (OSError, IndexError, ValueError):
-                continue  # it ended meanwhile
-    return found
-
-
-# prctl(2) options (linux/prctl.h)
-PR_SET_PDEATHSIG = 1
-PR_GET_DUMPABLE = 3
-PR_SET_DUMPABLE = 4
-PR_SET_CHILD_SUBREAPER = 36
-PR_GET_CHILD_SUBREAPER = 37
-
-
-def _prctl(option: int, value: int | ctypes.c_int = 0) -> int | None:
-    """prctl(2) through libc; None when it failed or does not exist (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        argument = ctypes.byref(value) if isinstance(value, ctypes.c_int) else ctypes.c_ulong(value)
-        result = int(
-            libc.prctl(option, argument, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-        )
-    except (OSError, AttributeError, TypeError):
-        return None
-    return None if result < 0 else result
-
-
-@contextlib.contextmanager
-def protected_grader(contain: bool = False):
-    """While grading (Linux; elsewhere nothing): this process is not dumpable, so a process of
-    the same user that is not root cannot open its /proc/<pid>/fd (write into its stdout) or
-    ptrace it; with ``contain``, it is a child subreaper, so processes the function detaches
-    come back to it to be killed (:func:`_kill_adopted`; for a process that does nothing else,
-    the command). Both are restored afterwards."""
-    dumpable = _prctl(PR_GET_DUMPABLE)
-    if dumpable:
-        _prctl(PR_SET_DUMPABLE, 0)
-    subreaper = None
-    if contain:
-        flag = ctypes.c_int(0)
-        if _prctl(PR_GET_CHILD_SUBREAPER, flag) is not None and not flag.value:
-            subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    try:
-        yield
-    finally:
-        if subreaper is not None:
-            _prctl(PR_SET_CHILD_SUBREAPER, 0)
-        if dumpable:
-            _prctl(PR_SET_DUMPABLE, dumpable)
 
 
 # --- (de)serializing a clause's run ---------------------------------------------------------------
@@ -504,15 +476,6 @@ def _write_frame(fd: int, header: dict[str, Any], data: bytes = b"") -> None:
         view = view[os.write(fd, view) :]
 
 
-def _die_with_the_grader() -> None:
-    """SIGKILL this child when the grader ends (killed by the function, say), rather than
-    leave it running; if the grader is gone already, end now."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    parent = os.environ.pop("_MASKLN_GRADE_PARENT", None)
-    if parent is not None and str(os.getppid()) != parent:
-        os._exit(1)
-
-
 def _limit_resources() -> None:
     import resource
 
@@ -520,22 +483,40 @@ def _limit_resources() -> None:
     if memory:
         resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a segfault leaves no core file
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_LIMIT, _FILE_SIZE_LIMIT))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_CAP, OUTPUT_CAP))
+
+
+def _limits_named(message: str, memory: int) -> str:
+    """An error the grader's own limits caused, said so: the memory cap, the output cap."""
+    if memory and message.startswith("out of memory"):
+        return f"out of memory (cap {_gib(memory)}, {MEMORY_ENV}): {message[15:]}"
+    if "[Errno 27]" in message:  # EFBIG: RLIMIT_FSIZE
+        return (
+            f"it wrote more than the grader's cap of {_mib(OUTPUT_CAP)} (what it prints, and any"
+            f" file it writes): {message}"
+        )
+    return message
 
 
 def child_main(argv: list[str]) -> int:
     """The child's loop: load the target, then run clauses until the requests pipe closes."""
     request_fd, response_fd = int(argv[0]), int(argv[1])
     memory = int(os.environ.get("_MASKLN_GRADE_MEMORY_BYTES") or 0)
-    _die_with_the_grader()
+    die_with_parent(os.environ.pop("_MASKLN_GRADE_PARENT", None))
     _limit_resources()
+    sys.dont_write_bytecode = True  # whatever the environment says: no __pycache__ beside it
     requests = os.fdopen(request_fd, "rb")
     try:  # torch and the grader: the parent waits START_TIMEOUT for this, then --timeout
+        import torch
+
         from maskln_cli.grading import clauses, targets
+        from maskln_cli.grading.clauses import calls
     except MemoryError:
         cap = f" (cap {_gib(memory)})" if memory else ""
         _write_frame(response_fd, {"ready": False, "error": f"out of memory importing torch{cap}"})
         return 0
+    torch.set_num_threads(1)  # small cases; and torch's thread pool spins under load
+    calls.watch_calls(lambda what: _write_frame(response_fd, {"at": what[:MAX_LABEL]}))
     _write_frame(response_fd, {"ready": True})
     load = json.loads(requests.readline() or b"{}")
     try:
@@ -558,10 +539,9 @@ def child_main(argv: list[str]) -> int:
         run = clauses.run_clause(
             fn, str(request["clause"]), int(request["seed"]), device, maskln=maskln
         )
-        if memory:
-            for key, message in run.errors.items():
-                if message.startswith("out of memory"):
-                    run.errors[key] = f"out of memory (cap {_gib(memory)}): {message[15:]}"
+        run.errors = {key: _limits_named(message, memory) for key, message in run.errors.items()}
+        if run.failure is not None:
+            run.failure = _limits_named(run.failure, memory)
         header, data = encode_run(run)
         _write_frame(response_fd, header, data)
     return 0

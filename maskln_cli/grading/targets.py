@@ -1,5 +1,9 @@
 """Where the graded function is: ``path/to/solution.py[:NAME]`` or ``package.module:NAME``,
-parsed, checked and imported (in the grader's child process), with a message a student can act on.
+parsed, checked and imported (in the grader's child process), with a message a student can act on;
+and a class's targets: folders of ``*.py`` expanded, sorted, and sliced into shards.
+
+Parsing, expanding and sharding import nothing slow (the command line checks its arguments
+before torch is imported); importing a target imports the clauses (torch) only then.
 """
 
 from __future__ import annotations
@@ -7,18 +11,16 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from maskln_cli.errors import MasklnError
-from maskln_cli.grading.clauses import (
-    describe_exception,
-)
 
 DEFAULT_FUNCTION_NAME = "masked_layer_normalization"
 
@@ -89,6 +91,8 @@ def load_target(target: str) -> Fn:
         >>> load_target("maskln_cli:masked_layer_normalization").__name__
         'masked_layer_normalization'
     """
+    from maskln_cli.grading.clauses import describe_exception
+
     parsed = parse_target(target)
     try:
         if parsed.path is not None:
@@ -162,3 +166,59 @@ def _import_file(path: Path) -> Any:
         sys.modules.pop(name, None)
         raise
     return module
+
+
+def expand_targets(arguments: Sequence[str]) -> list[str]:
+    """The targets a class grade runs, sorted: each folder's ``*.py`` files (not those whose
+    name starts with ``_`` or ``.``, not its subfolders), files and module targets as given;
+    each checked (:func:`parse_target`), each once.
+
+    Example:
+        >>> expand_targets(["maskln_cli:masked_layer_normalization"])
+        ['maskln_cli:masked_layer_normalization']
+    """
+    found: list[str] = []
+    for argument in arguments:
+        if os.path.isdir(argument):  # "pkg:NAME" is a module target, even beside a folder pkg
+            files = sorted(
+                entry.path
+                for entry in os.scandir(argument)
+                if entry.name.endswith(".py")
+                and not entry.name.startswith(("_", "."))
+                and entry.is_file()
+            )
+            if not files:
+                raise MasklnError(f"TARGET {argument}: a folder with no .py file to grade")
+            found += files
+        else:
+            parse_target(argument)
+            found.append(argument)
+    return sorted(dict.fromkeys(found))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``K/N`` (the K-th of N slices, from 1), checked.
+
+    Example:
+        >>> parse_shard("2/3")
+        (2, 3)
+    """
+    index, _, count = text.partition("/")
+    try:
+        k, n = int(index), int(count)
+    except ValueError:
+        raise MasklnError(f"--shard: expected K/N (the K-th of N slices), got {text!r}") from None
+    if not 1 <= k <= n:
+        raise MasklnError(f"--shard {text}: K must be from 1 to N")
+    return k, n
+
+
+def shard(targets: Sequence[str], k: int, n: int) -> list[str]:
+    """The K-th of N contiguous slices of ``targets`` (sorted), as even as can be: slices 1 to
+    N, in order, are ``targets`` again (their JSON lines concatenate into the whole report).
+
+    Example:
+        >>> [shard("abcde", k, 3) for k in (1, 2, 3)]
+        [['a'], ['b', 'c'], ['d', 'e']]
+    """
+    return list(targets[(k - 1) * len(targets) // n : k * len(targets) // n])

@@ -9,7 +9,10 @@ from unsanitized padding.
 Formula mistakes are evaluated in float64, so a match does not depend on the result's dtype;
 precision mistakes (a one-pass variance) are evaluated in the result's dtype and recognized by
 the size of their error rather than its exact value, since two one-pass kernels round
-differently.
+differently. Dtype mistakes (:func:`diagnose_precision`: an output in another dtype than x's,
+or computed in a lower precision) are recognized by the result's dtype and by every value of it
+being a number of the lower precision. :data:`MORE_MISTAKES` holds formulas the grader also
+tries (``diagnose_output(..., mistakes=...)``).
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = [
+    "LOWER_PRECISION",
     "MISTAKES",
+    "MORE_MISTAKES",
+    "NEGATIVE_ZERO",
+    "PRECISION_MISTAKES",
     "Diagnosis",
     "Mistake",
     "diagnose_gradient",
     "diagnose_nan_gradient",
     "diagnose_output",
+    "diagnose_precision",
     "relative_distance",
 ]
 
@@ -216,6 +224,94 @@ MISTAKES: dict[str, Mistake] = {
     )
 }
 
+
+def _affine_reset(x, valid, scale, bias, eps):
+    return correct(x, valid, torch.ones_like(scale), torch.zeros_like(bias), eps)
+
+
+MORE_MISTAKES: dict[str, Mistake] = {
+    mistake.name: mistake
+    for mistake in (
+        Mistake(
+            "parameters_reinitialized",
+            "scale and bias replaced by ones and zeros (nn.init.ones_/zeros_ on them, or a"
+            " fresh nn.LayerNorm's own parameters)",
+            "use scale and bias as given: never create, reset or re-initialize them in the op",
+            _affine_reset,
+        ),
+    )
+}
+"""Formulas the grader tries besides :data:`MISTAKES` (``diagnose_output(..., mistakes=...)``):
+a function has no reason to give a plain layer norm's output, a kernel's output file may."""
+
+NEGATIVE_ZERO = Mistake(
+    "negative_zero",
+    "invalid rows zeroed by multiplying by the mask: bias * 0 is -0.0 where bias is negative",
+    "select instead of multiplying: torch.where(valid[..., None], y, 0.0) or"
+    " y.masked_fill(~valid[..., None], 0.0) write +0.0",
+    correct,  # recognized by the sign of its zeros, not by a formula
+)
+
+PRECISION_MISTAKES: dict[str, Mistake] = {
+    mistake.name: mistake
+    for mistake in (
+        Mistake(
+            "output_float32",
+            "the output is float32 for float64 inputs (a dtype hard-coded, or the result never"
+            " cast back)",
+            "return x's dtype: allocate with torch.empty_like(x) or finish with .to(x.dtype);"
+            " never dtype=torch.float32",
+            correct,
+        ),
+        Mistake(
+            "output_lower_precision",
+            "the output is in a lower precision than x (a dtype hard-coded, or the result never"
+            " cast back)",
+            "return x's dtype: allocate with torch.empty_like(x) or finish with .to(x.dtype)",
+            correct,
+        ),
+        Mistake(
+            "float64_not_cast_back",
+            "computed in float64 and never cast back: the output is float64 for lower-precision"
+            " inputs",
+            "cast the result back to x's dtype: .to(x.dtype)",
+            correct,
+        ),
+        Mistake(
+            "computed_in_float32",
+            "float64 inputs computed in float32 (every output value is a float32 number)",
+            "compute float64 inputs in float64: no .float() or dtype=torch.float32 inside",
+            correct,
+        ),
+        Mistake(
+            "computed_in_float16",
+            "computed in float16 (every output value is a float16 number): float16 arithmetic"
+            " errs by about 1e-3",
+            "compute in x's dtype (float32 at least); for speed, keep float32 accumulation",
+            correct,
+        ),
+        Mistake(
+            "computed_in_bfloat16",
+            "computed in bfloat16 (every output value is a bfloat16 number): bfloat16 arithmetic"
+            " errs by about 1e-2",
+            "compute in x's dtype (float32 at least); for speed, keep float32 accumulation",
+            correct,
+        ),
+    )
+}
+"""Dtype and precision mistakes, recognized by :func:`diagnose_precision` (their ``formula`` is
+a placeholder)."""
+
+LOWER_PRECISION: dict[str, torch.dtype | None] = {
+    "output_float32": torch.float32,
+    "output_lower_precision": None,  # the output's own dtype
+    "float64_not_cast_back": torch.float64,
+    "computed_in_float32": torch.float32,
+    "computed_in_float16": torch.float16,
+    "computed_in_bfloat16": torch.bfloat16,
+}
+"""The precision each dtype mistake computes or returns in (None: the result's own dtype)."""
+
 ONE_PASS = Mistake(
     "one_pass_variance",
     "one-pass variance E[x**2] - E[x]**2 (catastrophic cancellation on rows whose mean is large"
@@ -247,6 +343,7 @@ def diagnose_output(
     dtype: torch.dtype | None = None,
     *,
     noise: float | None = None,
+    mistakes: dict[str, Mistake] | None = None,
 ) -> list[Diagnosis]:
     """The known mistakes ``actual`` (an output of the op on these inputs) matches, best first.
 
@@ -256,7 +353,8 @@ def diagnose_output(
     implementation in ``dtype`` makes on these rows (PyTorch's, say): on rows with a large
     offset it is well above :data:`MATCH_DISTANCE`, and a mistake then matches within three
     times it, when three times closer to it than to the correct output. An empty list: the
-    result is wrong in no known way (or right).
+    result is wrong in no known way (or right). ``mistakes``: the formulas tried (default
+    :data:`MISTAKES`).
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
@@ -274,7 +372,7 @@ def diagnose_output(
         return []
     limit, closer = _limit(dtype, noise)
     found = []
-    for mistake in MISTAKES.values():
+    for mistake in (MISTAKES if mistakes is None else mistakes).values():
         with torch.no_grad():
             wrong = mistake.formula(x64, valid, scale64, bias64, eps)
         distance = _distance(result, wrong)
@@ -284,6 +382,68 @@ def diagnose_output(
     if one_pass is not None:
         found.append(one_pass)
     return sorted(found, key=lambda d: d.distance)
+
+
+def diagnose_precision(
+    actual: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> list[Diagnosis]:
+    """The dtype mistake ``actual`` (an output of the op on these inputs) shows, if any: its
+    dtype is not x's, or every finite value of it is a number of a lower precision (float32 for
+    a float64 x; float16 or bfloat16) while the truth, in x's dtype, is not.
+
+    Example:
+        >>> x = torch.randn(4, 16, dtype=torch.float64)
+        >>> valid, scale, bias = torch.ones(4, dtype=torch.bool), torch.ones(16), torch.zeros(16)
+        >>> low = correct(x.float(), valid, scale, bias, 1e-5).double()
+        >>> [d.mistake for d in diagnose_precision(low, x, valid, scale, bias, 1e-5)]
+        ['computed_in_float32']
+    """
+    if not (actual.is_floating_point() and x.is_floating_point()):
+        return []
+    name = None
+    if actual.dtype != x.dtype:
+        if actual.dtype == torch.float64:
+            name = "float64_not_cast_back"
+        elif x.dtype == torch.float64 and actual.dtype == torch.float32:
+            name = "output_float32"
+        elif actual.dtype.itemsize < x.dtype.itemsize:
+            name = "output_lower_precision"
+    else:
+        with torch.no_grad():
+            truth = correct(x.double(), valid, scale.double(), bias.double(), eps).to(x.dtype)
+        for lower in (torch.bfloat16, torch.float16, torch.float32):
+            if lower.itemsize >= x.dtype.itemsize or lower == x.dtype:
+                continue
+            if _all_representable(actual, lower) and not _mostly_representable(truth, lower):
+                name = f"computed_in_{str(lower).removeprefix('torch.')}"
+                break
+    if name is None:
+        return []
+    mistake = PRECISION_MISTAKES[name]
+    return [Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)]
+
+
+def _representable(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Which finite, nonzero elements of ``t`` are numbers of ``dtype`` (bool, those only)."""
+    t = t.detach()
+    keep = t.isfinite() & (t != 0)
+    values = t[keep]
+    return values.to(dtype).to(values.dtype) == values
+
+
+def _all_representable(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    exact = _representable(t, dtype)
+    return exact.numel() >= 4 and bool(exact.all())
+
+
+def _mostly_representable(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    exact = _representable(t, dtype)
+    return exact.numel() < 4 or float(exact.double().mean()) > 0.5
 
 
 def relative_distance(result: torch.Tensor, reference: torch.Tensor) -> float:

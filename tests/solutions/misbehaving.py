@@ -53,3 +53,21 @@ def hangs(x, valid, scale, bias, eps=1e-05):
     """Never returns (benchmarks/grade_wall_time.py times the grader on it)."""
     while True:
         time.sleep(0.01)
+
+
+def memory_bomb(x, valid, scale, bias, eps=1e-05):
+    """Allocates without bound, and retries when an allocation fails (as a caching allocator
+    does): it never raises, it runs out of time at the memory cap."""
+    hoard = []
+    while True:
+        try:
+            hoard.append(torch.ones(1 << 26, dtype=torch.uint8))  # 64 MiB, touched
+        except (MemoryError, RuntimeError):
+            time.sleep(0.01)
+
+
+def prints_too_much(x, valid, scale, bias, eps=1e-05):
+    """Prints without end: past the grader's output cap, its write fails."""
+    line = "x" * (1 << 20)
+    while True:
+        print(line)

@@ -16,7 +16,8 @@ Its modules, by what they render:
 - :mod:`.tables`: a fast path for rich's layout of simple tables, byte for byte rich's own.
 - :mod:`.progress`: the progress bar on stderr.
 - :mod:`.inspect`, :mod:`.comparison` and :mod:`.grade`: the reports of ``maskln inspect``,
-  of ``verify`` and ``diff``, and of ``grade``.
+  of ``verify`` and ``diff``, and of ``grade`` (a class's table, JSON lines and gradebook in
+  :mod:`.gradebook`).
 
 It imports rich (inside functions: ``maskln --help`` does not pay for it) and the plain data it
 renders from the layers below; only the commands (:mod:`maskln_cli.cli`) import it.

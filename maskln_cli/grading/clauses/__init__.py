@@ -11,11 +11,14 @@ mistake (:mod:`maskln_cli.op.mistakes`). :mod:`maskln_cli.grading` puts them tog
 The shared machinery: :mod:`.cases` (inputs and their random data), :mod:`.calls` (calling
 the function, and what the calls gave), :mod:`.judging` (verdicts against the reference),
 :mod:`.clause` (what a clause is) and :mod:`.recorders` (what runs inside the function). The
-clauses, by family: :mod:`.values`, :mod:`.padding`, :mod:`.gradients`,
+clauses, by family: :mod:`.values`, :mod:`.sizes`, :mod:`.padding`, :mod:`.gradients`,
 :mod:`.dtypes_layouts`, :mod:`.purity` and :mod:`.accuracy`; :data:`CLAUSES` puts them in the
 order they run and are reported.
 
-Cases are small (tens of rows) so that the whole contract runs in about a second.
+Cases are small (tens of rows), but for a few wide ones (:mod:`.sizes`), so that the whole
+contract runs in seconds. :mod:`.half` holds the opt-in half-precision clauses; :mod:`.assumed`
+what the judges compare with: the specification, or a known mistake assumed to see whether it
+explains a failure.
 
 It imports the op's reference and catalogue of mistakes, and nothing else of maskln but its own
 modules.
@@ -33,7 +36,16 @@ from __future__ import annotations
 
 import warnings
 
-from maskln_cli.grading.clauses import accuracy, dtypes_layouts, gradients, padding, purity, values
+from maskln_cli.grading.clauses import (
+    accuracy,
+    dtypes_layouts,
+    gradients,
+    half,
+    padding,
+    purity,
+    sizes,
+    values,
+)
 from maskln_cli.grading.clauses.accuracy import OFFSET_FACTOR, TWO_PASS_FACTOR, layer_norm_error
 from maskln_cli.grading.clauses.calls import CAUGHT, ClauseRun, Fn, Misbehaved, describe_exception
 from maskln_cli.grading.clauses.cases import Case, dtype_name
@@ -77,6 +89,7 @@ CLAUSES = {
         values.SIGNATURE,
         values.WORKED_EXAMPLE,
         values.VALUES,
+        sizes.LARGE_SHAPES_CLAUSE,
         padding.LEADING_AXES,
         padding.INVALID_ROWS_ZERO,
         padding.SANITIZED_PADDING,
@@ -93,9 +106,12 @@ CLAUSES = {
         gradients.SECOND_ORDER,
         gradients.GRAD_FLAGS,
         accuracy.OFFSET_ACCURACY,
+        half.HALF_VALUES,
+        half.HALF_GRADIENTS,
     )
 }
-"""Every clause, required first, in the order they run and are reported."""
+"""Every clause, required first, then strict, then optional, in the order they run and are
+reported."""
 
 
 def run_clause(

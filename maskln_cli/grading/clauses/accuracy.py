@@ -16,9 +16,12 @@ from maskln_cli.grading.clauses.clause import Judge, each_call_judge, make_claus
 from maskln_cli.grading.clauses.judging import (
     Verdict,
     diagnose_failures,
-    format_number,
+    format_pair,
     relative_rms_error,
+    unravel,
 )
+from maskln_cli.op.mistakes import Diagnosis
+from maskln_cli.op.reference import reference_masked_layer_norm
 
 TWO_PASS_FACTOR = 4.0
 OFFSET_FACTOR = 2.0
@@ -52,7 +55,10 @@ def layer_norm_error(case: Case) -> float:
     keep = t["valid"][..., None]
     clean = torch.where(keep, t["x"], 0.0)
     ours = torch.nn.functional.layer_norm(clean, clean.shape[-1:], t["scale"], t["bias"], case.eps)
-    return relative_rms_error(torch.where(keep, ours, 0.0), case.reference())
+    # The specification's reference, whatever mistake is assumed (:mod:`.assumed`): the
+    # yardstick is how far a correct kernel is from the truth.
+    truth = reference_masked_layer_norm(t["x"], t["valid"], t["scale"], t["bias"], case.eps)
+    return relative_rms_error(torch.where(keep, ours, 0.0), truth)
 
 
 def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
@@ -65,22 +71,33 @@ def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
         yardstick = layer_norm_error(case)
         if not error <= max(factor * yardstick, ACCURACY_FLOOR):
             worst = (out.double() - reference).abs().nan_to_num(math.inf)
-            index = [int(i) for i in torch.unravel_index(worst.argmax(), worst.shape)]
+            index = unravel(int(worst.argmax()), worst.shape)
+            pair = format_pair(out[tuple(index)], reference[tuple(index)], out.dtype)
             detail = (
                 f"{case.label}: relative RMS error {error:.3g}; F.layer_norm's is"
                 f" {yardstick:.3g}, the limit {factor:g}x that (the worst element, at"
-                f" {index}, gave {format_number(out[tuple(index)])}, the reference gives"
-                f" {format_number(reference[tuple(index)])})"
+                f" {index}, {pair})"
             )
-            return Verdict(False, detail, diagnose_failures([(case, out)]) if diagnose else None)
+            return Verdict(False, detail, _accuracy_diagnosis(case, out, diagnose))
         return None
 
     return each_call_judge(verdict)
 
 
+def _accuracy_diagnosis(case: Case, out: torch.Tensor, every: bool) -> list[Diagnosis] | None:
+    """The known mistakes a failing output matches (``every``); else only a one-pass variance,
+    when it matches: a correct kernel less accurate than F.layer_norm (offset_accuracy) matches
+    no mistake, and saying so would suggest one."""
+    found = diagnose_failures([(case, out)])
+    if every:
+        return found
+    one_pass = [d for d in found or [] if d.mistake == "one_pass_variance"]
+    return one_pass or None
+
+
 TWO_PASS = make_clause(
     "two_pass",
-    True,
+    "required",
     f"float32 rows 1e4 ± 0.1: RMS error within {TWO_PASS_FACTOR:g}x F.layer_norm's",
     lambda seed: _offset_cases(seed, "two_pass", TWO_PASS_DATA),
     calls=one_call_each,
@@ -90,7 +107,7 @@ TWO_PASS = make_clause(
 
 OFFSET_ACCURACY = make_clause(
     "offset_accuracy",
-    False,
+    "strict",
     f"offset float32 rows: RMS error within {OFFSET_FACTOR:g}x F.layer_norm's",
     lambda seed: _offset_cases(seed, "offset_accuracy", OFFSET_DATA),
     calls=one_call_each,

@@ -37,6 +37,48 @@ class Call:
 
 
 GRAD_INPUTS = ("x", "scale", "bias")
+MODE_WORDS = {
+    "grad": "grad enabled",
+    "no_grad": "under torch.no_grad()",
+    "inference": "under torch.inference_mode()",
+}
+
+
+_WATCHER: list[Callable[[str], None]] = []
+
+
+def watch_calls(watcher: Callable[[str], None] | None) -> None:
+    """Have ``watcher`` told, before each call of the graded function, which case it is about
+    (the grader's child tells the grader, so that a timeout names the case that hung)."""
+    _WATCHER[:] = [watcher] if watcher is not None else []
+
+
+def announce(what: str) -> None:
+    """Tell the watcher (:func:`watch_calls`), if any, that the function is called on ``what``."""
+    for watcher in _WATCHER:
+        watcher(what)
+
+
+def call_words(call: Call) -> str:
+    """How a call is made, in words, after its case's label: ``, x requiring grad, and its
+    backward``; ``, under torch.no_grad()``.
+
+    Example:
+        >>> call_words(Call("0", 0, requires=("x", "bias"), backward=True))
+        ', x and bias requiring grad, and its backward'
+    """
+    words = ""
+    if call.requires:
+        names = list(call.requires)
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        words += f", {listed} requiring grad"
+    if call.mode != "grad":
+        words += f", {MODE_WORDS[call.mode]}"
+    if call.backward:
+        words += ", and its backward"
+    if call.clean:
+        words += ", clean padding"
+    return words
 
 
 class Misbehaved(Exception):
@@ -86,6 +128,7 @@ def perform(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Make one call; returns the tensors it gave (``out``, ``grad_x``, ...) and facts about
     its output (requires_grad, dtype, device, strides)."""
+    announce(f"{case.label}{call_words(call)}")
     t = case.inputs(device, clean=call.clean)
     for name in call.requires:
         t[name].requires_grad_()

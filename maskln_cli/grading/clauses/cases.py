@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from maskln_cli.op.reference import reference_masked_layer_norm
+from maskln_cli.grading.clauses.assumed import reference_formula
 
 
 @dataclass
@@ -58,9 +58,10 @@ class Case:
         return ~t["valid"][..., None].expand(t["x"].shape)
 
     def reference(self) -> torch.Tensor:
-        """The float64 reference output for this case's inputs."""
+        """The float64 reference output for this case's inputs (an assumed mistake's, while
+        one is assumed: :mod:`.assumed`)."""
         t = self.inputs()
-        return reference_masked_layer_norm(t["x"], t["valid"], t["scale"], t["bias"], self.eps)
+        return reference_formula()(t["x"], t["valid"], t["scale"], t["bias"], self.eps)
 
 
 def apply_view(tensor: torch.Tensor, view: tuple[Any, ...]) -> torch.Tensor:

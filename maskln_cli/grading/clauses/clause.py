@@ -12,24 +12,33 @@ from maskln_cli.grading.clauses.calls import Call, ClauseRun, Fn, one_call_each,
 from maskln_cli.grading.clauses.cases import Case
 from maskln_cli.grading.clauses.judging import PASSED, Verdict, failure_detail, judge_outputs
 
+LEVELS = ("required", "strict", "optional")
+"""A clause's level: ``required``, a sentence of the specification; ``strict``, one of maskln's
+own stronger guarantees; ``optional``, beyond the specification (half precision), graded only
+when asked for."""
+
 
 @dataclass(frozen=True)
 class Clause:
-    """One property of the contract.
+    """One property of the contract, of a level (:data:`LEVELS`).
 
     ``build(seed)`` makes the cases; ``run(fn, cases, device)`` calls the function (in the
     child, for ``maskln grade``); ``judge(cases, run)`` gives the verdict (in the parent).
     """
 
     name: str
-    required: bool
+    level: str
     summary: str
     build: Callable[[int], list[Case]]
     run: Callable[[Fn, list[Case], str], ClauseRun]
     judge: Callable[[list[Case], ClauseRun], Verdict]
 
+    @property
+    def required(self) -> bool:
+        return self.level == "required"
+
     def __repr__(self) -> str:
-        return f"Clause({self.name!r}, {'required' if self.required else 'strict'})"
+        return f"Clause({self.name!r}, {self.level})"
 
 
 Run = Callable[[Fn, list[Case], str], ClauseRun]
@@ -75,7 +84,7 @@ def each_call_judge(verdict: Callable[[Case, Call, ClauseRun], Verdict | None]) 
 
 def make_clause(
     name: str,
-    required: bool,
+    level: str,
     summary: str,
     build: Callable[[int], list[Case]],
     calls: CallsOf | None = None,
@@ -83,8 +92,9 @@ def make_clause(
     judge: Judge | None = None,
 ) -> Clause:
     """A clause; by default it makes ``calls`` and judges their outputs (and gradients)."""
+    assert level in LEVELS, level
     if run is None or judge is None:
         assert calls is not None
     return Clause(
-        name, required, summary, build, run or calls_run(calls), judge or outputs_judge(calls)
+        name, level, summary, build, run or calls_run(calls), judge or outputs_judge(calls)
     )

@@ -10,6 +10,7 @@ import itertools
 import torch
 
 from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses.assumed import dtype_allowed
 from maskln_cli.grading.clauses.calls import Call, ClauseRun, one_call_each
 from maskln_cli.grading.clauses.cases import (
     Case,
@@ -21,6 +22,7 @@ from maskln_cli.grading.clauses.cases import (
 from maskln_cli.grading.clauses.clause import each_call_judge, make_clause
 from maskln_cli.grading.clauses.judging import (
     Verdict,
+    diagnose_failures,
     relative_rms_error,
     value_mismatch,
 )
@@ -60,8 +62,9 @@ def same_device(reported: object, expected: str) -> bool:
 def _dtype_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
     out = run.tensor(call.key, "out")
     expected = dtype_name(case.x.dtype)
-    if out.dtype != case.x.dtype:
-        return Verdict(False, f"{case.label}: returned {dtype_name(out.dtype)}, not {expected}")
+    if not dtype_allowed(out.dtype, case.x.dtype):
+        detail = f"{case.label}: returned {dtype_name(out.dtype)}, not {expected}"
+        return Verdict(False, detail, diagnose_failures([(case, out)]))
     got_device = run.meta.get(call.key, {}).get("device")
     if not same_device(got_device, run.device):
         return Verdict(
@@ -70,7 +73,7 @@ def _dtype_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
     if case.x.dtype == torch.float64:
         problem = _precision_problem(out, case.reference())
         if problem is not None:
-            return Verdict(False, f"{case.label}: {problem}")
+            return Verdict(False, f"{case.label}: {problem}", diagnose_failures([(case, out)]))
     return None
 
 
@@ -106,7 +109,7 @@ def _precision_problem(out: torch.Tensor, reference: torch.Tensor) -> str | None
 
 DTYPES = make_clause(
     "dtypes",
-    True,
+    "required",
     "the output has x's dtype and device; float64 is computed in float64",
     _dtypes_cases,
     calls=one_call_each,
@@ -150,7 +153,7 @@ def _strided_cases(seed: int) -> list[Case]:
 
 STRIDED_INPUTS = make_clause(
     "strided_inputs",
-    True,
+    "required",
     "permuted, stepped-slice, expanded and channels-strided x; non-contiguous valid,"
     " scale and bias",
     _strided_cases,
@@ -200,7 +203,7 @@ def _layout_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | None:
 
 OUTPUT_LAYOUT = make_clause(
     "output_layout",
-    False,
+    "strict",
     "the output's strides are torch.empty_like(x)'s",
     _layout_cases,
     calls=one_call_each,

@@ -9,6 +9,7 @@ import itertools
 import torch
 
 from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses.assumed import reference_formula
 from maskln_cli.grading.clauses.calls import (
     CAUGHT,
     GRAD_INPUTS,
@@ -16,6 +17,7 @@ from maskln_cli.grading.clauses.calls import (
     ClauseRun,
     Fn,
     Misbehaved,
+    announce,
     checked_output,
     describe_exception,
     export_tensor,
@@ -32,7 +34,6 @@ from maskln_cli.grading.clauses.judging import (
     judge_gradients,
     value_mismatch,
 )
-from maskln_cli.op.reference import reference_masked_layer_norm
 
 # gradients ----------------------------------------------------------------------------------------
 
@@ -75,7 +76,7 @@ def _gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 GRADIENTS = make_clause(
     "gradients",
-    True,
+    "required",
     "dx, dscale, dbias against autograd through the float64 reference, for each subset"
     " of inputs requiring grad",
     _gradient_cases,
@@ -130,6 +131,7 @@ def _second_order_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
     def function(x, scale, bias):
         return fn(x, t["valid"].clone(), scale, bias, case.eps)  # a fresh mask each call
 
+    announce(f"{case.label}, gradgradcheck and second-order products")
     try:
         torch.autograd.gradgradcheck(function, inputs, fast_mode=True)
         run.meta["gradgradcheck"] = {"passed": True}
@@ -150,7 +152,7 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         return Verdict(False, f"{case.label}: gradgradcheck failed: {check.get('error')}")
     if "0" in run.errors:
         return Verdict(False, f"{case.label}: {run.errors['0']}")
-    expected = _second_order_products(reference_masked_layer_norm, case, "cpu")
+    expected = _second_order_products(reference_formula(), case, "cpu")
     for name, reference in expected.items():
         mismatch = grad_mismatch(run.tensor("0", name), reference, torch.float64)
         if mismatch is not None:
@@ -160,7 +162,7 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 SECOND_ORDER = make_clause(
     "second_order",
-    False,
+    "strict",
     "gradgradcheck passes in float64, and second-order products are right",
     _second_order_cases,
     run=_second_order_run,
@@ -213,7 +215,7 @@ def _flags_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 GRAD_FLAGS = make_clause(
     "grad_flags",
-    False,
+    "strict",
     "the output requires grad exactly when an input does; no_grad and inference_mode work",
     _flags_cases,
     calls=_flags_calls,

@@ -12,16 +12,34 @@ from typing import Any
 
 import torch
 
+from maskln_cli.grading.clauses.assumed import reference_formula, tolerance_dtype
 from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun
 from maskln_cli.grading.clauses.cases import Case
-from maskln_cli.op.mistakes import Diagnosis, diagnose_output
-from maskln_cli.op.reference import reference_masked_layer_norm
+from maskln_cli.op.mistakes import (
+    LOWER_PRECISION,
+    MISTAKES,
+    MORE_MISTAKES,
+    Diagnosis,
+    diagnose_output,
+    diagnose_precision,
+)
 
-VALUE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
+VALUE_TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 4 * 2.0**-10,
+    torch.bfloat16: 4 * 2.0**-7,
+}
 """rtol = atol for outputs against the float64 reference, by input dtype, on well-conditioned
 rows (|mean| <= 2 * std): a few hundred roundings of a correct kernel, far below what any
-known mistake gives."""
-GRAD_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+known mistake gives. Half precisions: 4 units in the last place at 1 (a function computing in
+float16 errs by about 1.3 of them, with float32 accumulation by 0.3)."""
+GRAD_TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 4 * 2.0**-10,
+    torch.bfloat16: 4 * 2.0**-7,
+}
 """rtol, and atol relative to the largest reference gradient, for gradients (sums over rows
 and the backward's cancellations round more than the forward)."""
 EXACT = 1e-12
@@ -46,6 +64,49 @@ def format_number(value: float) -> str:
     return f"{value:.7g}"
 
 
+def format_pair(gave: float, expected: float, dtype: torch.dtype = torch.float64) -> str:
+    """``gave X, the reference gives Y`` with as many significant digits (7 at least) as make
+    two different numbers read differently; when they agree to 7 digits, how many units in the
+    last place of ``dtype`` (the output's) they are apart.
+
+    Example:
+        >>> format_pair(-1.0396132, -1.03961302, torch.float32)
+        'gave -1.0396132, the reference gives -1.039613 (1.5 float32 ulps apart)'
+        >>> format_pair(-1.03961289, -1.03961291, torch.float32)[-67:]
+        'gives -1.03961291 (less than 1 float32 ulp apart: float32 rounding)'
+        >>> format_pair(0.5, 0.25)
+        'gave 0.5, the reference gives 0.25'
+    """
+    gave, expected = float(gave), float(expected)
+    digits = 7
+    while digits < 17 and f"{gave:.{digits}g}" == f"{expected:.{digits}g}" and gave != expected:
+        digits += 1
+    text = f"gave {gave:.{digits}g}, the reference gives {expected:.{digits}g}"
+    ulps = ulps_apart(gave, expected, dtype) if digits > 7 else None
+    if ulps is not None and ulps < 10_000:
+        name = str(dtype).removeprefix("torch.")
+        if ulps < 1:
+            text += f" (less than 1 {name} ulp apart: {name} rounding)"
+        else:
+            text += f" ({ulps:.2g} {name} ulps apart)" if ulps < 10 else f" ({ulps:,.0f} ulps)"
+    return text
+
+
+def ulps_apart(a: float, b: float, dtype: torch.dtype) -> float | None:
+    """How many units in the last place of ``dtype`` (at ``b``) ``a`` and ``b`` are apart;
+    None when that means nothing (not finite, zero, not a floating dtype).
+
+    Example:
+        >>> ulps_apart(1.0 + 2**-23, 1.0, torch.float32)
+        1.0
+    """
+    if not (math.isfinite(a) and math.isfinite(b)) or b == 0 or not dtype.is_floating_point:
+        return None
+    info = torch.finfo(dtype)
+    _, exponent = math.frexp(max(abs(b), info.tiny))
+    return abs(a - b) / (info.eps * 2.0 ** (exponent - 1))
+
+
 def first_mismatch(
     actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
 ) -> str | None:
@@ -62,17 +123,35 @@ def first_mismatch(
     if not bad.any():
         return None
     excess = torch.where(bad, (error - allowed).nan_to_num(math.inf), -math.inf)
-    index = [int(i) for i in torch.unravel_index(excess.argmax(), a.shape)]
-    gave, expected = format_number(a[tuple(index)]), format_number(e[tuple(index)])
-    return f"at {index} gave {gave}, the reference gives {expected}"
+    index = unravel(int(excess.argmax()), a.shape)
+    return f"at {index} {format_pair(a[tuple(index)], e[tuple(index)], actual.dtype)}"
+
+
+def unravel(flat: int, shape: torch.Size | tuple[int, ...]) -> list[int]:
+    """The index of element ``flat`` of a row-major ``shape`` (``torch.unravel_index`` imports
+    hundreds of modules on first use: a second of a grade).
+
+    Example:
+        >>> unravel(5, (2, 3))
+        [1, 2]
+    """
+    index = []
+    for size in reversed(tuple(shape)):
+        flat, rest = divmod(flat, size)
+        index.append(rest)
+    return index[::-1]
 
 
 def value_mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Where an output of a ``dtype`` case is beyond its tolerance (:data:`VALUE_TOLERANCE`)."""
+    dtype = tolerance_dtype(dtype)
     tolerance = VALUE_TOLERANCE.get(dtype, VALUE_TOLERANCE[torch.float32])
     return first_mismatch(actual, expected, tolerance, tolerance)
 
 
 def grad_mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Where a gradient of a ``dtype`` case is beyond its tolerance (:data:`GRAD_TOLERANCE`)."""
+    dtype = tolerance_dtype(dtype)
     tolerance = GRAD_TOLERANCE.get(dtype, GRAD_TOLERANCE[torch.float32])
     largest = float(expected.abs().max()) if expected.numel() else 0.0
     return first_mismatch(actual, expected, tolerance, tolerance * max(1.0, largest))
@@ -94,9 +173,7 @@ def reference_gradients(case: Case, requires: Sequence[str] = GRAD_INPUTS) -> di
     """Gradients of ``sum(reference * grad_out)`` by autograd through the float64 reference."""
     t = case.inputs()
     leaves = {name: t[name].detach().double().requires_grad_() for name in GRAD_INPUTS}
-    out = reference_masked_layer_norm(
-        leaves["x"], t["valid"], leaves["scale"], leaves["bias"], case.eps
-    )
+    out = reference_formula()(leaves["x"], t["valid"], leaves["scale"], leaves["bias"], case.eps)
     assert case.grad_out is not None
     weighted = (out * case.grad_out.double()).sum()
     grads = torch.autograd.grad(weighted, list(leaves.values()))
@@ -149,13 +226,19 @@ def judge_gradients(case: Case, call: Call, run: ClauseRun, what: str = "") -> s
     return None
 
 
+CATALOGUE = {**MISTAKES, **MORE_MISTAKES}
+"""The formulas the grader tries on a wrong output."""
+
+
 def diagnose_failures(
     failing: list[tuple[Case, torch.Tensor]], limit: int = 8
 ) -> list[Diagnosis] | None:
     """The known mistakes that explain the most of the first ``limit`` failing cases (one
     output per case), best first; None when no output could be diagnosed (wrong shapes).
     Several wrong formulas agree on degenerate rows (C = 1, a variance of 1), so one case
-    alone can be ambiguous where a few are not."""
+    alone can be ambiguous where a few are not. A dtype mistake (an output in another dtype,
+    or computed in a lower precision) comes first; formulas are then matched at that
+    precision."""
     matches: dict[str, list[Diagnosis]] = {}
     seen: set[int] = set()
     diagnosed = 0
@@ -166,8 +249,19 @@ def diagnose_failures(
         t = case.inputs()
         if tuple(out.shape) != tuple(t["x"].shape):
             continue
-        found = diagnose_output(
-            out, t["x"], t["valid"], t["scale"], t["bias"], case.eps, case.x.dtype
+        found = diagnose_precision(out, t["x"], t["valid"], t["scale"], t["bias"], case.eps)
+        precision = case.x.dtype
+        if found:
+            precision = LOWER_PRECISION.get(found[0].mistake) or out.dtype
+        found += diagnose_output(
+            out,
+            t["x"],
+            t["valid"],
+            t["scale"],
+            t["bias"],
+            case.eps,
+            max(precision, case.x.dtype, key=lambda d: -d.itemsize),
+            mistakes=CATALOGUE,
         )
         diagnosed += 1
         for diagnosis in found:

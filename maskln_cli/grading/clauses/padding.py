@@ -1,6 +1,7 @@
 """The clauses on the mask and the padding: any number of leading axes (a 0-d valid too),
 invalid rows exactly zero (+0.0 for the strict clause), and NaN, inf and 1e30 in invalid rows of
-x changing neither the output nor any gradient.
+x changing neither the output nor any gradient, in every shape family the first two try (a 0-d
+valid, one row, every row invalid or valid, zero-size) and in every grad mode.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import math
 import torch
 
 from maskln_cli.grading.clauses import draws
-from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun, one_call_each
+from maskln_cli.grading.clauses.calls import (
+    GRAD_INPUTS,
+    MODE_WORDS,
+    Call,
+    ClauseRun,
+    one_call_each,
+)
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
 from maskln_cli.grading.clauses.clause import each_call_judge, make_clause
 from maskln_cli.grading.clauses.judging import (
@@ -19,12 +26,12 @@ from maskln_cli.grading.clauses.judging import (
     Verdict,
     diagnose_failures,
     failure_detail,
-    format_number,
+    format_pair,
     judge_gradients,
     reference_gradients,
     value_mismatch,
 )
-from maskln_cli.op.mistakes import Diagnosis, diagnose_nan_gradient
+from maskln_cli.op.mistakes import NEGATIVE_ZERO, Diagnosis, diagnose_nan_gradient
 
 # leading_axes -------------------------------------------------------------------------------------
 
@@ -56,7 +63,7 @@ def _leading_calls(cases: list[Case]) -> list[Call]:
 
 LEADING_AXES = make_clause(
     "leading_axes",
-    True,
+    "required",
     "0, 1, 2 and 4 leading axes (x [C] with a 0-d valid), and zero-size inputs,"
     " values and gradients",
     _leading_cases,
@@ -109,24 +116,25 @@ def _invalid_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     return Verdict(False, first, diagnose_failures(failing))
 
 
-def _nonzero_invalid(out: torch.Tensor, case: Case) -> str | None:
+def _nonzero_invalid(out: torch.Tensor, case: Case, what: str = "") -> str | None:
+    """Where ``out`` is not the reference's 0 in an invalid row (-0.0 is 0 here; a mistake's
+    formula, when one is assumed, may give other values there)."""
     invalid = case.invalid()
     if out.shape != invalid.shape:
-        return f"{case.label}: shape {list(out.shape)}, the reference's {list(invalid.shape)}"
-    wrong = invalid & (out != 0)  # NaN != 0 too
+        return f"{case.label}{what}: shape {list(out.shape)}, the reference's {list(invalid.shape)}"
+    expected = case.reference()
+    same = (out.double() == expected) | (out.isnan() & expected.isnan())  # NaN != 0 too
+    wrong = invalid & ~same
     if not wrong.any():
         return None
-    index = [int(i) for i in wrong.nonzero()[0]]
-    value = out[tuple(index)]
-    return (
-        f"{case.label}: at {index} (an invalid row) gave {format_number(value)},"
-        " the reference gives 0"
-    )
+    index = tuple(int(i) for i in wrong.nonzero()[0])
+    pair = format_pair(out[index], expected[index], out.dtype)
+    return f"{case.label}{what}: at {list(index)} (an invalid row) {pair}"
 
 
 INVALID_ROWS_ZERO = make_clause(
     "invalid_rows_zero",
-    True,
+    "required",
     "invalid rows are zero although bias is not",
     _invalid_cases,
     calls=one_call_each,
@@ -141,60 +149,119 @@ _POISON = (math.nan, math.inf, -math.inf, 1e30)
 
 
 def _poison(x: torch.Tensor, valid: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """x with NaN, +inf, -inf and 1e30 in its invalid rows: whole rows of each, and mixes."""
+    """x with NaN, +inf, -inf and 1e30 in its invalid rows: whole rows of each, and mixes (a
+    lone invalid row mixes all four)."""
     poison = torch.tensor(_POISON, dtype=x.dtype)
     pick = torch.randint(0, len(_POISON), x.shape, generator=g)
     rows = torch.randint(0, 2 * len(_POISON), x.shape[:-1], generator=g)
+    if rows.numel() == 1:
+        rows.fill_(len(_POISON))  # mixed
+        pick = torch.arange(x.shape[-1]).remainder(len(_POISON)).expand(x.shape)
     whole = rows < len(_POISON)  # half the rows hold one poison throughout
     pick = torch.where(whole[..., None], rows[..., None].clamp_max(len(_POISON) - 1), pick)
     return torch.where(valid[..., None], x, poison[pick])
 
 
+# The shape families of leading_axes and invalid_rows_zero: (what, leading shape, mask, dtype).
+_FAMILIES = (
+    ("a 0-d valid False", (), "none", torch.float64),
+    ("a 0-d valid True", (), "all", torch.float32),
+    ("one row, invalid", (1,), "none", torch.float32),
+    ("one row, valid", (1,), "all", torch.float64),
+    ("every row invalid", (2, 6), "none", torch.float32),
+    ("every row invalid", (2, 6), "none", torch.float64),
+    ("every row valid", (2, 6), "all", torch.float32),
+    ("zero-size", (0,), "none", torch.float32),
+    ("zero-size", (3, 0), "none", torch.float64),
+)
+
+
 def _poisoned_cases(seed: int, clause: str, grad: bool) -> list[Case]:
+    """Random masks of [3, 6] rows, and the shape families (:data:`_FAMILIES`), with NaN,
+    ±inf and 1e30 in every invalid row; a 0-d valid False with 1e30 throughout too (its
+    square overflows float32)."""
     g = draws.generator(seed, clause)
     cases = []
-    for dtype, channels in itertools.product((torch.float64, torch.float32), (8, 3)):
-        x = draws.rows(g, (3, 6), channels)
-        valid = draws.mask(g, (3, 6))
-        label = f"{describe_inputs(x, dtype, 1e-5)}, {POISON_LABEL}"
+    shapes = [
+        ("", (3, 6), "random", dtype, channels)
+        for dtype, channels in itertools.product((torch.float64, torch.float32), (8, 3))
+    ]
+    shapes += [(f", {what}", leading, kind, dtype, 8) for what, leading, kind, dtype in _FAMILIES]
+    for what, leading, kind, dtype, channels in shapes:
+        x = draws.rows(g, leading, channels)
+        if kind == "random":
+            valid = draws.mask(g, leading)
+        else:
+            valid = torch.full(leading, kind == "all", dtype=torch.bool)
+        label = f"{describe_inputs(x, dtype, 1e-5)}{what}, {POISON_LABEL}"
         case = make_case(label, x, valid, draws.params(g, channels), 1e-5, dtype, g, grad=grad)
         case.clean_x = case.x
         case.x = _poison(case.x, valid, g)
         cases.append(case)
+    x = draws.rows(g, (), 8)
+    label = f"{describe_inputs(x, torch.float32, 1e-5)}, a 0-d valid False, 1e30 throughout"
+    params = draws.params(g, 8)
+    case = make_case(label, x, torch.tensor(False), params, 1e-5, torch.float32, g, grad)
+    case.clean_x = case.x
+    case.x = torch.full_like(case.x, 1e30)
+    cases.append(case)
     return cases
 
 
+_PADDING_MODES = (
+    ("", Call("", 0)),
+    (".grad", Call("", 0, requires=GRAD_INPUTS)),
+    (".no_grad", Call("", 0, requires=GRAD_INPUTS, mode="no_grad")),
+    (".inference", Call("", 0, requires=GRAD_INPUTS, mode="inference")),
+)
+"""Each poisoned case is called with no input requiring grad, with x, scale and bias requiring
+grad, and with them requiring grad under torch.no_grad() and torch.inference_mode()."""
+
+
 def _sanitized_padding_calls(cases: list[Case]) -> list[Call]:
-    return [
-        call
-        for i in range(len(cases))
-        for call in (Call(str(i), i), Call(f"{i}.clean", i, clean=True))
-    ]
+    calls = []
+    for i in range(len(cases)):
+        calls += [
+            Call(f"{i}{suffix}", i, requires=call.requires, mode=call.mode)
+            for suffix, call in _PADDING_MODES
+        ]
+        calls.append(Call(f"{i}.clean", i, clean=True))
+    return calls
+
+
+def _mode_words(call: Call) -> str:
+    if call.mode != "grad":
+        return f", {MODE_WORDS[call.mode]}"
+    return ", x, scale and bias requiring grad" if call.requires else ""
 
 
 def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     for i, case in enumerate(cases):
-        call = Call(str(i), i)
-        problem = failure_detail(case, call, run)
-        if problem is not None:
-            return Verdict(False, problem)
-        out = run.tensor(call.key, "out")
+        clean = run.tensors.get(f"{i}.clean.out")
+        reference = case.reference()
         t = case.inputs()
-        nonfinite = _nonfinite(out, case.reference(), case.invalid())
-        if nonfinite is not None:
-            clean = run.tensors.get(f"{i}.clean.out")
-            diagnosis = _nan_diagnosis("the output", out, clean, case.reference(), t)
-            return Verdict(False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else [])
-        problem = _nonzero_invalid(out, case) or _prefixed(
-            case, value_mismatch(out, case.reference(), case.x.dtype)
-        )
-        if problem is None and f"{i}.clean.out" in run.tensors:
-            clean = run.tensor(f"{i}.clean", "out")
-            mismatch = value_mismatch(out, clean, case.x.dtype)
-            if mismatch is not None:
-                problem = f"{case.label}: {mismatch.replace('the reference', 'clean padding')}"
-        if problem is not None:
-            return Verdict(False, problem)
+        for suffix, mode in _PADDING_MODES:
+            call = Call(f"{i}{suffix}", i, requires=mode.requires, mode=mode.mode)
+            what = _mode_words(call)
+            problem = failure_detail(case, call, run, what)
+            if problem is not None:
+                return Verdict(False, problem)
+            out = run.tensor(call.key, "out")
+            nonfinite = _nonfinite(out, reference, case.invalid())
+            if nonfinite is not None:
+                diagnosis = _nan_diagnosis("the output", out, clean, reference, t)
+                detail = f"{case.label}{what}: {nonfinite}"
+                return Verdict(False, detail, [diagnosis] if diagnosis else [])
+            problem = _nonzero_invalid(out, case, what) or _prefixed(
+                case, value_mismatch(out, reference, case.x.dtype), what
+            )
+            if problem is None and clean is not None:
+                mismatch = value_mismatch(out, clean, case.x.dtype)
+                if mismatch is not None:
+                    mismatch = mismatch.replace("the reference", "clean padding")
+                    problem = f"{case.label}{what}: {mismatch}"
+            if problem is not None:
+                return Verdict(False, problem)
     return PASSED
 
 
@@ -228,8 +295,8 @@ def _nan_diagnosis(
 NAN_WITHOUT_PADDING = "nan_without_padding"
 
 
-def _prefixed(case: Case, mismatch: str | None) -> str | None:
-    return None if mismatch is None else f"{case.label}: {mismatch}"
+def _prefixed(case: Case, mismatch: str | None, what: str = "") -> str | None:
+    return None if mismatch is None else f"{case.label}{what}: {mismatch}"
 
 
 def _nonfinite(
@@ -247,14 +314,14 @@ def _nonfinite(
     if t.shape == invalid.shape:
         row = " (an invalid row)" if invalid[tuple(index)] else " (a valid row)"
     where = f"{name} at {index}" if name else f"at {index}"
-    value, expected = format_number(t[tuple(index)]), format_number(reference[tuple(index)])
-    return f"{where}{row} gave {value}, the reference gives {expected}"
+    return f"{where}{row} {format_pair(t[tuple(index)], reference[tuple(index)], t.dtype)}"
 
 
 SANITIZED_PADDING = make_clause(
     "sanitized_padding",
-    True,
-    "NaN, ±inf and 1e30 in invalid rows of x change nothing",
+    "required",
+    "NaN, ±inf and 1e30 in invalid rows of x change nothing, in every shape family (a 0-d"
+    " valid, one row, every row invalid or valid, zero-size) and grad mode",
     lambda seed: _poisoned_cases(seed, "sanitized_padding", grad=False),
     calls=_sanitized_padding_calls,
     judge=_sanitized_padding_judge,
@@ -267,10 +334,11 @@ SANITIZED_PADDING = make_clause(
 def _sanitized_gradients_calls(cases: list[Case]) -> list[Call]:
     """Each poisoned case's backward, and the same with clean padding (to tell a NaN from the
     padding from one the function makes itself; not judged: the gradients clause judges
-    clean padding)."""
+    clean padding). Zero-size cases have no gradient to judge (sanitized_padding calls them)."""
     return [
         call
-        for i in range(len(cases))
+        for i, case in enumerate(cases)
+        if case.x.numel()
         for call in (
             Call(str(i), i, requires=GRAD_INPUTS, backward=True),
             Call(f"{i}.clean", i, clean=True, requires=GRAD_INPUTS, backward=True),
@@ -281,6 +349,8 @@ def _sanitized_gradients_calls(cases: list[Case]) -> list[Call]:
 def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     for call in one_call_each(cases, requires=GRAD_INPUTS, backward=True):
         case = cases[call.case]
+        if not case.x.numel():
+            continue
         problem = failure_detail(case, call, run)
         if problem is not None:
             return Verdict(False, problem)
@@ -295,15 +365,14 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 return Verdict(
                     False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else []
                 )
-        dx = run.tensor(call.key, "grad_x")
+        dx, expected_dx = run.tensor(call.key, "grad_x"), expected["grad_x"]
         if tuple(dx.shape) == tuple(case.x.shape):
-            leaked = case.invalid() & (dx != 0)
+            leaked = case.invalid() & (dx.double() != expected_dx)
             if leaked.any():
-                index = [int(i) for i in leaked.nonzero()[0]]
+                index = tuple(int(i) for i in leaked.nonzero()[0])
+                pair = format_pair(dx[index], expected_dx[index], dx.dtype)
                 return Verdict(
-                    False,
-                    f"{case.label}: grad_x at {index} (an invalid row) gave"
-                    f" {format_number(dx[tuple(index)])}, the reference gives 0",
+                    False, f"{case.label}: grad_x at {list(index)} (an invalid row) {pair}"
                 )
         problem = judge_gradients(case, call, run)
         if problem is not None:
@@ -313,8 +382,9 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 SANITIZED_GRADIENTS = make_clause(
     "sanitized_gradients",
-    True,
-    "with NaN and inf in invalid rows: dx is 0 there and every gradient is finite and right",
+    "required",
+    "with NaN, ±inf and 1e30 in invalid rows, in every shape family: dx is 0 there and every"
+    " gradient is finite and right",
     lambda seed: _poisoned_cases(seed, "sanitized_gradients", grad=True),
     calls=_sanitized_gradients_calls,
     judge=_sanitized_gradients_judge,
@@ -344,13 +414,16 @@ def _positive_zero_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | 
     negative_zero = case.invalid() & (out == 0) & torch.signbit(out)
     if negative_zero.any():
         index = [int(i) for i in negative_zero.nonzero()[0]]
-        return Verdict(False, f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0")
+        mistake = NEGATIVE_ZERO
+        diagnosis = Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
+        detail = f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0"
+        return Verdict(False, detail, [diagnosis])
     return None
 
 
 POSITIVE_ZERO = make_clause(
     "positive_zero",
-    False,
+    "strict",
     "invalid outputs are +0.0, never -0.0",
     _positive_zero_cases,
     calls=one_call_each,

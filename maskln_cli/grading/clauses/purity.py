@@ -22,6 +22,7 @@ from maskln_cli.grading.clauses.calls import (
     ClauseRun,
     Fn,
     Misbehaved,
+    announce,
     checked_output,
     describe_exception,
     invoke,
@@ -36,6 +37,7 @@ from maskln_cli.grading.clauses.recorders import (
     is_ready_made,
     op_recorders,
 )
+from maskln_cli.op.mistakes import MORE_MISTAKES, Diagnosis
 
 # no_mutation --------------------------------------------------------------------------------------
 
@@ -117,6 +119,7 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     input too, whose values and version must not change). ``start(phase, inputs)`` runs before
     each call, ``check(phase, inputs)`` after each phase ("no-grad forward", "forward",
     "backward")."""
+    announce(f"{case.label}, a no-grad forward, a forward and its backward")
     t = case.inputs(device)
     start("no-grad forward", t)
     with torch.no_grad():
@@ -136,15 +139,19 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
 
 
 def _probe_run(
-    fn: Fn, cases: list[Case], device: str, start: Callable[[], tuple[Hook, Inspect]]
+    fn: Fn,
+    cases: list[Case],
+    device: str,
+    start: Callable[[], tuple[Hook, Inspect, dict[str, Any]]],
 ) -> ClauseRun:
     """Probe each case with the hooks ``start()`` makes (one to run before each call, one
-    that returns the problems it sees after each phase); record the problems found, or the
-    error (unless problems came first: a mutated input can make the next call fail)."""
+    that returns the problems it sees after each phase, and a dict of facts they found); record
+    the problems and facts found, or the error (unless problems came first: a mutated input can
+    make the next call fail)."""
     run = ClauseRun()
     for i, case in enumerate(cases):
         problems: list[str] = []
-        begin, check = start()
+        begin, check, facts = start()
 
         def found(phase: str, t: dict[str, torch.Tensor], check=check, problems=problems) -> None:
             problems.extend(check(phase, t))
@@ -155,22 +162,47 @@ def _probe_run(
             if not problems:
                 run.errors[str(i)] = describe_exception(error)
                 continue
-        run.meta[str(i)] = {"problems": problems[:5]}
+        run.meta[str(i)] = {"problems": problems[:5], **facts}
     return run
 
 
+def _constant(t: torch.Tensor) -> float | None:
+    """The one value every element of ``t`` holds (a parameter reinitialized with
+    ``nn.init.ones_``, ``zeros_`` or ``constant_``), or None."""
+    flat = t.detach().reshape(-1)
+    if not flat.numel() or not bool((flat == flat[0]).all()):
+        return None
+    return float(flat[0])
+
+
+def _reinitialized(
+    before: dict[str, dict[str, Any]], t: dict[str, torch.Tensor], facts: dict[str, Any]
+) -> None:
+    """Record in ``facts["reinitialized"]`` which of scale and bias now hold one value they did
+    not hold before (``{"scale": 1.0}``)."""
+    for name in ("scale", "bias"):
+        old = before.get(name, {}).get("values")
+        if old is None or torch.equal(t[name].detach(), old):
+            continue
+        value = _constant(t[name])
+        if value is not None and _constant(old) != value:
+            facts.setdefault("reinitialized", {})[name] = value
+
+
 def _no_mutation_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
-    def start() -> tuple[Hook, Inspect]:
+    def start() -> tuple[Hook, Inspect, dict[str, Any]]:
         before: dict[str, Any] = {}
+        facts: dict[str, Any] = {}
 
         def begin(phase: str, t: dict[str, torch.Tensor]) -> None:
             before.clear()
             before.update(_snapshot(t))
 
         def check(phase: str, t: dict[str, torch.Tensor]) -> list[str]:
+            _reinitialized(before, t, facts)
             return _changes(before, t, phase)
 
-        return begin, check
+        return begin, check, facts
 
     return _probe_run(fn, cases, device, start)
 
@@ -185,15 +217,35 @@ def _problems_judge(what: str) -> Judge:
             if not isinstance(problems, list):
                 return Verdict(False, f"{case.label}: no {what} report came back")
             if problems:
-                return Verdict(False, f"{case.label}: {'; '.join(map(str, problems))}")
+                detail = f"{case.label}: {'; '.join(map(str, problems))}"
+                return Verdict(False, detail, reinitialized_diagnosis(run.meta.get(key, {})))
         return PASSED
 
     return judge
 
 
+def reinitialized_diagnosis(facts: dict[str, Any]) -> list[Diagnosis] | None:
+    """The diagnosis of parameters reinitialized to one value each (``facts["reinitialized"]``,
+    ``{"scale": 1.0, "bias": 0.0}``), or None."""
+    found = facts.get("reinitialized")
+    if not isinstance(found, dict) or not found:
+        return None
+    values = ", ".join(f"{name} to {value:g}" for name, value in found.items())
+    mistake = MORE_MISTAKES["parameters_reinitialized"]
+    return [
+        Diagnosis(
+            mistake.name,
+            f"parameters reinitialized in the call ({values}: nn.init.ones_/zeros_ or"
+            " .fill_() on them, or a fresh nn.LayerNorm's own)",
+            mistake.fix,
+            0.0,
+        )
+    ]
+
+
 NO_MUTATION = make_clause(
     "no_mutation",
-    True,
+    "required",
     "no input's values, shape or version counter change, in forward or backward",
     lambda seed: _probe_cases(seed, "no_mutation"),
     run=_no_mutation_run,
@@ -211,6 +263,7 @@ def _raw_ops_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
     maskln = GRADING_MASKLN.get()
     run = ClauseRun()
     for i, case in enumerate(cases):
+        announce(f"{case.label}, a no-grad forward, a forward and its backward, recorded")
         try:
             python = PythonRecorder(allow_maskln=maskln)
             with RecordOps() as ops, RecordFunctions() as functions:
@@ -268,7 +321,7 @@ def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 RAW_OPS = make_clause(
     "raw_ops",
-    True,
+    "required",
     "no ready-made normalization kernel runs, forward or backward",
     lambda seed: _probe_cases(seed, "raw_ops"),
     run=_raw_ops_run,
@@ -305,24 +358,28 @@ def _distinct_random_state(seed: int, device: str):
 
 
 def _no_reinit_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
-    def start() -> tuple[Hook, Inspect]:
+    def start() -> tuple[Hook, Inspect, dict[str, Any]]:
         before: dict[str, Any] = {}
+        facts: dict[str, Any] = {}
 
         def begin(phase: str, t: dict[str, torch.Tensor]) -> None:
             before["states"] = _rng_states(device)
-            before["params"] = {n: t[n].detach().clone() for n in ("scale", "bias")}
+            before["params"] = {n: {"values": t[n].detach().clone()} for n in ("scale", "bias")}
 
         def check(phase: str, t: dict[str, torch.Tensor]) -> list[str]:
             problems = []
             now = _rng_states(device)
             if not all(torch.equal(a, b) for a, b in zip(before["states"], now, strict=True)):
                 problems.append(f"the global random state changed in the {phase}")
+            _reinitialized(before["params"], t, facts)
             for name, old in before["params"].items():
-                if not torch.equal(t[name].detach(), old):
-                    problems.append(f"{name} was reinitialized in the {phase}")
+                if not torch.equal(t[name].detach(), old["values"]):
+                    value = _constant(t[name])
+                    now_holds = f" (to all {value:g})" if value is not None else ""
+                    problems.append(f"{name} was reinitialized in the {phase}{now_holds}")
             return problems
 
-        return begin, check
+        return begin, check, facts
 
     with _distinct_random_state(len(cases), device):
         return _probe_run(fn, cases, device, start)
@@ -330,7 +387,7 @@ def _no_reinit_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
 
 NO_REINIT = make_clause(
     "no_reinit",
-    True,
+    "required",
     "scale, bias and the global random state are unchanged by a call",
     lambda seed: _probe_cases(seed, "no_reinit"),
     run=_no_reinit_run,

@@ -11,7 +11,15 @@ import itertools
 import torch
 
 from maskln_cli.grading.clauses import draws
-from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun, Fn, run_calls
+from maskln_cli.grading.clauses.assumed import assumed, dtype_allowed
+from maskln_cli.grading.clauses.calls import (
+    GRAD_INPUTS,
+    MODE_WORDS,
+    Call,
+    ClauseRun,
+    Fn,
+    run_calls,
+)
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, dtype_name, make_case
 from maskln_cli.grading.clauses.clause import make_clause, outputs_judge
 from maskln_cli.grading.clauses.judging import (
@@ -22,6 +30,7 @@ from maskln_cli.grading.clauses.judging import (
     failure_detail,
     first_mismatch,
     judge_outputs,
+    value_mismatch,
 )
 
 # signature ----------------------------------------------------------------------------------------
@@ -77,7 +86,7 @@ def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 SIGNATURE = make_clause(
     "signature",
-    True,
+    "required",
     "callable as (x, valid, scale, bias, eps=1e-05), positionally and by keyword",
     _signature_cases,
     run=_signature_run,
@@ -109,10 +118,14 @@ def _worked_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     if problem is not None:
         return Verdict(False, problem)
     out = run.tensor("0", "out")
-    if out.dtype != torch.float64:
-        return Verdict(False, f"{case.label}: returned {dtype_name(out.dtype)}, not float64")
-    expected = torch.tensor(WORKED_EXPECTED, dtype=torch.float64)
-    mismatch = first_mismatch(out, expected, 0.0, EXACT)
+    if not dtype_allowed(out.dtype, torch.float64):
+        detail = f"{case.label}: returned {dtype_name(out.dtype)}, not float64"
+        return Verdict(False, detail, diagnose_failures([(case, out)]))
+    if assumed() is None:
+        expected = torch.tensor(WORKED_EXPECTED, dtype=torch.float64)
+        mismatch = first_mismatch(out, expected, 0.0, EXACT)
+    else:  # judged against an assumed mistake: its formula, at its precision
+        mismatch = value_mismatch(out, case.reference(), torch.float64)
     if mismatch is None:
         return PASSED
     return Verdict(False, f"{case.label}: {mismatch}", diagnose_failures([(case, out)]))
@@ -120,7 +133,7 @@ def _worked_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 WORKED_EXAMPLE = make_clause(
     "worked_example",
-    True,
+    "required",
     "the specification's worked example, exactly (float64)",
     _worked_cases,
     calls=lambda cases: [_WORKED_CALL],
@@ -169,25 +182,33 @@ def _values_cases(seed: int) -> list[Case]:
 
 
 def _values_calls(cases: list[Case]) -> list[Call]:
-    """Each case without grad, and with x, scale and bias requiring grad (a training path
-    must give the same values)."""
+    """Each case without grad, with x, scale and bias requiring grad (a training path must
+    give the same values), and with them requiring grad under torch.no_grad() and under
+    torch.inference_mode() (so must an inference path)."""
     return [
         call
         for i in range(len(cases))
-        for call in (Call(str(i), i), Call(f"{i}.grad", i, requires=GRAD_INPUTS))
+        for call in (
+            Call(str(i), i),
+            Call(f"{i}.grad", i, requires=GRAD_INPUTS),
+            Call(f"{i}.no_grad", i, requires=GRAD_INPUTS, mode="no_grad"),
+            Call(f"{i}.inference", i, requires=GRAD_INPUTS, mode="inference"),
+        )
     ]
 
 
 def _grad_words(call: Call) -> str:
+    if call.mode != "grad":
+        return f", {MODE_WORDS[call.mode]}"
     return ", x, scale and bias requiring grad" if call.requires else ""
 
 
 VALUES = make_clause(
     "values",
-    True,
+    "required",
     "random cases against the float64 reference: float32 and float64, C from 1 to 257"
     " (9, 17, 33, ...: not multiples of 8), 993 rows, eps 1e-5, 0.1 and 3, rows of"
-    " small variance; with and without grad",
+    " small variance; with and without grad, under torch.no_grad() and torch.inference_mode()",
     _values_cases,
     calls=_values_calls,
     judge=outputs_judge(_values_calls, diagnose=True, what=_grad_words),

@@ -1,0 +1,167 @@
+"""The processes a graded function starts, found and killed: every one of them, however deep and
+however detached (Linux; elsewhere, the child's process group only).
+
+The grader is a child subreaper while it grades (``PR_SET_CHILD_SUBREAPER``, with
+``contain``): a process the function detaches (a double fork, ``setsid``) comes back to it when
+its parent ends, instead of to init. :func:`kill_descendants` then kills the whole tree under
+the grader at once, again and again until none is left: a chain of detached processes, each
+killed level orphaning the next, is gone in a round or two, not one level per round.
+
+The grader is also not dumpable while it grades (``PR_SET_DUMPABLE`` 0), so that a process of
+the same user that is not root cannot open ``/proc/<grader>/fd`` (its stdout) or ptrace it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Collection, Iterator
+
+GRACE_SECONDS = 1.0
+"""Between SIGTERM and SIGKILL."""
+KILL_DEADLINE = 10.0
+"""How long :func:`kill_descendants` keeps killing a tree that keeps forking."""
+
+# prctl(2) options (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
+PR_GET_DUMPABLE = 3
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
+
+
+def prctl(option: int, value: int | ctypes.c_int = 0) -> int | None:
+    """prctl(2) through libc; None when it failed or does not exist (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        argument = ctypes.byref(value) if isinstance(value, ctypes.c_int) else ctypes.c_ulong(value)
+        result = int(
+            libc.prctl(option, argument, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        )
+    except (OSError, AttributeError, TypeError):
+        return None
+    return None if result < 0 else result
+
+
+@contextlib.contextmanager
+def protected_grader(contain: bool = False) -> Iterator[None]:
+    """While grading (Linux; elsewhere nothing): this process is not dumpable, so a process of
+    the same user that is not root cannot open its /proc/<pid>/fd (write into its stdout) or
+    ptrace it; with ``contain``, it is a child subreaper, so processes the function detaches
+    come back to it to be killed (:func:`kill_descendants`; for a process that does nothing
+    else, the command). Both are restored afterwards."""
+    dumpable = prctl(PR_GET_DUMPABLE)
+    if dumpable:
+        prctl(PR_SET_DUMPABLE, 0)
+    subreaper = None
+    if contain:
+        flag = ctypes.c_int(0)
+        if prctl(PR_GET_CHILD_SUBREAPER, flag) is not None and not flag.value:
+            subreaper = prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        if subreaper is not None:
+            prctl(PR_SET_CHILD_SUBREAPER, 0)
+        if dumpable:
+            prctl(PR_SET_DUMPABLE, dumpable)
+
+
+def die_with_parent(parent: str | None) -> None:
+    """In a child: SIGKILL it when its parent ends (killed by the function, say), rather than
+    leave it running; if the parent (pid ``parent``) is gone already, end now."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and str(os.getppid()) != parent:
+        os._exit(1)
+
+
+def processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, session id) of every process this one can see in /proc (Linux;
+    elsewhere none)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    fields = stat.read().rpartition(b")")[2].split()
+                found.append((int(entry), int(fields[1]), int(fields[3])))
+            except (OSError, IndexError, ValueError):
+                continue  # it ended meanwhile
+    return found
+
+
+def children() -> set[int]:
+    """This process's children now."""
+    me = os.getpid()
+    return {pid for pid, ppid, _ in processes() if ppid == me}
+
+
+def descendants(spare: Collection[int] = ()) -> list[int]:
+    """Every process under this one (children, theirs, ...), but those under ``spare``
+    (children this process had before the grade: not the function's)."""
+    table = processes()
+    under: dict[int, list[int]] = {}
+    for pid, ppid, _ in table:
+        under.setdefault(ppid, []).append(pid)
+    found: list[int] = []
+    frontier = [pid for pid in under.get(os.getpid(), []) if pid not in spare]
+    while frontier:
+        found += frontier
+        frontier = [child for pid in frontier for child in under.get(pid, [])]
+    return found
+
+
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the child's process group, then SIGKILL after a grace period."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(GRACE_SECONDS)
+        os.killpg(process.pid, signal.SIGKILL)  # what it started, too
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(GRACE_SECONDS)
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL what is left of the child's session (it is the session's leader: ``session`` is
+    its pid): processes that left its process group with setpgid, not those that left the
+    session with setsid (:func:`kill_descendants` finds those)."""
+    for pid, _, sid in processes():
+        if sid == session and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def kill_descendants(spare: Collection[int] = (), deadline: float = KILL_DEADLINE) -> None:
+    """SIGKILL every process under this one but those under ``spare``, all at once, and reap
+    those that are its children; repeat until none is left (or ``deadline`` seconds). As a child
+    subreaper (:func:`protected_grader` with ``contain``), with the graded child stopped, they
+    are the processes the function started: a detached one came back to this process when its
+    parent ended, and one whose parent is killed here comes back at once."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        found = descendants(spare)
+        if not found:
+            return
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        _reap(spare)
+        time.sleep(0.01)  # orphans of those killed are reparented here meanwhile
+
+
+def _reap(spare: Collection[int]) -> None:
+    """Collect this process's ended children (not ``spare``), without waiting for others."""
+    for pid in children() - set(spare):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,164 @@
+"""The grader against a hostile solution (issue 25, items 2, 3, 6, 7 and 11): files the grader
+loads, changed by the solution, leave no verdict but FAIL; a deep chain of detached processes
+dies with the grade; `grade | head -1` ends quietly; no __pycache__ beside the solution; a
+memory bomb fails as out of memory, naming the limit; the output cap names itself. Real child
+processes (a few seconds each)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from maskln_cli.grading import guard
+from maskln_cli.grading.runner import grade_target
+from tests.clitools import ROOT, run
+
+SOLUTIONS = ROOT / "tests" / "solutions"
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
+CORRECT = "from tests.solutions.correct import masked_layer_normalization as correct\n"
+
+
+def grade_command(*args: object) -> SimpleNamespace:
+    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
+    grade seals its process and checks every file it has loaded, and a test worker has loaded
+    many files that other workers write meanwhile (bytecode, temporary files)."""
+    done = run("grade", *args)
+    return SimpleNamespace(
+        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
+    )
+
+
+def test_a_file_the_grader_loaded_changed_by_the_solution_leaves_no_verdict(tmp_path, monkeypatch):
+    """The solution changes (here: only the status of, so nothing else is disturbed) a module the
+    grader has imported: code planted there would run in the grader. The grade fails, saying so,
+    although every clause passed."""
+    planted = tmp_path / "grader_module.py"
+    planted.write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("grader_module")  # loaded by "the grader" before the seal
+    path = tmp_path / "solution.py"
+    path.write_text(
+        CORRECT
+        + f"import os\nos.chmod({str(planted)!r}, 0o644)\n"  # a ctime change, as a write makes
+        + "masked_layer_normalization = correct\n"
+    )
+    with guard.sealing():
+        report = grade_target(str(path), only=["worked_example"])
+    assert [c.passed for c in report.clauses] == [True]
+    assert not report.passed
+    assert "the grader's own files changed while a submission ran" in report.problem
+    assert str(planted) in report.problem
+    assert report.verdict().startswith("FAIL: the grader's own files changed")
+    sys.modules.pop("grader_module", None)
+
+
+DEEP_CHAIN = (
+    CORRECT
+    + """
+import os, time
+
+def detach(level):
+    # A double fork and setsid at each level, every process staying the parent of the next:
+    # killing one level only orphans the next, 50 deep.
+    if os.fork() != 0:
+        return
+    os.setsid()
+    if os.fork() != 0:
+        time.sleep(4)
+        os._exit(0)
+    with open(os.path.join({folder!r}, f"pid.{{level}}"), "w") as out:
+        out.write(str(os.getpid()))
+    if level < {depth}:
+        detach(level + 1)
+    time.sleep(4)  # outlive the grade, then write
+    with open(os.path.join({folder!r}, f"late.{{level}}"), "w") as out:
+        out.write("still alive")
+    os._exit(0)
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    detach(1)
+    for _ in range(200):  # until the whole chain has started
+        if os.path.exists(os.path.join({folder!r}, "pid.{depth}")):
+            break
+        time.sleep(0.02)
+    return correct(x, valid, scale, bias, eps)
+"""
+)
+
+
+@LINUX
+def test_a_deep_chain_of_detached_processes_does_not_outlive_the_grade(tmp_path):
+    folder = tmp_path / "chain"
+    folder.mkdir()
+    path = tmp_path / "solution.py"
+    path.write_text(DEEP_CHAIN.format(folder=str(folder), depth=25))
+    result = run("grade", path, "--only", "worked_example", "--json")
+    assert result.returncode == 0, result.stderr
+    pids = [int(p.read_text()) for p in folder.glob("pid.*")]
+    assert len(pids) == 25  # the whole chain started
+    time.sleep(5)  # past the chain's own sleep: a survivor would write now
+    assert sorted(p.name for p in folder.glob("late.*")) == []
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), pid
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("target", ["correct.py", "mistakes.py:unbiased_variance"])
+def test_grade_piped_into_head_ends_quietly_with_its_verdict(target):
+    command = [sys.executable, "-m", "maskln_cli", "grade", str(SOLUTIONS / target), "--only",
+               "values"]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT) as p:
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.readline()
+        p.stdout.close()  # as head -1 does
+        stderr = p.stderr.read().decode()
+        code = p.wait(120)
+    assert stderr == ""
+    assert code == (0 if target == "correct.py" else 1)
+
+
+def test_no_bytecode_is_written_beside_the_solution(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    (tmp_path / "helper.py").write_text(CORRECT)
+    path = tmp_path / "solution.py"
+    path.write_text("from helper import correct as masked_layer_normalization\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    result = subprocess.run(
+        [sys.executable, "-m", "maskln_cli", "grade", str(path), "--only", "worked_example"],
+        capture_output=True, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["helper.py", "solution.py"]
+
+
+@LINUX
+def test_a_memory_bomb_fails_as_out_of_memory_naming_the_cap(monkeypatch):
+    monkeypatch.setenv("MASKLN_GRADE_MEMORY_GIB", "1")
+    target = f"{SOLUTIONS / 'misbehaving.py'}:memory_bomb"
+    result = grade_command(target, "--only", "worked_example", "--timeout", "3", "--json")
+    assert result.exit_code == 1
+    (clause,) = json.loads(result.stdout)["clauses"]
+    assert clause["detail"].startswith("out of memory (cap 1 GiB, MASKLN_GRADE_MEMORY_GIB)")
+    assert "timed out" not in clause["detail"]
+
+
+def test_the_output_cap_says_it_is_the_graders_and_its_size():
+    target = f"{SOLUTIONS / 'misbehaving.py'}:prints_too_much"
+    result = grade_command(target, "--only", "worked_example", "--json")
+    assert result.exit_code == 1
+    (clause,) = json.loads(result.stdout)["clauses"]
+    assert "it wrote more than the grader's cap of 64 MiB" in clause["detail"], clause["detail"]
