@@ -128,6 +128,24 @@ def verify(
             rich_help_panel="Tolerance",
         ),
     ] = False,
+    allow_systematic: Annotated[
+        bool,
+        typer.Option(
+            "--allow-systematic",
+            help="Report a systematic error of out (every valid row scaled or shifted alike,"
+            " beyond what rounding does) without failing on it.",
+            rich_help_panel="Tolerance",
+        ),
+    ] = False,
+    plain_layer_norm: Annotated[
+        bool,
+        typer.Option(
+            "--plain-layer-norm",
+            help="RESULT is a plain LayerNorm's output (a model's own nn.LayerNorm): its padding"
+            " is not zeroed. Every row is normalized, as it does; only the valid rows are"
+            " compared.",
+        ),
+    ] = False,
     chunk_rows: ChunkRows = None,
     valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
@@ -138,9 +156,10 @@ def verify(
     RESULT's out (and grad_x, grad_scale and grad_bias when INPUT holds grad_out) must each be
     as close to the float64 truth as a correct kernel in RESULT's dtype can be: within --factor
     times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm on the
-    same data. A tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at
-    every invalid position. A failing tensor is described and diagnosed. Exit code 0 when all
-    pass, 1 on any failure, 2 on an error.
+    same data; out must show no systematic error (every valid row scaled or shifted alike). A
+    tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at every invalid
+    position. A failing tensor is described and diagnosed. Exit code 0 when all pass, 1 on any
+    failure, 2 on an error.
 
     **Examples**
 
@@ -152,7 +171,7 @@ def verify(
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
         --module encoder.layer.0.output.LayerNorm --config checkpoint/ \\
-        --valid-key attention_mask --valid acts.safetensors:attention_mask
+        --valid-key attention_mask --plain-layer-norm
     ```
     """
     from maskln_cli.cli.report.progress import progress_bar
@@ -169,6 +188,8 @@ def verify(
         strict=strict,
         dtype=dtype.value,
         valid=valid_rows,
+        plain_layer_norm=plain_layer_norm,
+        allow_systematic=allow_systematic,
     )
     with progress_bar(f"verify {input_path}") as progress:
         result = verify_file(input_path, result_path, options, judged, progress)
