@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from maskln_cli.cli.failures import EXIT_MISMATCH, quiet_when_stdout_closes, reports_errors
+from maskln_cli.cli.failures import (
+    EXIT_ERROR,
+    EXIT_MISMATCH,
+    quiet_when_stdout_closes,
+    reports_errors,
+)
 from maskln_cli.cli.options import (
     Atol,
     BiasKey,
@@ -31,9 +36,11 @@ from maskln_cli.cli.options import (
     normalize_options,
     tolerance_option,
 )
+from maskln_cli.errors import MasklnError
 
 if TYPE_CHECKING:
     from maskln_cli.compare.data import ComparisonReport
+    from maskln_cli.verify.folder import FolderReport
 
 
 class JudgeDtype(str, Enum):
@@ -55,9 +62,15 @@ def verify(
         str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
     ],
     result_path: Annotated[
-        str,
-        typer.Argument(metavar="RESULT", help="The kernel's result to judge; '-' reads stdin."),
-    ],
+        str | None,
+        typer.Argument(
+            metavar="[RESULT]",
+            help="The kernel's result to judge; '-' reads stdin. With a folder of dumps as"
+            " INPUT: a folder of results, paired by file name (left out: each dump's own out"
+            " and gradients are judged).",
+            show_default=False,
+        ),
+    ] = None,
     x_key: XKey = "x",
     valid_key: ValidKey = None,
     scale_key: ScaleKey = None,
@@ -146,6 +159,16 @@ def verify(
             " compared.",
         ),
     ] = False,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            "--shard",
+            metavar="K/N",
+            help="With a folder: judge only the K-th (1 to N) of N slices of its sorted file"
+            " names; the slices' --json lines concatenate into the whole report.",
+            show_default=False,
+        ),
+    ] = None,
     chunk_rows: ChunkRows = None,
     valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
@@ -172,11 +195,22 @@ def verify(
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
         --module encoder.layer.0.output.LayerNorm --config checkpoint/ \\
         --valid-key attention_mask --plain-layer-norm
+    maskln verify dumps/                  # every dump of a folder, against its own out
+    maskln verify dumps/ kernel_results/ --json --shard 3/8
     ```
+
+    With a folder of dumps (one safetensors file per LayerNorm call: x, valid, scale, bias, out,
+    optionally grad_out and the gradients; eps in its metadata), every file is judged and gets a
+    row of one table, then the failing files' reports; --json prints a JSON line per file.
     """
     from maskln_cli.cli.report.progress import progress_bar
+    from maskln_cli.verify.folder import is_folder_verify, parse_shard
     from maskln_cli.verify.job import VerifyOptions, parse_check, parse_result_keys, verify_file
 
+    folder = is_folder_verify(input_path, result_path)
+    if shard is not None and not folder:
+        raise MasklnError(f"--shard {shard}: only with a folder of dumps as INPUT")
+    slice_of = parse_shard(shard) if shard is not None else None
     options = normalize_options({**locals(), "dtype": ComputeDtype.auto})
     judged = VerifyOptions(
         check=parse_check(check) if check else None,
@@ -191,6 +225,14 @@ def verify(
         plain_layer_norm=plain_layer_norm,
         allow_systematic=allow_systematic,
     )
+    if folder:
+        from maskln_cli.verify.folder import verify_folder
+
+        with progress_bar(f"verify {input_path}") as progress:
+            report = verify_folder(input_path, result_path, options, judged, slice_of, progress)
+        _finish_folder(report, json_output, quiet)
+        return
+    assert result_path is not None
     with progress_bar(f"verify {input_path}") as progress:
         result = verify_file(input_path, result_path, options, judged, progress)
     _finish_comparison(result, json_output, quiet)
@@ -240,6 +282,20 @@ def diff(
 
     result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows)
     _finish_comparison(result, json_output, quiet)
+
+
+def _finish_folder(report: FolderReport, json_output: bool, quiet: bool) -> None:
+    from maskln_cli.cli.report.folder import print_json_lines, render_folder
+
+    # A file that could not be judged is an error of its input: exit 2, as for one file.
+    code = EXIT_ERROR if report.errors else 0 if report.passed else EXIT_MISMATCH
+    with quiet_when_stdout_closes(code):
+        if json_output:
+            print_json_lines(report)
+        else:
+            render_folder(report, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
 
 
 def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
