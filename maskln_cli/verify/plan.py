@@ -270,4 +270,14 @@ class Plan:
             "yardstick": f"torch.nn.functional.layer_norm in {judged}",
             "checked": list(self.names),
             "strict": self.verify.strict,
+            **self._lower_precision_context(),
         }
+
+    def _lower_precision_context(self) -> dict[str, object]:
+        """``lower_precision`` (only when some tensor is judged in a coarser dtype than x's):
+        x's dtype and each such tensor's, for the verdict line to say which budget applied."""
+        lower = self.lower_precision()
+        if not lower:
+            return {}
+        x_dtype = dtype_name(self.problem.x.dtype)
+        return {"lower_precision": {"x_dtype": x_dtype, "tensors": lower}}
