@@ -60,6 +60,7 @@ class Explainer:
         self.mask = mask
         self._sampled: tuple[_Sample, float] | None = None  # a diagnosis's rows, and noise
         self._finding: str | None = None  # the systematic error of out, in words
+        self._finds_eps = False  # whether it names the eps RESULT used
         self.torch = torch
 
     # --- words ----------------------------------------------------------------------------
@@ -79,10 +80,11 @@ class Explainer:
                 f"-0.0 at {outcome.negative_zeros:,} padded positions (+0.0 expected; --strict)"
             )
         finding = self._systematic(checked)
-        self._finding = None
+        self._finding, self._finds_eps = None, False
         if finding is not None:
             outcome.systematic = finding.to_dict()
             self._finding = finding.sentence(self.problem.eps, self._eps_origin())
+            self._finds_eps = finding.eps is not None or finding.eps_at_most is not None
             generic = any(GENERIC in word for word in words)
             if not generic and not self.verify.allow_systematic:
                 words.append(self._finding)
@@ -161,6 +163,10 @@ class Explainer:
             for text in specific:
                 _replace_generic(outcome.problems, text)
             outcome.problems = specific + [p for p in outcome.problems if p not in specific]
+        elif self._finding is not None and self._finds_eps:
+            # The eps RESULT used, and the option to give: more than a catalogue's "eps
+            # missing" (BERT's 1e-12 reads as none) or "eps 1e-3 instead of 1e-5".
+            _replace_generic(outcome.problems, self._finding)
         elif outcome.diagnosis:
             _replace_generic(outcome.problems, str(outcome.diagnosis[0]["description"]))
         elif self._finding is not None:
@@ -395,7 +401,7 @@ def _replace_generic(problems: list[str], specific: str) -> bool:
     Example:
         >>> problems = ["all 3 valid rows off; relative error 2e-05 ± 1e-06 (uniform: a formula"
         ...             " or eps mistake)"]
-        >>> _replace_generic(problems, "eps ≈ 1e-06"), problems[0][-24:]
+        >>> _replace_generic(problems, "eps ≈ 1e-06"), problems[0][-22:]
         (True, '(uniform: eps ≈ 1e-06)')
     """
     for index, problem in enumerate(problems):

@@ -25,23 +25,33 @@ if TYPE_CHECKING:
     from maskln_cli.files.problem import Problem
     from maskln_cli.files.tensorfile import TensorFile
 
-COARSER = {"float64": ("float32", "bfloat16", "float16"), "float32": ("bfloat16", "float16")}
-"""Dtypes whose values a tensor stored in the key's dtype may all be."""
+COARSER = {
+    "float64": (("float32",), ("float16", "bfloat16")),
+    "float32": (("float16", "bfloat16"),),
+}
+"""Dtypes whose values a tensor stored in the key's dtype may all be, finer first."""
 CHUNK_ELEMENTS = 1 << 22
 MATCH = 1e-4
 """A result matches another module's reference within this relative L2 distance (or three
 times a correct kernel's, when that is greater), and ten times closer to it than to the truth's."""
 
 
+DISTINCT = 16
+"""Distinct values a tensor must hold to be called a coarser dtype's: a constant (ones, a
+bias) or a few round numbers are exactly a float16 by nature, not as a kernel's output."""
+
+
 def exact_in_coarser_dtype(values: torch.Tensor, stored: str) -> str | None:
     """The coarsest dtype every one of ``values`` (stored as ``stored``) is exactly a value
-    of (None: none; nor when they are all 0, which every dtype holds).
+    of (None: none; nor when they hold fewer than :data:`DISTINCT` distinct finite values).
 
     Example:
         >>> import torch
-        >>> exact_in_coarser_dtype(torch.tensor([0.1, 2.0]).double(), "float64")
+        >>> values = torch.linspace(-2, 2, 100)
+        >>> exact_in_coarser_dtype(values.double(), "float64")
         'float32'
-        >>> exact_in_coarser_dtype(torch.tensor([0.1, 2.0], dtype=torch.float64), "float64")
+        >>> exact_in_coarser_dtype(torch.linspace(-2, 2, 100, dtype=torch.float64), "float64")
+        >>> exact_in_coarser_dtype(torch.ones(100), "float32")  # a constant says nothing
     """
     import torch
 
@@ -49,20 +59,29 @@ def exact_in_coarser_dtype(values: torch.Tensor, stored: str) -> str | None:
     if not flat.numel():
         return None
     found = None
-    for name in COARSER.get(stored, ()):
-        dtype = getattr(torch, name)
-        exact, nonzero = True, False
-        for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-            part = flat[start : start + CHUNK_ELEMENTS]
-            finite = part[part.isfinite()]
-            if not torch.equal(finite.to(dtype).to(finite.dtype), finite):
-                exact = False
-                break
-            nonzero = nonzero or bool(finite.any())
-        if not (exact and nonzero):
-            break  # each dtype of COARSER holds fewer values than the one before
-        found = name
+    # float16 and bfloat16 hold different values: each is tried when the finer one held.
+    for names in COARSER.get(stored, ()):
+        exact = [name for name in names if _exactly(flat, getattr(torch, name))]
+        if not exact:
+            break
+        found = exact[0]
     return found
+
+
+def _exactly(flat: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every finite value of ``flat`` is exactly a ``dtype``, with at least
+    :data:`DISTINCT` distinct ones."""
+    import torch
+
+    distinct = torch.empty(0, dtype=flat.dtype)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = flat[start : start + CHUNK_ELEMENTS]
+        finite = part[part.isfinite()]
+        if not torch.equal(finite.to(dtype).to(finite.dtype), finite):
+            return False
+        if len(distinct) < DISTINCT:
+            distinct = torch.cat([distinct, finite[:4096]]).unique()
+    return len(distinct) >= DISTINCT
 
 
 def other_module(

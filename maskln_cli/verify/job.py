@@ -83,9 +83,11 @@ def verify_file(
                 f"--valid: {mask.source} has shape {list(mask.shape)}; expected x's leading"
                 f" shape {list(problem.shape[:-1])}"
             )
+        valid_rows = int(problem.valid.sum())
         if verify.plain_layer_norm:
             problem, mask = _as_plain_layer_norm(problem, mask)
         plan = Plan(problem, result, options, verify)
+        plan.valid_rows = valid_rows  # the op's valid rows, also where every row is normalized
         if input_path != STDIO:
             _suggest_valid_key(plan, input_path, options)
         if mask is not None and mask.left_out == mask.rows:

@@ -258,7 +258,8 @@ def pooled(
 
 def solve_eps(kept: torch.Tensor, eps: float) -> tuple[float | None, float | None]:
     """The eps RESULT used, from rows' ``(f_r, var + eps, weight)``: ``(eps', None)``, or
-    ``(None, bound)`` when it is too small to resolve (RESULT's eps is at most ``bound``), or
+    ``(None, bound)`` when it is too small to resolve (RESULT's eps is at most ``bound``, less
+    than ``eps``), or
     ``(None, None)`` when an eps explains the rows' factors no better than one common factor
     (an output scaled, not an eps).
 
@@ -267,9 +268,9 @@ def solve_eps(kept: torch.Tensor, eps: float) -> tuple[float | None, float | Non
 
     Example:
         >>> import torch
-        >>> var = torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=torch.float64)
+        >>> var = torch.tensor([0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0], dtype=torch.float64)
         >>> f = ((var + 1e-5) / (var + 1e-3)).sqrt() - 1  # RESULT used eps 1e-3
-        >>> kept = torch.stack([f, var + 1e-5, torch.ones(4, dtype=torch.float64)], dim=1)
+        >>> kept = torch.stack([f, var + 1e-5, torch.ones(8, dtype=torch.float64)], dim=1)
         >>> found, _ = solve_eps(kept, 1e-5)
         >>> round(found, 9)
         0.001
@@ -291,6 +292,6 @@ def solve_eps(kept: torch.Tensor, eps: float) -> tuple[float | None, float | Non
         return None, None
     if found > 3 * error:
         return found, None
-    if found + 3 * error > 0:
+    if 0 < found + 3 * error < eps:  # a smaller eps than the reference's, too small to resolve
         return None, found + 3 * error
     return None, None
