@@ -103,9 +103,9 @@ def _as_plain_layer_norm(problem: Problem, mask: RowMask | None) -> tuple[Proble
     import torch
 
     keep = problem.valid if mask is None else problem.valid & mask.keep
-    source = "INPUT's valid rows (--plain-layer-norm)"
+    source = "--plain-layer-norm (INPUT's valid rows)"
     if mask is not None:
-        source = f"{mask.source} and {source}"
+        source = f"--valid {mask.source} and {source}"
     leading = tuple(problem.shape[:-1])
     plain = dataclasses.replace(problem, valid=torch.ones_like(problem.valid))
     return plain, RowMask(source, leading, keep)
@@ -164,8 +164,10 @@ class _Job:
         if self.mask is not None:
             mask = self.mask
             compared = ", ".join(n for n in ROW_TENSORS if n in live) or "nothing"
+            # --plain-layer-norm's mask names itself (and --valid's, when both are given).
+            label = mask.source if mask.source.startswith("--") else f"--valid {mask.source}"
             plan.notes.append(
-                f"--valid {mask.source}: compared {mask.rows - mask.left_out:,} of"
+                f"{label}: compared {mask.rows - mask.left_out:,} of"
                 f" {mask.rows:,} rows of {compared}"
             )
         tensors += plan.unchecked()
