@@ -190,3 +190,30 @@ def test_long_rows_pass_for_a_correct_kernel(tmp_path):
     document, figures = judge(tmp_path, inputs, result)
     assert document["passed"] and figures["out"]["numel"] == 4 * 2**20
     assert figures["out"]["max_abs_diff"] > 0  # float32 is not float64: a real comparison
+
+
+WIDE = {
+    "F.layer_norm": (kernels.torch_layer_norm, True),
+    "sequential": (kernels.sequential, True),
+    "eps 1e-6 for 1e-5": (kernels.SYSTEMATIC_WRONG["eps 1e-6 for 1e-5"], False),
+    "out x (1 + 1e-5)": (kernels.SYSTEMATIC_WRONG["out x (1 + 1e-5)"], False),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE))
+def test_at_wide_rows_correct_kernels_pass_and_hidden_mistakes_fail(tmp_path, name):
+    """C = 4,096: eps 1e-6 for 1e-5 and out x (1 + 1e-5) stay within the budget, and fail as
+    systematic (before: PASS, exit 0); correct kernels, the sequential sum's rounding bias
+    included, pass. The lean version of verify_calibration.py --systematic."""
+    from maskln_cli.jobs.generate import generate_inputs
+
+    kernel, correct = WIDE[name]
+    inputs = generate_inputs((128, 4096), "float32", 4, invalid=0.3, poison=True)
+    with torch.no_grad():
+        out = kernel(inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"])
+    result = kernels.zero_padding({"out": out}, inputs["valid"])
+    document, figures = judge(tmp_path, inputs, result)
+    assert document["passed"] is correct, figures["out"]["problems"]
+    if not correct:
+        assert figures["out"]["budget_ratio"] < 1  # the budget alone would pass it
+        assert figures["out"]["systematic"]["systematic_factor"]
