@@ -23,6 +23,7 @@ report keeps the sorted order.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -214,7 +215,8 @@ def verify_folder(
             verdict = FileVerdict(
                 name, "missing", False, problem=f"no result for this dump: {results} has no {name}"
             )
-            _describe(verdict, dump, options)
+            with contextlib.suppress(MasklnError):  # its row says what it can of the dump
+                _describe(verdict, dump, options)
             return verdict
         result = os.path.join(results, name) if results is not None else dump
         return _judge_file(name, dump, result, results is None, options, verify)

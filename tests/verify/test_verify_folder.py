@@ -174,3 +174,9 @@ def test_a_file_that_cannot_be_judged_is_reported_and_the_others_still_are(tmp_p
         ("error", False),
     ]
     assert "00001-broken.safetensors" in lines[1]["problem"]
+    # With RESULTS: the broken dump has no result either; its row says missing, nothing stops.
+    results = tmp_path / "results"
+    results.mkdir()
+    result, lines = json_lines(dumps, results)
+    assert result.exit_code == 1
+    assert [line["status"] for line in lines] == ["missing", "missing"]
