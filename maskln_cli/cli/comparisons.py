@@ -64,7 +64,7 @@ def verify(
     result_path: Annotated[
         str | None,
         typer.Argument(
-            metavar="[RESULT]",
+            metavar="RESULT",
             help="The kernel's result to judge; '-' reads stdin. With a folder of dumps as"
             " INPUT: a folder of results, paired by file name (left out: each dump's own out"
             " and gradients are judged).",
@@ -184,6 +184,11 @@ def verify(
     position. A failing tensor is described and diagnosed. Exit code 0 when all pass, 1 on any
     failure, 2 on an error.
 
+    INPUT may be a folder of dumps (a safetensors file per LayerNorm call: x, valid, scale,
+    bias, out, optionally grad_out and the gradients; eps in its metadata): each file is judged
+    (its own out, or RESULT's file of the same name), a row each in one table, then the failing
+    files' reports; --json prints a JSON line per file.
+
     **Examples**
 
     ```
@@ -195,13 +200,9 @@ def verify(
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
         --module encoder.layer.0.output.LayerNorm --config checkpoint/ \\
         --valid-key attention_mask --plain-layer-norm
-    maskln verify dumps/                  # every dump of a folder, against its own out
+    maskln verify dumps/
     maskln verify dumps/ kernel_results/ --json --shard 3/8
     ```
-
-    With a folder of dumps (one safetensors file per LayerNorm call: x, valid, scale, bias, out,
-    optionally grad_out and the gradients; eps in its metadata), every file is judged and gets a
-    row of one table, then the failing files' reports; --json prints a JSON line per file.
     """
     from maskln_cli.cli.report.progress import progress_bar
     from maskln_cli.verify.folder import is_folder_verify, parse_shard
