@@ -9,10 +9,11 @@ INPUT and RESULT). With RESULTS, files are paired by name and RESULTS' files are
 kernel's outputs for those inputs); a dump without a result, or a result without a dump, is a
 failing row of the report, never skipped.
 
-A model's own ``nn.LayerNorm`` normalizes the padding too. A dump judged alone whose ``out``
-is not zero on every invalid row is judged as such (``--plain-layer-norm``: the valid rows
-only), and its row says so; a RESULTS file is judged as the op's (padding exactly 0) unless
-``--plain-layer-norm`` is given.
+A model's own ``nn.LayerNorm`` normalizes the padding too. A dump judged alone whose metadata
+says ``padding: normalized`` (or, without that key, whose ``out`` is not zero on every invalid
+row) is judged as such (``--plain-layer-norm``: the valid rows only), and its row says so; one
+that says ``zeroed`` (a ``MaskedLayerNorm``) must hold 0 there; a RESULTS file is judged as
+the op's (padding exactly 0) unless ``--plain-layer-norm`` is given.
 
 ``shard=(K, N)`` keeps the K-th (from 1) of N contiguous, deterministic slices of the sorted
 names (of both folders): run side by side (a Slurm array), the slices' JSON lines concatenate
@@ -69,6 +70,7 @@ class FileVerdict:
     dtype: str | None = None
     budget_ratios: dict[str, float | None] = field(default_factory=dict)
     plain_layer_norm: bool = False
+    padding: str | None = None  # metadata: "normalized" (nn.LayerNorm) or "zeroed"
     problem: str | None = None
     report: ComparisonReport | None = None
 
@@ -245,7 +247,7 @@ def _judge_file(
     verdict = FileVerdict(name, "checked", False)
     try:
         _describe(verdict, dump, options)
-        if own and not verify.plain_layer_norm and _padding_not_zeroed(dump, options):
+        if own and not verify.plain_layer_norm and _plain(verdict, dump, options):
             verify = dataclasses.replace(verify, plain_layer_norm=True)
         verdict.plain_layer_norm = verify.plain_layer_norm
         report = verify_file(dump, result, options, verify)
@@ -277,6 +279,7 @@ def _describe(verdict: FileVerdict, dump: str, options: NormalizeOptions) -> Non
         metadata = data.metadata or {}
         verdict.module = metadata.get("module")
         verdict.call = metadata.get("call")
+        verdict.padding = metadata.get("padding")
         x_key = options.x_key
         if x_key not in data:
             raise MasklnError(f"{dump}: no tensor {x_key!r} (a dump holds x, valid, scale, ...)")
@@ -288,6 +291,16 @@ def _describe(verdict: FileVerdict, dump: str, options: NormalizeOptions) -> Non
             verdict.valid_rows = int(data.tensor(valid_key).bool().sum())
         else:
             verdict.valid_rows = verdict.rows
+
+
+def _plain(verdict: FileVerdict, dump: str, options: NormalizeOptions) -> bool:
+    """Whether a dump's own out is a plain LayerNorm's: its metadata ``padding`` says
+    ``normalized`` (an ``nn.LayerNorm``) or ``zeroed`` (a ``MaskedLayerNorm``, whose padding
+    must then be 0); without it, whether out is non-zero on some invalid row."""
+    padding = verdict.padding
+    if padding in ("normalized", "zeroed"):
+        return padding == "normalized"
+    return _padding_not_zeroed(dump, options)
 
 
 def _padding_not_zeroed(dump: str, options: NormalizeOptions) -> bool:

@@ -21,7 +21,7 @@ MODULES = (
 )
 
 
-def dump(folder, call, module, eps=1e-12, plain=True, grads=True, seed=0):
+def dump(folder, call, module, eps=1e-12, plain=True, grads=True, seed=0, **extra):
     """One LayerNorm call as the capture writes it: a model's nn.LayerNorm (``plain``: its
     padding normalized too) or a MaskedLayerNorm (padding 0), its gradients by autograd."""
     g = torch.Generator().manual_seed(seed + call)
@@ -42,7 +42,7 @@ def dump(folder, call, module, eps=1e-12, plain=True, grads=True, seed=0):
         tensors.update(grad_out=grad_out, grad_x=found[0], grad_scale=found[1], grad_bias=found[2])
     tensors = {k: v.detach() for k, v in tensors.items()}
     name = f"{call:05d}-{module}.safetensors"
-    meta = {"eps": repr(eps), "module": module, "call": str(call), "dtype": "float32"}
+    meta = {"eps": repr(eps), "module": module, "call": str(call), "dtype": "float32", **extra}
     write(folder / name, tensors, **meta)
     return name, tensors
 
@@ -180,3 +180,21 @@ def test_a_file_that_cannot_be_judged_is_reported_and_the_others_still_are(tmp_p
     result, lines = json_lines(dumps, results)
     assert result.exit_code == 1
     assert [line["status"] for line in lines] == ["missing", "missing"]
+
+
+def test_the_dumps_padding_metadata_says_which_layer_norm_made_it(tmp_path):
+    """capture's metadata ``padding``: ``normalized`` (nn.LayerNorm: its valid rows compared)
+    or ``zeroed`` (MaskedLayerNorm: its padding must be 0, and a non-zero one fails)."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    dump(dumps, 0, MODULES[0], grads=False, padding="normalized")
+    dump(dumps, 1, MODULES[1], grads=False, padding="zeroed")  # yet not zeroed: wrong
+    dump(dumps, 2, MODULES[2], grads=False, plain=False, padding="zeroed")
+    result, lines = json_lines(dumps)
+    assert result.exit_code == 1
+    verdicts = [(line["padding"], line["plain_layer_norm"], line["passed"]) for line in lines]
+    assert verdicts == [
+        ("normalized", True, True),
+        ("zeroed", False, False),
+        ("zeroed", False, True),
+    ]
