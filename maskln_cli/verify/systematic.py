@@ -197,10 +197,14 @@ class Finding:
         elif self.eps_at_most is not None:
             found, given = f"an eps of at most {self.eps_at_most:.1g}", "EPS"
         if found is not None:
-            text += (
-                f"; RESULT matches {found} on all {self.rows:,} valid rows; the reference used"
-                f" {eps:g} ({eps_origin}): give `--eps {given}` or `--config`"
-            )
+            text += f"; RESULT matches {found} on all {self.rows:,} valid rows; the reference"
+            if eps_origin == "the default":  # probably forgotten: say how to give it
+                text += f" used {eps:g} (the default): give `--eps {given}` or `--config`"
+            else:  # given (a dump's metadata, a config): more likely the kernel's is wrong
+                text += (
+                    f" used {eps:g} ({eps_origin}): the kernel's eps is not the model's (if"
+                    f" RESULT's is the right one, give `--eps {given}`)"
+                )
         return text
 
 

@@ -55,6 +55,13 @@ def test_the_eps_result_used_is_found_and_named_with_the_option_to_give(tmp_path
     )
     _, document, _ = verify(tmp_path, t, {"out": masked(t, eps=1e-3)}, "--eps", "1e-3")
     assert document["passed"]
+    # An eps the file gives (a dump's: the model's) is more likely right than the kernel's.
+    _, document, tensors = verify(tmp_path, t, {"out": masked(t, eps=1e-3)}, eps="1e-05")
+    assert tensors["out"]["problems"][0].endswith(
+        "RESULT matches eps ≈ 0.001 on all 179 valid rows; the reference used 1e-05 (from"
+        " metadata 'eps'): the kernel's eps is not the model's (if RESULT's is the right one,"
+        " give `--eps 0.001`))"
+    )
 
 
 def test_a_bert_eps_on_a_models_output_is_found_and_the_padding_never_blamed(tmp_path):
