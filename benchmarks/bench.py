@@ -32,6 +32,12 @@ max of the per-repetition ratios. "peer" is
     / a load_file, one-liner, assert_close script (peer_verify.py): wall time and peak RSS.
 12. ``maskln grade`` of a correct solution, ``--strict``: absolute wall seconds, each run
     interleaved with a ``python -c "import torch"`` run, whose seconds are shown beside it.
+13. ``maskln verify in res`` with gradients (in: a 512 MiB x with grad_out, ``generate
+    --invalid 0.3 --poison --grad``; res: ``maskln normalize``'s, which passes) / the same
+    ``verify --check out`` (the forward alone), and / a load_file, autograd in float64,
+    assert_close script (peer_verify_grad.py; it fails falsely, as assert_close does on
+    float32 gradient sums): wall time and peak RSS. Then with a 1 GiB x: / ``--check out``
+    only (the peer would need some 20 GiB).
 
 Progress goes to stderr; the header, table and notes go to stdout.
 """
@@ -67,10 +73,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
-GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8, 10, 11, 12)}
-FIGURES = 12
+GROUPS = {"core": (1, 2, 9), "memory": (3, 4), "cli": (5, 6, 7, 8, 10, 11, 12, 13)}
+FIGURES = 13
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
+HUGE_SHAPE = "2097152,128"  # a 1 GiB x (figure 13)
 SMALL_SHAPE = "4,64,128"
 SMALL_FILES = 40
 
@@ -231,10 +238,15 @@ def run_checked(command: list[str]) -> str:
     return done.stdout
 
 
-def run_measured(command: list[str]) -> Measured:
-    """Run ``command`` through run_measured.py; fail loudly if it fails."""
+def run_measured(command: list[str], exit_codes: tuple[int, ...] = (0,)) -> Measured:
+    """Run ``command`` through run_measured.py; fail loudly if it exits otherwise than with
+    one of ``exit_codes``."""
     launcher = [PYTHON, "-S", "-I", str(HERE / "run_measured.py")]
-    result = json.loads(run_checked([*launcher, *command]))
+    done = subprocess.run([*launcher, *command], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines else {}
+    if result.get("exit_code") not in exit_codes:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr}")
     return Measured(result["wall_s"], result["max_rss_bytes"])
 
 
@@ -696,6 +708,67 @@ def figure_11(settings: Settings, report: Report, workdir: Path) -> None:
     result.unlink()
 
 
+def gradient_input(workdir: Path, shape: str, name: str) -> tuple[Path, Path]:
+    """An input with grad_out (x of ``shape``, float32) and maskln normalize's result."""
+    source, result = workdir / f"{name}.safetensors", workdir / f"{name}_result.safetensors"
+    if not source.exists():
+        progress.print(f"  generating {name} ({shape}, with grad_out) and its result")
+        command = [MASKLN, "generate", str(source), "--shape", shape, "--seed", "3"]
+        run_checked([*command, "--invalid", "0.3", "--poison", "--grad", "--quiet"])
+        run_checked([MASKLN, "normalize", str(source), str(result), "--quiet"])
+        settle_writes()
+    return source, result
+
+
+def figure_13(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln verify`` with gradients / ``--check out`` and / a peer script with autograd."""
+    figure = "13 verify with gradients"
+    source, result = gradient_input(workdir, BIG_SHAPE, "grad_big")
+    with_grads = [MASKLN, "verify", str(source), str(result), "--quiet"]
+    forward = [*with_grads, "--check", "out"]
+    peer_command = [PYTHON, str(HERE / "peer_verify_grad.py"), str(source), str(result)]
+    progress.print(f"  {figure}: measuring against --check out")
+    if settings.cli_warmup:
+        run_measured(with_grads), run_measured(forward)
+    ours_runs, forward_runs = interleaved(
+        lambda: run_measured(with_grads), lambda: run_measured(forward), settings.big_reps
+    )
+    walls = ratios((r.wall_s for r in ours_runs), (r.wall_s for r in forward_runs))
+    label = f"{big_case()} + grad_out: wall / --check out"
+    report.rows.append(Row(figure, label, walls, "<= 2.00", statistics.median(walls) <= 2.0))
+    progress.print(f"  {figure}: measuring against peer_verify_grad.py")
+    # The peer takes minutes and 10 GiB: two runs, interleaved with two more of ours.
+    ours_runs, peer_runs = interleaved(
+        lambda: run_measured(with_grads),
+        lambda: run_measured(peer_command, exit_codes=(0, 1)),
+        2,
+    )
+    big_rows(figure, ours_runs, peer_runs, (0.5, 0.3), report)
+    report.notes.append(
+        f"13: --check out median {statistics.median(r.wall_s for r in forward_runs):.2f} s"
+    )
+    for path in (source, result):
+        path.unlink()
+    source, result = gradient_input(workdir, HUGE_SHAPE, "grad_huge")
+    with_grads = [MASKLN, "verify", str(source), str(result), "--quiet"]
+    forward = [*with_grads, "--check", "out"]
+    progress.print(f"  {figure}: 1 GiB x, measuring against --check out")
+    reps = max(2, settings.big_reps // 2)
+    ours_runs, forward_runs = interleaved(
+        lambda: run_measured(with_grads), lambda: run_measured(forward), reps
+    )
+    walls = ratios((r.wall_s for r in ours_runs), (r.wall_s for r in forward_runs))
+    label = "[2097152, 128] float32 + grad_out: wall / --check out"
+    report.rows.append(Row(figure, label, walls, "<= 2.00", statistics.median(walls) <= 2.0))
+    report.notes.append(
+        f"13 (1 GiB x): medians: with gradients"
+        f" {statistics.median(r.wall_s for r in ours_runs):.2f} s, --check out"
+        f" {statistics.median(r.wall_s for r in forward_runs):.2f} s"
+    )
+    for path in (source, result):
+        path.unlink()
+
+
 GRADE_CORRECT = {  # a correct solution, as the README says: every clause passes, strict too
     "maskln's op": ["maskln_cli:masked_layer_normalization", "--strict"],
     "tests/solutions/correct.py": [str(ROOT / "tests" / "solutions" / "correct.py"), "--strict"],
@@ -889,6 +962,7 @@ def main() -> None:
             10: lambda: figure_10(settings, report, Path(tmp)),
             11: lambda: figure_11(settings, report, Path(tmp)),
             12: lambda: figure_12(settings, report),
+            13: lambda: figure_13(settings, report, Path(tmp)),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")

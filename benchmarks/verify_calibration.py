@@ -6,6 +6,7 @@ Run from the repository root with the project's interpreter::
     .venv/bin/python benchmarks/verify_calibration.py              # 5 seeds, ~10 minutes
     .venv/bin/python benchmarks/verify_calibration.py --seeds 2    # quicker
     .venv/bin/python benchmarks/verify_calibration.py --long       # also C = 2**20 rows
+    .venv/bin/python benchmarks/verify_calibration.py --systematic # the systematic-error test
 
 Each kernel of tests/kernels.py runs on each data set (written to a file, as a kernel's output
 would be) and ``maskln verify`` judges it in-process. For every (kernel, data set, seed) the
@@ -19,6 +20,12 @@ Prints a Markdown table (kernels by data set: verdict, factor needed over the se
 correct kernels and best for wrong ones, and the diagnosis) and, per seed, the margins: the
 worst factor a correct kernel needs against the best a wrong kernel needs, where its mistake is
 visible at all.
+
+``--systematic`` calibrates the systematic-error test (maskln_cli/verify/systematic.py) instead:
+for C from 1 to 65,536 and each seed, correct kernels (sequential, pairwise, Welford, Kahan,
+blocked, F.layer_norm, and F.layer_norm in bfloat16 and float16, which accumulate in float32)
+and the mistakes a budget hides at wide rows (eps 1e-6 or 3e-5 for 1e-5, out times 1 + 1e-5);
+it prints the FAIL counts by C: 0 for every correct kernel, all for every mistake from C = 64.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maskln_cli.verify import job as verify_module
+from maskln_cli.verify import systematic
 from maskln_cli.verify.job import VerifyOptions, verify_file
 from tests import kernels
 
@@ -141,13 +149,107 @@ def judge(
     return Outcome(report.passed, needed, model_needed, list(dict.fromkeys(names)))
 
 
+SYSTEMATIC_CHANNELS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+SYSTEMATIC_ELEMENTS = 1 << 19
+"""Elements of x per (C, seed): rows of C channels, 16 rows at least."""
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def systematic_data(channels: int, seed: int) -> kernels.Tensors:
+    """N(0, 1) rows of ``channels`` (30 % padding, poisoned), no upstream gradient."""
+    from maskln_cli.jobs.generate import generate_inputs
+
+    rows = max(16, SYSTEMATIC_ELEMENTS // channels)
+    return generate_inputs((rows, channels), "float32", seed, invalid=0.3, poison=True)
+
+
+def systematic_run(kernel: kernels.Kernel, inputs: kernels.Tensors, dtype: torch.dtype):
+    """out of ``kernel`` in ``dtype`` (half kernels: F.layer_norm, which accumulates in
+    float32), the padding zeroed."""
+    with torch.no_grad():
+        x, scale, bias = (inputs[k].to(dtype) for k in ("x", "scale", "bias"))
+        out = kernel(x, inputs["valid"], scale, bias)
+    return kernels.zero_padding({"out": out}, inputs["valid"])
+
+
+def systematic_main(seeds: int) -> None:
+    """Correct kernels never fail, at any C; the mistakes that hide in the budget at wide rows
+    fail at every C >= 64 (issue 23, 5). Prints a Markdown table of verdicts by C."""
+    contenders = [(f"{name}", kernel, torch.float32, False) for name, kernel in
+                  kernels.SYSTEMATIC_CORRECT.items()]  # fmt: skip
+    contenders += [
+        (f"F.layer_norm in {name}", kernels.torch_layer_norm, dtype, False)
+        for name, dtype in HALF.items()
+    ]
+    contenders += [(name, k, torch.float32, True) for name, k in kernels.SYSTEMATIC_WRONG.items()]
+    systematic.ALWAYS_REPORT = True  # every pooled factor, and its score
+    table: dict[tuple[str, int], list[tuple[bool, dict | None, float]]] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        for channels in SYSTEMATIC_CHANNELS:
+            for seed in range(seeds):
+                inputs = systematic_data(channels, seed)
+                for name, kernel, dtype, _ in contenders:
+                    if channels > 4096 and name in ("sequential", "Welford", "Kahan") and seed:
+                        continue  # element-by-element loops in Python: one seed is enough
+                    result = systematic_run(kernel, inputs, dtype)
+                    report = _verify(inputs, result, folder)
+                    out = report.tensors[0]
+                    table.setdefault((name, channels), []).append(
+                        (report.passed, out.systematic, out.budget_ratio or 0.0)
+                    )
+                    found = out.systematic or {}
+                    print(
+                        f"C {channels:>6} seed {seed} {name:>24}:"
+                        f" {'PASS' if report.passed else 'FAIL'} budget {out.budget_ratio:.3g}"
+                        f" factor {found.get('factor', 0):+.2g}"
+                        f" ± {found.get('factor_error', 0):.1g} score {found.get('score', 0):.2g}"
+                        f" eps {found.get('eps')}",
+                        file=sys.stderr,
+                    )
+    print("FAIL count / runs by C; `*`: some failed within the budget (the systematic test")
+    print("alone fails them); then the systematic score (> 1: systematic), the greatest of a")
+    print("correct kernel's runs, the smallest of a mistake's\n")
+    print("| kernel | " + " | ".join(f"C={c:,}" for c in SYSTEMATIC_CHANNELS) + " |")
+    print("|---|" + "---:|" * len(SYSTEMATIC_CHANNELS))
+    for name, _, _, wrong in contenders:
+        cells = []
+        for channels in SYSTEMATIC_CHANNELS:
+            runs = table.get((name, channels), [])
+            failed = sum(not passed for passed, _, _ in runs)
+            hidden = sum(not passed and ratio <= 1 for passed, _, ratio in runs)
+            scores = [(found or {}).get("score", 0.0) for _, found, _ in runs]
+            score = (min if wrong else max)(scores) if scores else 0.0
+            cells.append(f"{failed}/{len(runs)}{'*' if hidden else ''} ({score:.2g})")
+        label = f"{name} (wrong)" if wrong else name
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print(f"\nran in {time.monotonic() - started:.0f} s")
+
+
+def _verify(inputs: kernels.Tensors, result: kernels.Tensors, folder: Path):
+    source, target = folder / "in.safetensors", folder / "result.safetensors"
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(source), {"eps": "1e-05"})
+    save_file({k: v.contiguous() for k, v in result.items()}, str(target))
+    return verify_file(str(source), str(target), verify=VerifyOptions())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--long", action="store_true", help="also the C = 2**20 case")
     parser.add_argument("--no-half", action="store_true", help="skip bfloat16 and float16")
+    parser.add_argument(
+        "--systematic",
+        action="store_true",
+        help="the systematic-error test instead: correct kernels and hidden mistakes, C from 1"
+        " to 65,536",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.systematic:
+        systematic_main(args.seeds)
+        return
     cases = float32_cases() + ([] if args.no_half else half_cases())
     cases += long_cases() if args.long else []
     results: dict[tuple[str, str], list[Outcome]] = {}

@@ -146,12 +146,78 @@ def nan_leak(x, valid, scale, bias):
     return F.layer_norm(x, (x.shape[-1],), scale, bias, EPS).masked_fill(~valid[..., None], 0)
 
 
+def _kahan_sum(rows: torch.Tensor) -> torch.Tensor:
+    total = torch.zeros_like(rows[..., :1])
+    carry = torch.zeros_like(total)
+    for channel in range(rows.shape[-1]):  # compensated summation, element by element
+        term = rows[..., channel : channel + 1] - carry
+        step = total + term
+        carry = (step - total) - term
+        total = step
+    return total
+
+
+def kahan(x, valid, scale, bias):
+    """Two passes, each sum compensated (Kahan) element by element in x's dtype."""
+    rows = _rows_zeroed(x, valid)
+    channels = x.shape[-1]
+    mean = _kahan_sum(rows) / channels
+    var = _kahan_sum((rows - mean).square()) / channels
+    return _masked((rows - mean) * torch.rsqrt(var + EPS) * scale + bias, valid)
+
+
+def welford(x, valid, scale, bias):
+    """One pass of Welford's running mean and sum of squared deviations, in x's dtype."""
+    rows = _rows_zeroed(x, valid)
+    mean = torch.zeros_like(rows[..., :1])
+    squares = torch.zeros_like(mean)
+    for channel in range(rows.shape[-1]):
+        value = rows[..., channel : channel + 1]
+        delta = value - mean
+        mean = mean + delta / (channel + 1)
+        squares = squares + delta * (value - mean)
+    var = squares / rows.shape[-1]
+    return _masked((rows - mean) * torch.rsqrt(var + EPS) * scale + bias, valid)
+
+
+def with_eps(eps: float) -> Kernel:
+    """WRONG (unless eps is the run's): a correct two-pass kernel with another eps."""
+
+    def kernel(x, valid, scale, bias):
+        rows = _rows_zeroed(x, valid)
+        mean, var = _statistics(rows)
+        return _masked((rows - mean) * torch.rsqrt(var + eps) * scale + bias, valid)
+
+    kernel.__doc__ = f"two-pass with eps {eps:g}"
+    return kernel
+
+
+def scaled_output(x, valid, scale, bias):
+    """WRONG: F.layer_norm's output times (1 + 1e-5)."""
+    return torch_layer_norm(x, valid, scale, bias) * (1 + 1e-5)
+
+
 CORRECT: dict[str, Kernel] = {
     "F.layer_norm": torch_layer_norm,
     "two-pass": two_pass,
     "sequential": sequential,
     "maskln": maskln,
 }
+SYSTEMATIC_CORRECT: dict[str, Kernel] = {
+    "F.layer_norm": torch_layer_norm,
+    "pairwise (two-pass)": two_pass,
+    "sequential": sequential,
+    "Welford": welford,
+    "Kahan": kahan,
+    "blocked (maskln)": maskln,
+}
+"""Correct kernels whose errors are rounding only: never systematic (issue 23, 5)."""
+SYSTEMATIC_WRONG: dict[str, Kernel] = {
+    "eps 1e-6 for 1e-5": with_eps(1e-6),
+    "out x (1 + 1e-5)": scaled_output,
+    "eps 3e-5 for 1e-5": with_eps(3e-5),
+}
+"""Mistakes that hide in the budget at wide rows, and that their structure shows."""
 WRONG: dict[str, Kernel] = {
     "one-pass variance": one_pass,
     "eps outside sqrt": eps_outside,

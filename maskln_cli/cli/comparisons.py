@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from maskln_cli.cli.failures import EXIT_MISMATCH, quiet_when_stdout_closes, reports_errors
+from maskln_cli.cli.failures import (
+    EXIT_ERROR,
+    EXIT_MISMATCH,
+    quiet_when_stdout_closes,
+    reports_errors,
+)
 from maskln_cli.cli.options import (
     Atol,
     BiasKey,
@@ -31,9 +36,11 @@ from maskln_cli.cli.options import (
     normalize_options,
     tolerance_option,
 )
+from maskln_cli.errors import MasklnError
 
 if TYPE_CHECKING:
     from maskln_cli.compare.data import ComparisonReport
+    from maskln_cli.verify.folder import FolderReport
 
 
 class JudgeDtype(str, Enum):
@@ -55,9 +62,15 @@ def verify(
         str, typer.Argument(metavar="INPUT", help="The input file; '-' reads stdin.")
     ],
     result_path: Annotated[
-        str,
-        typer.Argument(metavar="RESULT", help="The kernel's result to judge; '-' reads stdin."),
-    ],
+        str | None,
+        typer.Argument(
+            metavar="RESULT",
+            help="The kernel's result to judge; '-' reads stdin. With a folder of dumps as"
+            " INPUT: a folder of results, paired by file name (left out: each dump's own out"
+            " and gradients are judged).",
+            show_default=False,
+        ),
+    ] = None,
     x_key: XKey = "x",
     valid_key: ValidKey = None,
     scale_key: ScaleKey = None,
@@ -128,6 +141,34 @@ def verify(
             rich_help_panel="Tolerance",
         ),
     ] = False,
+    allow_systematic: Annotated[
+        bool,
+        typer.Option(
+            "--allow-systematic",
+            help="Report a systematic error of out (every valid row scaled or shifted alike,"
+            " beyond what rounding does) without failing on it.",
+            rich_help_panel="Tolerance",
+        ),
+    ] = False,
+    plain_layer_norm: Annotated[
+        bool,
+        typer.Option(
+            "--plain-layer-norm",
+            help="RESULT is a plain LayerNorm's output (a model's own nn.LayerNorm): its padding"
+            " is not zeroed. Every row is normalized, as it does; only the valid rows are"
+            " compared.",
+        ),
+    ] = False,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            "--shard",
+            metavar="K/N",
+            help="With a folder: judge only the K-th (1 to N) of N slices of its sorted file"
+            " names; the slices' --json lines concatenate into the whole report.",
+            show_default=False,
+        ),
+    ] = None,
     chunk_rows: ChunkRows = None,
     valid_rows: ValidRows = None,
     json_output: JsonOutput = False,
@@ -138,9 +179,15 @@ def verify(
     RESULT's out (and grad_x, grad_scale and grad_bias when INPUT holds grad_out) must each be
     as close to the float64 truth as a correct kernel in RESULT's dtype can be: within --factor
     times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm on the
-    same data. A tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at
-    every invalid position. A failing tensor is described and diagnosed. Exit code 0 when all
-    pass, 1 on any failure, 2 on an error.
+    same data; out must show no systematic error (every valid row scaled or shifted alike). A
+    tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at every invalid
+    position. A failing tensor is described and diagnosed. Exit code 0 when all pass, 1 on any
+    failure, 2 on an error.
+
+    INPUT may be a folder of dumps (a safetensors file per LayerNorm call: x, valid, scale,
+    bias, out, optionally grad_out and the gradients; eps in its metadata): each file is judged
+    (its own out, or RESULT's file of the same name), a row each in one table, then the failing
+    files' reports; --json prints a JSON line per file.
 
     **Examples**
 
@@ -152,12 +199,19 @@ def verify(
     maskln verify in.safetensors kernel.safetensors --json | jq .passed
     maskln verify acts.safetensors layer_dump.safetensors --params checkpoint/ \\
         --module encoder.layer.0.output.LayerNorm --config checkpoint/ \\
-        --valid-key attention_mask --valid acts.safetensors:attention_mask
+        --valid-key attention_mask --plain-layer-norm
+    maskln verify dumps/
+    maskln verify dumps/ kernel_results/ --json --shard 3/8
     ```
     """
     from maskln_cli.cli.report.progress import progress_bar
+    from maskln_cli.verify.folder import is_folder_verify, parse_shard
     from maskln_cli.verify.job import VerifyOptions, parse_check, parse_result_keys, verify_file
 
+    folder = is_folder_verify(input_path, result_path)
+    if shard is not None and not folder:
+        raise MasklnError(f"--shard {shard}: only with a folder of dumps as INPUT")
+    slice_of = parse_shard(shard) if shard is not None else None
     options = normalize_options({**locals(), "dtype": ComputeDtype.auto})
     judged = VerifyOptions(
         check=parse_check(check) if check else None,
@@ -169,7 +223,17 @@ def verify(
         strict=strict,
         dtype=dtype.value,
         valid=valid_rows,
+        plain_layer_norm=plain_layer_norm,
+        allow_systematic=allow_systematic,
     )
+    if folder:
+        from maskln_cli.verify.folder import verify_folder
+
+        with progress_bar(f"verify {input_path}") as progress:
+            report = verify_folder(input_path, result_path, options, judged, slice_of, progress)
+        _finish_folder(report, json_output, quiet)
+        return
+    assert result_path is not None
     with progress_bar(f"verify {input_path}") as progress:
         result = verify_file(input_path, result_path, options, judged, progress)
     _finish_comparison(result, json_output, quiet)
@@ -219,6 +283,20 @@ def diff(
 
     result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows)
     _finish_comparison(result, json_output, quiet)
+
+
+def _finish_folder(report: FolderReport, json_output: bool, quiet: bool) -> None:
+    from maskln_cli.cli.report.folder import print_json_lines, render_folder
+
+    # A file that could not be judged is an error of its input: exit 2, as for one file.
+    code = EXIT_ERROR if report.errors else 0 if report.passed else EXIT_MISMATCH
+    with quiet_when_stdout_closes(code):
+        if json_output:
+            print_json_lines(report)
+        else:
+            render_folder(report, quiet=quiet)
+    if code:
+        raise typer.Exit(code)
 
 
 def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:

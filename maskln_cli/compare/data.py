@@ -229,9 +229,15 @@ class TensorComparison:
     row_rel_error: RowErrors | None = None
     factor_needed: float | None = None
     diagnosis: list[dict[str, object]] = field(default_factory=list)
+    systematic: dict[str, object] | None = None
+    """verify: a systematic error found in the valid rows (None, and left out of JSON, when
+    none was found; see :mod:`maskln_cli.verify.systematic`)."""
 
     def to_dict(self) -> dict[str, object]:
-        return plain_data(self)  # type: ignore[return-value]
+        document: dict[str, object] = plain_data(self)  # type: ignore[assignment]
+        if document["systematic"] is None:
+            del document["systematic"]
+        return document
 
 
 @dataclass

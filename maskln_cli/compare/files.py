@@ -18,11 +18,11 @@ from maskln_cli.compare.data import (
 )
 from maskln_cli.compare.integers import IntegerComparison, is_integral
 from maskln_cli.errors import MasklnError
+from maskln_cli.files.checkpoint import Tensors, open_checkpoint
 from maskln_cli.files.tensorfile import (
     TensorFile,
     TensorInfo,
     dtype_name,
-    open_tensor_file,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +162,9 @@ def diff_files(
     atol: float | None = None,
     valid: str | None = None,
 ) -> ComparisonReport:
-    """Compare two safetensors files key by key (``-`` for stdin, on one side at most).
+    """Compare two safetensors files key by key (``-`` for stdin, on one side at most). Either
+    side may be a checkpoint instead: a folder holding ``model.safetensors`` or its index, or a
+    ``model.safetensors.index.json`` (tensors by name across its shards, memory-mapped).
 
     With ``keys``, only those keys are compared (each must exist on at least one side). With
     ``valid`` (``FILE[:KEY]``, a mask), tensors of shape ``[*mask.shape, C]`` are compared on
@@ -184,8 +186,8 @@ def diff_files(
     check_tolerance(rtol, "--rtol")
     check_tolerance(atol, "--atol")
     with contextlib.ExitStack() as stack:
-        actual = stack.enter_context(open_tensor_file(actual_path))
-        expected = stack.enter_context(open_tensor_file(expected_path))
+        actual = stack.enter_context(open_checkpoint(actual_path))
+        expected = stack.enter_context(open_checkpoint(expected_path))
         names = _key_union(actual, expected)
         if keys:
             unknown = [k for k in keys if k not in names]
@@ -206,7 +208,7 @@ def diff_files(
         return ComparisonReport("diff", actual.name, expected.name, tensors, notes)
 
 
-def _shape(actual: TensorFile, expected: TensorFile, name: str) -> tuple[int, ...]:
+def _shape(actual: Tensors, expected: Tensors, name: str) -> tuple[int, ...]:
     return (actual if name in actual else expected).info(name).shape
 
 
@@ -218,8 +220,8 @@ SMALL_BATCH = 4096
 
 
 def _compare_keys(
-    actual: TensorFile,
-    expected: TensorFile,
+    actual: Tensors,
+    expected: Tensors,
     names: Sequence[str],
     rtol: float | None,
     atol: float | None,
@@ -242,7 +244,9 @@ def _compare_keys(
             keep = mask.keep if mask and mask.applies_to(info.shape) else None
             same = (info.dtype, info.shape) == (expected_info.dtype, expected_info.shape)
             floating = info.dtype not in INTEGRAL_DTYPES  # integers: IntegerComparison
-            if same and floating and keep is None and 0 < info.numel <= SMALL_ELEMENTS:
+            # Many at a time from single files (a sharded checkpoint's tensors one by one).
+            single = isinstance(actual, TensorFile) and isinstance(expected, TensorFile)
+            if same and floating and single and keep is None and 0 < info.numel <= SMALL_ELEMENTS:
                 small.setdefault((info.dtype, info.shape), []).append(name)
                 continue
             outcomes[name] = compare_tensors(
@@ -286,7 +290,7 @@ COMPARED_BYTES = 1 << 24
 
 
 def _compare_stored_bytes(
-    actual: TensorFile, expected: TensorFile, info: TensorInfo, expected_info: TensorInfo
+    actual: Tensors, expected: Tensors, info: TensorInfo, expected_info: TensorInfo
 ) -> TensorComparison:
     """A tensor whose values maskln cannot read (complex, F4, F6): its shape and dtype as the
     headers say, and its data compared bit for bit, as stored."""
@@ -304,7 +308,7 @@ def _compare_stored_bytes(
     return comparison.result(problems, compared=False)
 
 
-def _same_bytes(actual: TensorFile, expected: TensorFile, name: str) -> bool:
+def _same_bytes(actual: Tensors, expected: Tensors, name: str) -> bool:
     size = actual.data_size(name)
     if size != expected.data_size(name):
         return False
@@ -315,7 +319,7 @@ def _same_bytes(actual: TensorFile, expected: TensorFile, name: str) -> bool:
     return True
 
 
-def _key_union(actual: TensorFile, expected: TensorFile) -> list[str]:
+def _key_union(actual: Tensors, expected: Tensors) -> list[str]:
     """Keys of both files: actual's in file order, then those only expected has."""
     names = actual.keys()
     seen = set(names)

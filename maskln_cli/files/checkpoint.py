@@ -195,6 +195,9 @@ class ShardedFile:
     def tensor(self, key: str) -> torch.Tensor:
         return self._shard_for(key).tensor(key)
 
+    def read_data(self, key: str, start: int = 0, stop: int | None = None) -> bytes:
+        return self._shard_for(key).read_data(key, start, stop)
+
     def mapped(self, key: str) -> numpy.ndarray:
         return self._shard_for(key).mapped(key)
 

@@ -288,6 +288,11 @@ def open_tensor_file(path: str, torch_tensors: bool = True) -> Iterator[TensorFi
             framework = "pt" if torch_tensors else "numpy"
             handle = stack.enter_context(safe_open(source, framework=framework))
         except Exception as error:
+            if path.endswith(".json"):  # "header too large" would say nothing of what it is
+                raise MasklnError(
+                    f"{name}: a JSON file, not a safetensors file (a sharded checkpoint's index?"
+                    " diff, inspect and --params read one; here give a .safetensors file)"
+                ) from None
             raise MasklnError(f"{name}: not a valid safetensors file: {_reason(error)}") from None
         try:  # the same file, for the bytes of dtypes torch cannot decode
             file = stack.enter_context(open(source, "rb"))

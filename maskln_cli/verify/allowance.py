@@ -30,7 +30,9 @@ class Allowance:
         self.mode = plan.mode
         self.factor = plan.factor
         self.judge = plan.judge
-        self.precision = plan.precision
+        self.precisions = plan.precisions
+        # Each tensor's own judged dtype (see Plan.judges), by the comparison's name.
+        self.judges = plan.judges()
         # Whether the yardstick's error raises a budget (see job.YARDSTICK_RAISES).
         self.yardstick_raises = yardstick_raises
 
@@ -43,8 +45,8 @@ class Allowance:
     ) -> dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]:
         """The allowance pieces of some rows of a block (None: all of them) for
         :meth:`Comparison.measure`, from the block's ``inputs`` (x in float64, valid, the
-        truth, the yardstick and its error); ``later``, a function making them from copies of
-        just those rows."""
+        truth, the yardstick and its error, and for grad_x the upstream gradient in float64);
+        ``later``, a function making them from copies of just those rows."""
         if rows is None:
             return self.pieces(comparison, *inputs)
         some = [t.index_select(0, rows) for t in inputs]
@@ -60,16 +62,18 @@ class Allowance:
         truth: torch.Tensor,
         guess: torch.Tensor,
         error: torch.Tensor,
+        grad_out: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The allowance pieces of rows of x (float64), as those of a whole chunk are made."""
+        """The allowance pieces of rows of x (float64), as those of a whole chunk are made;
+        those of grad_x with the upstream gradient ``grad_out`` (float64)."""
         from maskln_cli.verify.budget import RowBudget
 
         problem = self.problem
         if self.mode == "budget":
-            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, self.precision)
-            return self.from_model(
-                comparison, budget.out(), guess, truth, valid.unsqueeze(1), error
-            )
+            precision = self.precisions[self.judges.get(comparison.name, self.judge)]
+            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
+            model = budget.out() if grad_out is None else budget.grad_x(grad_out)
+            return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error)
         allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
         return {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
 

@@ -202,6 +202,13 @@ class RowBudget:
         model += dx.abs_().mul_(e1 + self.e2 + p.store)
         return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
 
+    def share_of_sums(self, grad_out: torch.Tensor) -> SumBudget:
+        """This chunk's (or block's) share of the grad_scale and grad_bias models, to be
+        added to the whole one in order (:meth:`SumBudget.add`)."""
+        share = SumBudget(self.channels, self.precision)
+        self.add_to(share, grad_out)
+        return share
+
     def add_to(self, sums: SumBudget, grad_out: torch.Tensor) -> None:
         """Add this chunk's share of the grad_scale and grad_bias models to ``sums``."""
         dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
@@ -235,6 +242,13 @@ class SumBudget:
         self.scale_squares = zeros.clone()
         self.bias_squares = zeros.clone()
         self.moved_squares = zeros.clone()
+
+    def add(self, share: SumBudget) -> None:
+        """Add a share of rows (:meth:`RowBudget.share_of_sums`)."""
+        self.rows += share.rows
+        self.scale_squares += share.scale_squares
+        self.bias_squares += share.bias_squares
+        self.moved_squares += share.moved_squares
 
     def grad_scale(self, total: torch.Tensor) -> torch.Tensor:
         """The model of grad_scale's error; ``total`` is the true grad_scale (float64)."""

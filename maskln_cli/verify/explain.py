@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 
     from maskln_cli.compare.comparison import Comparison
     from maskln_cli.compare.data import TensorComparison
+    from maskln_cli.files.masks import RowMask
     from maskln_cli.files.problem import Problem
     from maskln_cli.op.mistakes import Diagnosis
     from maskln_cli.verify.plan import Checked, Plan
+    from maskln_cli.verify.systematic import Finding, FitSums
 
 DIAGNOSIS_ELEMENTS = 1 << 21
 """At most this many elements of failing rows are re-read for a diagnosis."""
@@ -37,9 +39,16 @@ mean (and the mean is well above rounding): the signature of a formula mistake."
 class Explainer:
     """The words and the diagnosis of a plan's failing tensors, once they are measured."""
 
-    def __init__(self, plan: Plan, poisoned: list[int]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        poisoned: list[int],
+        fit: FitSums | None = None,
+        mask: RowMask | None = None,
+    ) -> None:
         import torch
 
+        self.plan = plan
         self.problem = plan.problem
         self.result = plan.result
         self.verify = plan.verify
@@ -47,6 +56,11 @@ class Explainer:
         self.judge = plan.judge
         self.valid_rows = plan.valid_rows
         self.poisoned = poisoned  # invalid rows with NaN or inf in x or grad_out
+        self.fit = fit  # out's systematic-error regressions (see .systematic)
+        self.mask = mask
+        self._sampled: tuple[_Sample, float] | None = None  # a diagnosis's rows, and noise
+        self._finding: str | None = None  # the systematic error of out, in words
+        self._finds_eps = False  # whether it names the eps RESULT used
         self.torch = torch
 
     # --- words ----------------------------------------------------------------------------
@@ -65,6 +79,15 @@ class Explainer:
             words.append(
                 f"-0.0 at {outcome.negative_zeros:,} padded positions (+0.0 expected; --strict)"
             )
+        finding = self._systematic(checked)
+        self._finding, self._finds_eps = None, False
+        if finding is not None:
+            outcome.systematic = finding.to_dict()
+            self._finding = finding.sentence(self.problem.eps, self._eps_origin())
+            self._finds_eps = finding.eps is not None or finding.eps_at_most is not None
+            generic = any(GENERIC in word for word in words)
+            if not generic and not self.verify.allow_systematic:
+                words.append(self._finding)
         outcome.problems = structural + words
         outcome.passed = not outcome.problems
         if self.mode == "budget":
@@ -75,6 +98,79 @@ class Explainer:
             outcome.factor_needed = comparison.factor_needed() if fixable else None
         if not outcome.passed:
             self._diagnose(checked)
+            self._findings(checked)
+
+    def _eps_origin(self) -> str:
+        source = self.problem.eps_source
+        return "the default" if source == "default" else f"from {source}"
+
+    def _systematic(self, checked: Checked) -> Finding | None:
+        """out's systematic error (a factor or shift on every valid row), when one is found."""
+        from maskln_cli.verify import systematic
+
+        if checked.name != "out" or self.fit is None or self.mode != "budget":
+            return None
+        precision = self.plan.precisions[checked.judge or self.judge]
+        problem = self.problem
+        scale, bias = (float(t.square().mean().sqrt()) for t in (problem.scale, problem.bias))
+        finding = systematic.pooled(self.fit, precision, problem.eps, scale, bias)
+        if finding is not None and systematic.ALWAYS_REPORT and not finding.systematic:
+            checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
+        return finding if finding is not None and finding.systematic else None
+
+    def _findings(self, checked: Checked) -> None:
+        """What kind of wrong, beyond the catalogue (see :mod:`.findings`), said first: a
+        coarser kernel's values widened, a wrong --module, a model's own padding; else the
+        diagnosis replaces the generic "a formula or eps mistake"."""
+        from maskln_cli.verify import findings
+
+        outcome = checked.outcome
+        assert outcome is not None and outcome.dtype is not None
+        specific: list[str] = []
+        if self.verify.dtype == "auto":
+            coarser = findings.exact_in_coarser_dtype(
+                self.result.tensor(checked.key), outcome.dtype
+            )
+            if coarser is not None:
+                specific.append(
+                    f"every value is exactly a {coarser}, stored as {outcome.dtype}: a"
+                    f" {coarser} kernel judged by {outcome.dtype}'s budget; --dtype {coarser}"
+                    " judges it as one"
+                )
+        options = self.plan.options
+        if checked.name == "out" and options.module and options.params and self._sampled:
+            sample, noise = self._sampled
+            module = findings.other_module(
+                self.problem, options.params, options.module, sample.actual, sample.x,
+                sample.valid, noise,
+            )  # fmt: skip
+            if module is not None:
+                specific.append(
+                    f"RESULT matches the reference computed with the weights of {module!r},"
+                    f" not {options.module!r}: --module {module}?"
+                )
+        if checked.name == "out" and outcome.mismatched_invalid_rows:
+            comparison = checked.comparison
+            assert comparison is not None
+            valid = self.problem.valid
+            rows = [r for r in comparison.failing_rows if not bool(valid[r])]
+            if findings.plain_padding(self.problem, self.result, checked.key, rows):
+                specific.append(
+                    "the invalid rows hold a plain LayerNorm of x (a model's own"
+                    " nn.LayerNorm output?): --plain-layer-norm compares the valid rows only"
+                )
+        if specific:
+            for text in specific:
+                _replace_generic(outcome.problems, text)
+            outcome.problems = specific + [p for p in outcome.problems if p not in specific]
+        elif self._finding is not None and self._finds_eps:
+            # The eps RESULT used, and the option to give: more than a catalogue's "eps
+            # missing" (BERT's 1e-12 reads as none) or "eps 1e-3 instead of 1e-5".
+            _replace_generic(outcome.problems, self._finding)
+        elif outcome.diagnosis:
+            _replace_generic(outcome.problems, str(outcome.diagnosis[0]["description"]))
+        elif self._finding is not None:
+            _replace_generic(outcome.problems, self._finding)
 
     def _words(self, name: str, outcome: TensorComparison, comparison: Comparison) -> list[str]:
         """What is wrong with a tensor, in words: non-finite values, the padding, the valid
@@ -177,12 +273,14 @@ class Explainer:
         found: list[diagnosis.Diagnosis] = []
         if checked.name in ROW_TENSORS and comparison.failing_rows:
             sample = self._sample(checked, comparison.failing_rows)
-            truth, guess = sample.reference(checked.name, self.judge)
+            judge = checked.judge or self.judge
+            truth, guess = sample.reference(checked.name, judge)
             noise = diagnosis.relative_distance(guess, truth)
+            self._sampled = (sample, noise)
             args = (sample.x, sample.valid, problem.scale, problem.bias)
             if checked.name == "out":
                 found += diagnosis.diagnose_output(
-                    sample.actual, *args, problem.eps, self.judge, noise=noise
+                    sample.actual, *args, problem.eps, judge, noise=noise
                 )
             elif nonfinite:
                 nan = diagnosis.diagnose_nan_gradient(
@@ -192,7 +290,7 @@ class Explainer:
             else:
                 assert sample.grad_out is not None
                 found += diagnosis.diagnose_gradient(
-                    sample.actual, *args, sample.grad_out, problem.eps, self.judge, noise=noise
+                    sample.actual, *args, sample.grad_out, problem.eps, judge, noise=noise
                 )
         elif nonfinite and problem.grad_out is not None:
             index = self.torch.tensor(self.poisoned, dtype=self.torch.long)
@@ -227,9 +325,16 @@ class Explainer:
         shape = (*leading, problem.channels)
         actual = self.result.tensor(checked.key).reshape(-1, problem.channels)[index]
         grad_out = problem.grad_out[index].reshape(shape) if problem.grad_out is not None else None
+        valid = problem.valid[index]
+        if self.mask is not None:
+            # Rows --valid left out are never blamed: the diagnosis sees them as padding,
+            # zero on RESULT's side as on the reference's.
+            keep = self.mask.keep[index]
+            valid = valid & keep
+            actual = torch.where(keep.unsqueeze(1), actual, torch.zeros((), dtype=actual.dtype))
         return _Sample(
             problem, actual.reshape(shape), problem.x[index].reshape(shape),
-            problem.valid[index].reshape(leading), grad_out,
+            valid.reshape(leading), grad_out,
         )  # fmt: skip
 
 
@@ -284,3 +389,23 @@ def _eps_may_be_ours(found: Diagnosis, eps: float) -> Diagnosis:
         " used: give it with --eps or --config"
     )
     return dataclasses.replace(found, fix=fix)
+
+
+GENERIC = "a formula or eps mistake"
+"""What the words say of rows all off by about the same, until a finding says which."""
+
+
+def _replace_generic(problems: list[str], specific: str) -> bool:
+    """Put ``specific`` in place of :data:`GENERIC` in the first problem saying it.
+
+    Example:
+        >>> problems = ["all 3 valid rows off; relative error 2e-05 ± 1e-06 (uniform: a formula"
+        ...             " or eps mistake)"]
+        >>> _replace_generic(problems, "eps ≈ 1e-06"), problems[0][-22:]
+        (True, '(uniform: eps ≈ 1e-06)')
+    """
+    for index, problem in enumerate(problems):
+        if GENERIC in problem:
+            problems[index] = problem.replace(GENERIC, specific)
+            return True
+    return False

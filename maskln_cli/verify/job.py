@@ -29,7 +29,7 @@ from maskln_cli.compare.data import ComparisonReport
 from maskln_cli.compare.rows import count_left_out
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.masks import RowMask, open_row_mask, parse_mask_spec
-from maskln_cli.files.problem import NormalizeOptions, Progress, load_problem
+from maskln_cli.files.problem import NormalizeOptions, Problem, Progress, load_problem
 from maskln_cli.files.tensorfile import STDIO, open_tensor_file
 from maskln_cli.verify.explain import Explainer
 from maskln_cli.verify.measure import StreamingPass
@@ -83,8 +83,60 @@ def verify_file(
                 f"--valid: {mask.source} has shape {list(mask.shape)}; expected x's leading"
                 f" shape {list(problem.shape[:-1])}"
             )
-        job = _Job(Plan(problem, result, options, verify), mask, options.chunk_rows)
+        valid_rows = int(problem.valid.sum())
+        if verify.plain_layer_norm:
+            problem, mask = _as_plain_layer_norm(problem, mask)
+        plan = Plan(problem, result, options, verify)
+        plan.valid_rows = valid_rows  # the op's valid rows, also where every row is normalized
+        if input_path != STDIO:
+            _suggest_valid_key(plan, input_path, options)
+        if mask is not None and mask.left_out == mask.rows:
+            _refuse_comparing_nothing(plan, mask)
+        job = _Job(plan, mask, options.chunk_rows)
         return job.run(progress)
+
+
+def _as_plain_layer_norm(problem: Problem, mask: RowMask | None) -> tuple[Problem, RowMask]:
+    """--plain-layer-norm: the reference normalizes every row, as a plain LayerNorm does (its
+    gradient sums over rows take the padding's too), and only the op's valid rows (and those
+    --valid keeps) are compared."""
+    import torch
+
+    keep = problem.valid if mask is None else problem.valid & mask.keep
+    source = "--plain-layer-norm (INPUT's valid rows)"
+    if mask is not None:
+        source = f"--valid {mask.source} and {source}"
+    leading = tuple(problem.shape[:-1])
+    plain = dataclasses.replace(problem, valid=torch.ones_like(problem.valid))
+    return plain, RowMask(source, leading, keep)
+
+
+def _suggest_valid_key(plan: Plan, input_path: str, options: NormalizeOptions) -> None:
+    """INPUT holds no mask under --valid-key's name, yet a 0/1 integer or bool tensor of x's
+    leading shape: say which option reads it (a note, next to 'every position is valid')."""
+    from maskln_cli.verify.findings import mask_candidates
+
+    if options.valid_key is not None or not any("every position is valid" in n for n in plan.notes):
+        return
+    with open_tensor_file(input_path) as data:
+        found = mask_candidates(data, tuple(plan.problem.shape[:-1]))
+    if found:
+        plan.notes.append(
+            f"{input_path} holds {', '.join(repr(k) for k in found[:3])}, of x's leading shape"
+            f" and only 0 and 1: did you mean `--valid-key {found[0]}`?"
+        )
+
+
+def _refuse_comparing_nothing(plan: Plan, mask: RowMask) -> None:
+    """A mask that leaves out every row leaves nothing of out or grad_x to compare: a verdict
+    on nothing is no pass (a missing tensor is not one either)."""
+    rows = [name for name in plan.names if name in ROW_TENSORS]
+    if rows:
+        raise MasklnError(
+            f"--valid {mask.source}: leaves out every one of its {mask.rows:,} rows, so nothing"
+            f" of {', '.join(rows)} would be compared; give a mask with valid rows (or leave"
+            " --valid out)"
+        )
 
 
 class _Job:
@@ -100,7 +152,7 @@ class _Job:
         comparing = {c.name: c for c in plan.checked if c.comparison is not None}
         live = {n: c for n, c in comparing.items() if c.comparison.comparable}  # type: ignore[union-attr]
         self.measuring.run(live, progress)
-        explainer = Explainer(plan, self.measuring.poisoned)
+        explainer = Explainer(plan, self.measuring.poisoned, self.measuring.fit, self.mask)
         tensors = []
         for checked in plan.checked:
             if checked.comparison is not None:
@@ -112,8 +164,10 @@ class _Job:
         if self.mask is not None:
             mask = self.mask
             compared = ", ".join(n for n in ROW_TENSORS if n in live) or "nothing"
+            # --plain-layer-norm's mask names itself (and --valid's, when both are given).
+            label = mask.source if mask.source.startswith("--") else f"--valid {mask.source}"
             plan.notes.append(
-                f"--valid {mask.source}: compared {mask.rows - mask.left_out:,} of"
+                f"{label}: compared {mask.rows - mask.left_out:,} of"
                 f" {mask.rows:,} rows of {compared}"
             )
         tensors += plan.unchecked()

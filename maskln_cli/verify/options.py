@@ -31,8 +31,8 @@ class VerifyOptions:
     ``check`` limits the tensors checked (default: ``out``, and the three gradients when INPUT
     holds ``grad_out``); ``result_keys`` maps those names to RESULT's keys. ``tolerance`` is
     ``budget`` or ``fixed`` (default: budget, unless ``rtol`` or ``atol`` is given); ``dtype``
-    is the dtype the kernel is judged in (``auto``: RESULT's). ``strict`` also fails -0.0 in
-    the padding and any key of RESULT that was not compared.
+    is the dtype the kernel is judged in (``auto``: each tensor's own). ``strict`` also fails
+    -0.0 in the padding and any key of RESULT that was not compared.
     """
 
     check: tuple[str, ...] | None = None
@@ -44,6 +44,11 @@ class VerifyOptions:
     strict: bool = False
     dtype: str = "auto"
     valid: str | None = None
+    plain_layer_norm: bool = False
+    """RESULT is a plain LayerNorm's output (a model's own): its padding is not zeroed. The
+    reference normalizes every row, and only the valid rows are compared."""
+    allow_systematic: bool = False
+    """Report a systematic error within the budget without failing on it."""
 
     @property
     def mode(self) -> str:

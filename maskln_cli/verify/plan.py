@@ -44,6 +44,7 @@ class Checked:
     key: str
     comparison: Comparison | None = None
     outcome: TensorComparison | None = None
+    judge: torch.dtype | None = None  # the dtype this tensor is judged in (None: not compared)
 
 
 class Plan:
@@ -60,6 +61,7 @@ class Plan:
 
         self.problem = problem
         self.result = result
+        self.options = options
         self.verify = verify
         self.mode = verify.mode
         self.factor = verify.factor if verify.factor is not None else DEFAULT_FACTOR
@@ -71,10 +73,14 @@ class Plan:
         for dtype in (problem.x.dtype, self.judge):
             check_eps(problem.eps, self._eps_where(), dtype)
         grad_dtype = problem.grad_out.dtype if problem.grad_out is not None else None
-        self.precision: Precision = Precision.of(
-            self.judge, problem.x.dtype, problem.param_dtype, grad_dtype
-        )
         self.checked = [self._prepare(name) for name in self.names]
+        # Each tensor is judged in its own dtype (a float32 grad_scale beside a float16 out
+        # by float32's budget), unless --dtype says one for all.
+        self.precisions: dict[torch.dtype, Precision] = {
+            dtype: Precision.of(dtype, problem.x.dtype, problem.param_dtype, grad_dtype)
+            for dtype in dict.fromkeys([self.judge, *self.judges().values()])
+        }
+        self.precision: Precision = self.precisions[self.judge]
         self.valid_rows = int(problem.valid.sum())
 
     # --- set-up ---------------------------------------------------------------------------
@@ -125,6 +131,24 @@ class Plan:
             )
         return dtype
 
+    def judges(self) -> dict[str, torch.dtype]:
+        """The dtype each compared tensor is judged in."""
+        return {c.name: c.judge for c in self.checked if c.judge is not None}
+
+    def lower_precision(self) -> dict[str, str]:
+        """RESULT's tensors judged in a coarser dtype than INPUT's x (by their own budget,
+        which a kernel in that dtype deserves): name -> dtype. Empty under --dtype."""
+        import torch
+
+        if self.verify.dtype != "auto":
+            return {}
+        x_eps = torch.finfo(self.problem.x.dtype).eps
+        return {
+            name: dtype_name(dtype)
+            for name, dtype in self.judges().items()
+            if torch.finfo(dtype).eps > x_eps
+        }
+
     def _eps_where(self) -> str:
         source = self.problem.eps_source
         if source.startswith("metadata"):
@@ -151,11 +175,20 @@ class Plan:
             )  # fmt: skip
             return checked
         rtol, atol = self._floor(info.dtype)
+        checked.judge = self._own_judge(info.dtype)
         checked.comparison = Comparison(
             name, info.shape, info.dtype, shape, "float64", rtol, atol,
             rank_by_ratio=True, same_dtype=False,
         )  # fmt: skip
         return checked
+
+    def _own_judge(self, stored: str) -> torch.dtype:
+        """The dtype a tensor stored as ``stored`` is judged in: --dtype's, else its own."""
+        import torch
+
+        if self.verify.dtype != "auto":
+            return self.judge
+        return getattr(torch, stored)
 
     def _floor(self, dtype: str) -> tuple[float, float]:
         """The fixed tolerance (always enough to pass) for a RESULT tensor of ``dtype``."""
@@ -237,4 +270,14 @@ class Plan:
             "yardstick": f"torch.nn.functional.layer_norm in {judged}",
             "checked": list(self.names),
             "strict": self.verify.strict,
+            **self._lower_precision_context(),
         }
+
+    def _lower_precision_context(self) -> dict[str, object]:
+        """``lower_precision`` (only when some tensor is judged in a coarser dtype than x's):
+        x's dtype and each such tensor's, for the verdict line to say which budget applied."""
+        lower = self.lower_precision()
+        if not lower:
+            return {}
+        x_dtype = dtype_name(self.problem.x.dtype)
+        return {"lower_precision": {"x_dtype": x_dtype, "tensors": lower}}

@@ -163,3 +163,47 @@ def test_diff_errors_exit_2(args, fragments):
     result = invoke("diff", *args)
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, *fragments)
+
+
+# --- checkpoints: folders and index files on either side (issue 23, 5) --------------------------
+
+
+def test_diff_takes_checkpoint_folders_and_index_files_on_either_side(tmp_path):
+    from tests.files.test_checkpoint import parameters, write_sharded
+
+    params = parameters()
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    whole.mkdir()
+    sharded.mkdir()
+    write(whole / "model.safetensors", params)
+    write_sharded(sharded, params)
+    index = sharded / "model.safetensors.index.json"
+    for left, right in ((whole, sharded), (index, whole), (sharded, index)):
+        result = invoke("diff", left, right, "--json")
+        assert result.exit_code == 0, result.stdout + result.stderr
+        document = json.loads(result.stdout)
+        assert sorted(t["name"] for t in document["tensors"]) == sorted(params)
+        assert all(t["max_abs_diff"] == 0 for t in document["tensors"])
+    # One tensor changed in one shard: named, by key, across the shards.
+    key = sorted(params)[-1]
+    changed = dict(params, **{key: params[key] + 1e-3})
+    other = tmp_path / "other"
+    other.mkdir()
+    write_sharded(other, changed)
+    result = invoke("diff", whole, other, "--json")
+    assert result.exit_code == 1
+    failed = [t["name"] for t in json.loads(result.stdout)["tensors"] if not t["passed"]]
+    assert failed == [key]
+
+
+def test_a_json_index_where_a_safetensors_file_is_needed_is_said_for_what_it_is(tmp_path):
+    from tests.files.test_checkpoint import parameters, write_sharded
+
+    write_sharded(tmp_path, parameters())
+    index = tmp_path / "model.safetensors.index.json"
+    result = invoke("normalize", index, tmp_path / "out.safetensors")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "model.safetensors.index.json", "a JSON file")
+    result = invoke("verify", WORKED, index)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "a JSON file, not a safetensors file")

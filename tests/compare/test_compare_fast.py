@@ -254,7 +254,7 @@ def _verify_blocked_and_whole(
     monkeypatch.setattr(Comparison, "merge", counted)
     blocked = invoke("verify", source, target, "--json", *options)
     monkeypatch.setattr(
-        measure.StreamingPass, "_measure_chunks", lambda _, chunks, live: [None] * len(chunks)
+        measure.StreamingPass, "_measure_chunks", lambda _, chunks: [None] * len(chunks)
     )
     whole = invoke("verify", source, target, "--json", *options)
     assert blocked.exit_code == whole.exit_code and blocked.exit_code in (0, 1)

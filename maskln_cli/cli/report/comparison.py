@@ -38,9 +38,31 @@ def verdict_line(report: ComparisonReport) -> str:
         names = ", ".join(safe(t.name) for t in report.tensors[:8])
         if len(report.tensors) > 8:
             names = f"{len(report.tensors):,} tensors ({names}, ...)"
-        return f"[bold green]PASS[/]: {names} {_within(report)}"
+        return f"[bold green]PASS[/]: {names} {_within(report)}{_lower_precision(report)}"
     described = "; ".join(f"{safe(t.name)} ({safe(t.problems[0])})" for t in failed)
-    return f"[bold red]FAIL[/]: {len(failed)} of {len(report.tensors)} tensors: {described}"
+    return (
+        f"[bold red]FAIL[/]: {len(failed)} of {len(report.tensors)} tensors: {described}"
+        f"{_lower_precision(report)}"
+    )
+
+
+def _lower_precision(report: ComparisonReport) -> str:
+    """``; RESULT's out is float16, a lower precision than x (float32): judged by float16's
+    budget`` when verify judged a tensor in a coarser dtype than INPUT's x."""
+    lower = report.context.get("lower_precision")
+    if not isinstance(lower, dict):
+        return ""
+    tensors: dict[str, str] = lower["tensors"]
+    by_dtype: dict[str, list[str]] = {}
+    for name, dtype in tensors.items():
+        by_dtype.setdefault(dtype, []).append(name)
+    x_dtype = lower["x_dtype"]
+    parts = [
+        f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {dtype}, a lower precision"
+        f" than x ({x_dtype}): judged by {dtype}'s budget"
+        for dtype, names in by_dtype.items()
+    ]
+    return f"; RESULT's {'; '.join(parts)} (--dtype {x_dtype} judges by {x_dtype}'s)"
 
 
 def _within(report: ComparisonReport) -> str:

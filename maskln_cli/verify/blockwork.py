@@ -1,0 +1,202 @@
+"""One block of rows of ``maskln verify``'s streaming pass, measured on a worker thread.
+
+A block (about :data:`~maskln_cli.compare.comparison.BLOCK_ELEMENTS` elements of whole rows)
+gets its float64 truth from the op's own blocked kernels (the forward, and with an upstream
+gradient the first-order backward, without autograd: the same kernels autograd would call, row
+by row the same bits), PyTorch's yardstick in each judged dtype, and its elements' allowances
+made on demand (:mod:`maskln_cli.verify.allowance`). out and grad_x are measured against them
+(:meth:`Comparison.measure`); the block's shares of the sums over rows (grad_scale, grad_bias,
+their yardsticks and budgets, and the systematic-error regressions of out) are returned, to be
+added in block order by the calling thread (:mod:`maskln_cli.verify.measure`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from maskln_cli.compare.rows import leave_out
+from maskln_cli.verify.options import ROW_TENSORS
+from maskln_cli.verify.systematic import FitSums, fit_rows
+
+if TYPE_CHECKING:
+    import torch
+
+    from maskln_cli.compare.data import BlockFigures
+    from maskln_cli.files.masks import RowMask
+    from maskln_cli.files.problem import Problem
+    from maskln_cli.files.tensorfile import TensorFile
+    from maskln_cli.verify.allowance import Allowance
+    from maskln_cli.verify.budget import Precision, SumBudget, Yardstick
+    from maskln_cli.verify.plan import Checked
+
+
+class StreamingSettings(Protocol):
+    """What a block needs of its streaming pass (:class:`maskln_cli.verify.measure.StreamingPass`,
+    which imports this module)."""
+
+    problem: Problem
+    result: TensorFile
+    judge: torch.dtype
+    mode: str
+    mask: RowMask | None
+    allowance: Allowance
+    precisions: dict[torch.dtype, Precision]
+
+
+@dataclass
+class SumShare:
+    """A block's (or a chunk's) share of the sums over rows: the truth's grad_scale and
+    grad_bias, the yardstick's (by name, in float64) and the budgets' (by judged dtype)."""
+
+    scale: torch.Tensor
+    bias: torch.Tensor
+    judged: dict[str, torch.Tensor] = field(default_factory=dict)
+    budgets: dict[torch.dtype, SumBudget] = field(default_factory=dict)
+
+
+@dataclass
+class Measured:
+    """What a block gives its chunk: each row tensor's figures, and its shares of the sums."""
+
+    figures: dict[str, BlockFigures]
+    fit: FitSums
+    sums: SumShare | None = None
+
+
+class BlockWork:
+    """Measures blocks of rows for a streaming pass (its live tensors, with or without
+    gradients)."""
+
+    def __init__(self, streaming: StreamingSettings, live: dict[str, Checked], gradients: bool):
+        problem = streaming.problem
+        self.streaming = streaming
+        self.problem = problem
+        self.live = live
+        self.gradients = gradients
+        self.results = {
+            name: streaming.result.tensor(checked.key).reshape(-1, problem.channels)
+            for name, checked in live.items()
+            if name in ROW_TENSORS
+        }
+        judged = [c.judge or streaming.judge for n, c in live.items() if n in ROW_TENSORS]
+        if gradients:
+            judged += [streaming.judge if c is None else c.judge or streaming.judge for c in (
+                live.get("grad_scale"), live.get("grad_bias"),
+            )]  # fmt: skip
+        self.dtypes = list(dict.fromkeys(judged))
+        # Only out in budget mode is regressed for a systematic error (see .systematic).
+        self.fits = "out" in live and streaming.mode == "budget"
+
+    def yardsticks(
+        self, x: torch.Tensor, valid: torch.Tensor, grad_out: torch.Tensor | None
+    ) -> dict[torch.dtype, Yardstick]:
+        """PyTorch's result on rows ``x`` in each judged dtype (one, unless RESULT's tensors
+        are stored in different dtypes)."""
+        from maskln_cli.verify.budget import yardstick
+
+        problem = self.problem
+        upstream = grad_out if self.gradients else None
+        return {
+            dtype: yardstick(x, valid, problem.scale, problem.bias, problem.eps, dtype, upstream)
+            for dtype in self.dtypes
+        }
+
+    def measure(self, start: int, stop: int) -> Measured | None:
+        """The figures of rows ``start:stop`` (None when a value is NaN or inf)."""
+        import torch
+
+        from maskln_cli.op.blocked import backward_in_place, forward
+        from maskln_cli.verify.budget import RowBudget
+
+        streaming, problem = self.streaming, self.problem
+        x = problem.x[start:stop]
+        valid = problem.valid[start:stop]
+        x64 = x.double()
+        grad_out = problem.grad_out[start:stop] if self.gradients else None  # type: ignore[index]
+        dy64 = grad_out.double() if grad_out is not None else None
+        with torch.no_grad():
+            out, mean, rstd = forward(x64, valid, problem.scale, problem.bias, problem.eps)
+            truth = {"out": out}
+            if dy64 is not None:
+                assert mean is not None and rstd is not None
+                grads = backward_in_place(dy64, x64, valid, problem.scale, mean, rstd, problem.eps)
+                truth.update(zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True))
+        sticks = self.yardsticks(x, valid, grad_out)
+        keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
+        invalid = ~valid if keep is None else ~valid & keep
+        figures: dict[str, BlockFigures] = {}
+        fit = FitSums()
+        for name in ROW_TENSORS:
+            checked = self.live.get(name)
+            if checked is None:
+                continue
+            comparison = checked.comparison
+            assert comparison is not None
+            stick = sticks[checked.judge or streaming.judge]
+            guess = stick.out if name == "out" else stick.grad_x
+            assert guess is not None
+            actual, reference = self.results[name][start:stop], truth[name]
+            if keep is not None:  # --valid: rows left out agree (0 on every side)
+                actual, reference = leave_out(actual, reference, keep)
+                guess, _ = leave_out(guess, reference, keep)
+            # |yardstick - truth|: for the budget and the comparison alike, computed once.
+            error = (guess.double() - reference).abs_()
+            inputs = (x64, valid, reference, guess, error)
+            if name == "grad_x":
+                inputs += (dy64,)  # type: ignore[assignment]
+            allowance_of = functools.partial(streaming.allowance.of_rows, comparison, inputs)
+            # Every element of a valid row is allowed atol or more: what is always allowed
+            # (budget.floor) adds it, and the allowance is at least that.
+            measured = comparison.measure(
+                actual, reference, invalid, yardstick=guess, yardstick_error=error,
+                allowance_of=allowance_of, lower=comparison.atol,
+            )  # fmt: skip
+            if measured is None:
+                return None
+            figures[name] = measured
+            if name == "out" and self.fits:
+                assert rstd is not None
+                fit = self.fit(actual, reference, valid, keep, rstd.reshape(-1), x64, checked)
+        sums = None
+        if dy64 is not None:
+            sums = SumShare(truth["grad_scale"], truth["grad_bias"])
+            for name in ("grad_scale", "grad_bias"):
+                checked = self.live.get(name)
+                dtype = (checked.judge if checked else None) or streaming.judge
+                sums.judged[name] = getattr(sticks[dtype], name).double()
+                if dtype not in sums.budgets:
+                    rows = RowBudget(
+                        x64, valid, problem.scale, problem.bias, problem.eps,
+                        streaming.precisions[dtype],
+                    )  # fmt: skip
+                    sums.budgets[dtype] = rows.share_of_sums(dy64)
+        return Measured(figures, fit, sums)
+
+    def fit(
+        self,
+        actual: torch.Tensor,
+        reference: torch.Tensor,
+        valid: torch.Tensor,
+        keep: torch.Tensor | None,
+        rstd: torch.Tensor,
+        x64: torch.Tensor,
+        checked: Checked,
+    ) -> FitSums:
+        """The systematic-error regressions of out on rows that are valid (and kept by
+        ``--valid``), from their truth's rstd and x (float64)."""
+        import math
+
+        problem = self.problem
+        rows = valid if keep is None else valid & keep
+        if not bool(rows.any()):
+            return FitSums()
+        # Row sums over the whole block, then the rows kept: cheaper than gathering them.
+        error = actual.double() - reference
+        z = reference - problem.bias  # xhat * scale, in float64
+        precision = self.streaming.precisions[checked.judge or self.streaming.judge]
+        e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
+        offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
+        second_order = offset.mul_(e0).square_()
+        return fit_rows(error, z, rstd, problem.eps, second_order, rows)

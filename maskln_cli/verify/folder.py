@@ -1,0 +1,319 @@
+"""``maskln verify DUMPS/ [RESULTS/]``: every dump of a folder judged, a verdict per file.
+
+A dump is one safetensors file per LayerNorm call (see ``maskln_cli.capture``): ``x``,
+``valid``, ``scale``, ``bias``, the module's own ``out``, optionally ``grad_out`` and the
+module's ``grad_x``, ``grad_scale`` and ``grad_bias``; metadata ``eps``, ``module`` (its path
+in the model), ``call`` (its index) and ``dtype``. Alone, each dump's own tensors are judged
+against the float64 reference with the dump's own eps (:func:`verify_file` with the dump as
+INPUT and RESULT). With RESULTS, files are paired by name and RESULTS' files are judged (a
+kernel's outputs for those inputs); a dump without a result, or a result without a dump, is a
+failing row of the report, never skipped.
+
+A model's own ``nn.LayerNorm`` normalizes the padding too. A dump judged alone whose metadata
+says ``padding: normalized`` (or, without that key, whose ``out`` is not zero on every invalid
+row) is judged as such (``--plain-layer-norm``: the valid rows only), and its row says so; one
+that says ``zeroed`` (a ``MaskedLayerNorm``) must hold 0 there; a RESULTS file is judged as
+the op's (padding exactly 0) unless ``--plain-layer-norm`` is given.
+
+``shard=(K, N)`` keeps the K-th (from 1) of N contiguous, deterministic slices of the sorted
+names (of both folders): run side by side (a Slurm array), the slices' JSON lines concatenate
+into the whole report. Files are judged in parallel on :data:`FILE_WORKERS` threads; the
+report keeps the sorted order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from maskln_cli.errors import MasklnError
+from maskln_cli.files.problem import NormalizeOptions, Progress
+
+if TYPE_CHECKING:
+    from maskln_cli.compare.data import ComparisonReport
+    from maskln_cli.verify.options import VerifyOptions
+
+SUFFIX = ".safetensors"
+FILE_WORKERS = 2
+"""Files judged at once, on threads. Each file's blocks already run on every core (see
+:mod:`maskln_cli.verify.measure`), but much of a file's time is not in them (reading, the
+plan, the words): on 2 cores, 24 BERT-sized dumps with gradients took 0.60x the time with two
+files at a time (benchmarks/verify_folder_workers.py), with the same figures, bit for bit."""
+FOLDER_REFUSED = {
+    "params": "--params",
+    "module": "--module",
+    "config": "--config",
+    "grad_out": "--grad-out",
+}
+"""Options that name one file's parameters or gradient: each dump holds its own."""
+
+
+@dataclass
+class FileVerdict:
+    """One file's row: what it is (from its metadata and header) and its verdict.
+
+    ``status`` is ``checked`` (``report`` holds the comparison), ``missing`` (a dump without a
+    result in RESULTS), ``extra`` (a result without a dump) or ``error`` (the file could not
+    be judged: ``problem`` says why)."""
+
+    file: str
+    status: str
+    passed: bool
+    module: str | None = None
+    call: str | None = None
+    rows: int | None = None
+    valid_rows: int | None = None
+    dtype: str | None = None
+    budget_ratios: dict[str, float | None] = field(default_factory=dict)
+    plain_layer_norm: bool = False
+    padding: str | None = None  # metadata: "normalized" (nn.LayerNorm) or "zeroed"
+    problem: str | None = None
+    report: ComparisonReport | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        document = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        document["report"] = self.report.to_dict() if self.report is not None else None
+        return document
+
+
+@dataclass
+class FolderReport:
+    """Every file's verdict, in sorted order (of this shard only, with ``shard``)."""
+
+    dumps: str
+    results: str | None
+    files: list[FileVerdict]
+    shard: tuple[int, int] | None = None
+    total: int = 0  # names in the whole folder(s), every shard's
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(f.passed for f in self.files)
+
+    @property
+    def errors(self) -> bool:
+        return any(f.status == "error" for f in self.files)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``K/N`` as ``(K, N)``, 1 <= K <= N.
+
+    Example:
+        >>> parse_shard("3/8")
+        (3, 8)
+    """
+    k, slash, n = text.partition("/")
+    try:
+        shard = (int(k), int(n)) if slash else None
+    except ValueError:
+        shard = None
+    if shard is None or not 1 <= shard[0] <= shard[1]:
+        raise MasklnError(
+            f"--shard {text!r}: give K/N, the K-th of N slices, 1 <= K <= N (e.g. 3/8)"
+        )
+    return shard
+
+
+def shard_of(names: list[str], shard: tuple[int, int] | None) -> list[str]:
+    """The K-th of N contiguous slices of ``names`` (as sorted): slices 1 to N, concatenated,
+    are ``names``; their sizes differ by one at most.
+
+    Example:
+        >>> names = list("abcdefg")
+        >>> [shard_of(names, (k, 3)) for k in (1, 2, 3)]
+        [['a', 'b'], ['c', 'd'], ['e', 'f', 'g']]
+    """
+    if shard is None:
+        return names
+    k, n = shard
+    return names[len(names) * (k - 1) // n : len(names) * k // n]
+
+
+def is_folder_verify(input_path: str, result_path: str | None) -> bool:
+    """Whether ``verify INPUT [RESULT]`` is a folder's (INPUT a folder); errors for a mix."""
+    folder = os.path.isdir(input_path)
+    if folder and result_path is not None and not os.path.isdir(result_path):
+        raise MasklnError(
+            f"{result_path}: not a folder; INPUT {input_path} is a folder of dumps, so RESULT"
+            " must be a folder of results (or left out: each dump's own out is judged)"
+        )
+    if not folder and result_path is None:
+        raise MasklnError(
+            f"RESULT is missing: give the kernel's result for {input_path} (only a folder of"
+            " dumps is judged alone, against each dump's own out)"
+        )
+    if not folder and os.path.isdir(result_path):  # type: ignore[arg-type]
+        raise MasklnError(
+            f"{result_path}: a folder, while INPUT {input_path} is a file; give a folder of"
+            " dumps as INPUT to judge a folder of results"
+        )
+    return folder
+
+
+def _names(folder: str, what: str) -> list[str]:
+    try:
+        entries = os.listdir(folder)
+    except OSError as error:
+        raise MasklnError(f"{folder}: cannot list the {what} folder: {error.strerror}") from None
+    # Hidden files are editors' and writers' (a partial file beside its output).
+    return sorted(
+        name
+        for name in entries
+        if name.endswith(SUFFIX)
+        and not name.startswith(".")
+        and os.path.isfile(os.path.join(folder, name))
+    )
+
+
+def verify_folder(
+    dumps: str,
+    results: str | None,
+    options: NormalizeOptions | None = None,
+    verify: VerifyOptions | None = None,
+    shard: tuple[int, int] | None = None,
+    progress: Progress | None = None,
+) -> FolderReport:
+    """Judge every dump of ``dumps`` (its own tensors), or every file of ``results`` paired
+    with the dump of the same name; only the ``shard`` slice of the sorted names.
+    """
+    from maskln_cli.verify.options import VerifyOptions
+
+    options = options or NormalizeOptions()
+    verify = verify or VerifyOptions()
+    for name, option in FOLDER_REFUSED.items():
+        if getattr(options, name, None) is not None:
+            raise MasklnError(
+                f"{option}: not with a folder of dumps; each dump holds its own scale, bias,"
+                " grad_out and eps (metadata)"
+            )
+    if verify.valid is not None:
+        raise MasklnError("--valid: not with a folder of dumps; each dump holds its own valid")
+    dump_names = _names(dumps, "dumps")
+    result_names = _names(results, "results") if results is not None else []
+    every = sorted(set(dump_names) | set(result_names))
+    if not every:
+        where = dumps if results is None else f"{dumps} or {results}"
+        raise MasklnError(f"{where}: no {SUFFIX} files to verify")
+    chosen = shard_of(every, shard)
+    report = FolderReport(dumps, results, [], shard, len(every))
+    if shard is not None and not chosen:
+        report.notes.append(
+            f"--shard {shard[0]}/{shard[1]}: this slice of the {len(every):,} files is empty"
+        )
+    has_dump, has_result = set(dump_names), set(result_names)
+
+    def judge(name: str) -> FileVerdict:
+        if name not in has_dump:
+            return FileVerdict(
+                name, "extra", False, problem=f"a result without a dump: {dumps} has no {name}"
+            )
+        dump = os.path.join(dumps, name)
+        if results is not None and name not in has_result:
+            verdict = FileVerdict(
+                name, "missing", False, problem=f"no result for this dump: {results} has no {name}"
+            )
+            with contextlib.suppress(MasklnError):  # its row says what it can of the dump
+                _describe(verdict, dump, options)
+            return verdict
+        result = os.path.join(results, name) if results is not None else dump
+        return _judge_file(name, dump, result, results is None, options, verify)
+
+    if progress:
+        progress(0, len(chosen))
+    with concurrent.futures.ThreadPoolExecutor(FILE_WORKERS) as pool:
+        for done, verdict in enumerate(pool.map(judge, chosen), start=1):
+            report.files.append(verdict)
+            if progress:
+                progress(done, len(chosen))
+    return report
+
+
+def _judge_file(
+    name: str,
+    dump: str,
+    result: str,
+    own: bool,
+    options: NormalizeOptions,
+    verify: VerifyOptions,
+) -> FileVerdict:
+    """One dump judged (its own tensors when ``own``, else ``result``'s)."""
+    from maskln_cli.verify.job import verify_file
+
+    verdict = FileVerdict(name, "checked", False)
+    try:
+        _describe(verdict, dump, options)
+        if own and not verify.plain_layer_norm and _plain(verdict, dump, options):
+            verify = dataclasses.replace(verify, plain_layer_norm=True)
+        verdict.plain_layer_norm = verify.plain_layer_norm
+        report = verify_file(dump, result, options, verify)
+    except MasklnError as error:
+        verdict.status, verdict.problem = "error", str(error)
+        return verdict
+    verdict.report = report
+    verdict.passed = report.passed
+    verdict.budget_ratios = {
+        t.name: t.budget_ratio for t in report.tensors if t.name in TENSOR_ORDER
+    }
+    failed = [t for t in report.tensors if not t.passed]
+    if failed and failed[0].problems:
+        verdict.problem = f"{failed[0].name}: {failed[0].problems[0]}"
+    return verdict
+
+
+TENSOR_ORDER = ("out", "grad_x", "grad_scale", "grad_bias")
+
+
+def _describe(verdict: FileVerdict, dump: str, options: NormalizeOptions) -> None:
+    """The dump's module, call, dtype (metadata, else x's) and rows, from its header and
+    valid."""
+    import math
+
+    from maskln_cli.files.tensorfile import open_tensor_file
+
+    with open_tensor_file(dump) as data:
+        metadata = data.metadata or {}
+        verdict.module = metadata.get("module")
+        verdict.call = metadata.get("call")
+        verdict.padding = metadata.get("padding")
+        x_key = options.x_key
+        if x_key not in data:
+            raise MasklnError(f"{dump}: no tensor {x_key!r} (a dump holds x, valid, scale, ...)")
+        info = data.info(x_key)
+        verdict.dtype = metadata.get("dtype") or info.dtype
+        verdict.rows = math.prod(info.shape[:-1])
+        valid_key = options.valid_key or "valid"
+        if valid_key in data:
+            verdict.valid_rows = int(data.tensor(valid_key).bool().sum())
+        else:
+            verdict.valid_rows = verdict.rows
+
+
+def _plain(verdict: FileVerdict, dump: str, options: NormalizeOptions) -> bool:
+    """Whether a dump's own out is a plain LayerNorm's: its metadata ``padding`` says
+    ``normalized`` (an ``nn.LayerNorm``) or ``zeroed`` (a ``MaskedLayerNorm``, whose padding
+    must then be 0); without it, whether out is non-zero on some invalid row."""
+    padding = verdict.padding
+    if padding in ("normalized", "zeroed"):
+        return padding == "normalized"
+    return _padding_not_zeroed(dump, options)
+
+
+def _padding_not_zeroed(dump: str, options: NormalizeOptions) -> bool:
+    """Whether the dump's out is non-zero on some invalid row: a plain LayerNorm's output."""
+    from maskln_cli.files.tensorfile import open_tensor_file
+
+    valid_key = options.valid_key or "valid"
+    with open_tensor_file(dump) as data:
+        if options.out_key not in data or valid_key not in data:
+            return False
+        valid = data.tensor(valid_key).bool()
+        out = data.tensor(options.out_key)
+        if tuple(out.shape[:-1]) != tuple(valid.shape):
+            return False
+        padding = out[~valid]
+        return bool((padding != 0).any()) if padding.numel() else False
