@@ -205,7 +205,8 @@ def verify(
     ```
     """
     from maskln_cli.cli.report.progress import progress_bar
-    from maskln_cli.verify.folder import is_folder_verify, parse_shard
+    from maskln_cli.files.slices import parse_shard
+    from maskln_cli.verify.folder import is_folder_verify
     from maskln_cli.verify.job import VerifyOptions, parse_check, parse_result_keys, verify_file
 
     folder = is_folder_verify(input_path, result_path)

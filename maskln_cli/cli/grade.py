@@ -130,9 +130,9 @@ def grade(
     maskln grade submissions/ --shard 2/8 --json > part-2.jsonl
     ```
     """
+    from maskln_cli.files.slices import parse_shard, shard_of
     from maskln_cli.grading.selection import check_timeout, select
-    from maskln_cli.grading.targets import expand_targets, parse_shard
-    from maskln_cli.grading.targets import shard as shard_of
+    from maskln_cli.grading.targets import expand_targets
 
     chosen = select(only or (), strict, include or ())  # usage errors before torch is imported
     check_timeout(timeout)
@@ -142,7 +142,7 @@ def grade(
     slice_of = parse_shard(shard) if shard is not None else None
     whole_class = len(listed) > 1 or any(map(os.path.isdir, targets)) or slice_of or csv_path
     if slice_of is not None:
-        listed = shard_of(listed, *slice_of)
+        listed = shard_of(listed, slice_of)
     if csv_path is not None:
         _check_gradebook(csv_path, listed)
     options = {

@@ -194,31 +194,3 @@ def expand_targets(arguments: Sequence[str]) -> list[str]:
             parse_target(argument)
             found.append(argument)
     return sorted(dict.fromkeys(found))
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``K/N`` (the K-th of N slices, from 1), checked.
-
-    Example:
-        >>> parse_shard("2/3")
-        (2, 3)
-    """
-    index, _, count = text.partition("/")
-    try:
-        k, n = int(index), int(count)
-    except ValueError:
-        raise MasklnError(f"--shard: expected K/N (the K-th of N slices), got {text!r}") from None
-    if not 1 <= k <= n:
-        raise MasklnError(f"--shard {text}: K must be from 1 to N")
-    return k, n
-
-
-def shard(targets: Sequence[str], k: int, n: int) -> list[str]:
-    """The K-th of N contiguous slices of ``targets`` (sorted), as even as can be: slices 1 to
-    N, in order, are ``targets`` again (their JSON lines concatenate into the whole report).
-
-    Example:
-        >>> [shard("abcde", k, 3) for k in (1, 2, 3)]
-        [['a'], ['b', 'c'], ['d', 'e']]
-    """
-    return list(targets[(k - 1) * len(targets) // n : k * len(targets) // n])

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.problem import NormalizeOptions, Progress
+from maskln_cli.files.slices import shard_of
 
 if TYPE_CHECKING:
     from maskln_cli.compare.data import ComparisonReport
@@ -98,40 +99,6 @@ class FolderReport:
     @property
     def errors(self) -> bool:
         return any(f.status == "error" for f in self.files)
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``K/N`` as ``(K, N)``, 1 <= K <= N.
-
-    Example:
-        >>> parse_shard("3/8")
-        (3, 8)
-    """
-    k, slash, n = text.partition("/")
-    try:
-        shard = (int(k), int(n)) if slash else None
-    except ValueError:
-        shard = None
-    if shard is None or not 1 <= shard[0] <= shard[1]:
-        raise MasklnError(
-            f"--shard {text!r}: give K/N, the K-th of N slices, 1 <= K <= N (e.g. 3/8)"
-        )
-    return shard
-
-
-def shard_of(names: list[str], shard: tuple[int, int] | None) -> list[str]:
-    """The K-th of N contiguous slices of ``names`` (as sorted): slices 1 to N, concatenated,
-    are ``names``; their sizes differ by one at most.
-
-    Example:
-        >>> names = list("abcdefg")
-        >>> [shard_of(names, (k, 3)) for k in (1, 2, 3)]
-        [['a', 'b'], ['c', 'd'], ['e', 'f', 'g']]
-    """
-    if shard is None:
-        return names
-    k, n = shard
-    return names[len(names) * (k - 1) // n : len(names) * k // n]
 
 
 def is_folder_verify(input_path: str, result_path: str | None) -> bool:

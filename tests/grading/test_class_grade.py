@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from maskln_cli.grading.targets import expand_targets, shard
+from maskln_cli.files.slices import shard_of
+from maskln_cli.grading.targets import expand_targets
 from tests.clitools import ROOT, assert_one_line_error, invoke, run
 
 HANGS = """
@@ -109,13 +110,13 @@ def test_the_table_has_a_row_per_submission_and_the_root_cause(classroom):
 
 def test_shards_are_deterministic_slices_that_concatenate_into_the_whole():
     targets = [f"s{i:02}.py" for i in range(11)]
-    slices = [shard(targets, k, 4) for k in range(1, 5)]
+    slices = [shard_of(targets, (k, 4)) for k in range(1, 5)]
     assert [t for part in slices for t in part] == targets
     assert all(2 <= len(part) <= 3 for part in slices)
 
 
 def test_a_shard_grades_its_slice_of_the_sorted_targets(classroom):
-    expected = shard(expand_targets([str(classroom)]), 2, 2)
+    expected = shard_of(expand_targets([str(classroom)]), (2, 2))
     result = run("grade", classroom, "--shard", "2/2", "--only", "signature", "--json")
     assert result.returncode == 1, result.stderr  # d_wrong.py fails its signature
     lines = result.stdout.decode().splitlines()
@@ -125,7 +126,9 @@ def test_a_shard_grades_its_slice_of_the_sorted_targets(classroom):
 def test_class_usage_errors_are_one_line(classroom, tmp_path):
     result = invoke("grade", classroom, "--shard", "3/2")
     assert result.exit_code == 2
-    assert_one_line_error(result.stderr, "--shard 3/2: K must be from 1 to N")
+    assert_one_line_error(
+        result.stderr, "--shard '3/2': give K/N, the K-th of N slices, 1 <= K <= N (e.g. 3/8)"
+    )
     target = classroom / "c_correct.py"
     before = target.read_bytes()
     result = invoke("grade", target, classroom / "d_wrong.py", "--csv", target)
