@@ -320,6 +320,9 @@ std::vector<at::Tensor> backward_impl(
     dbias = at::empty({C}, scale.options());
   }
   const bool need_sums = need_dscale || need_dbias;
+  if (!need_dx && !need_sums) {
+    return {};
+  }
   if (rows == 0 || C == 0) {
     for (at::Tensor* sum : {&dscale, &dbias}) {
       if (sum->defined()) {
