@@ -1,4 +1,4 @@
-"""maskln's native CPU kernels (``masked_layer_norm.cpp``), compiled on first use.
+"""maskln's native CPU kernels (``masked_layer_norm.cpp`` and its neighbours), built on first use.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) into
 a per-user cache, one folder per torch version, Python version, machine and source hash::
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -46,7 +47,14 @@ import torch
 __all__ = ["NativeUnavailable", "available", "build", "library_path", "load", "unavailable_reason"]
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("masked_layer_norm.cpp", "masked_layer_norm.h")
+SOURCES = (
+    "masked_layer_norm.cpp",  # tensors, checks, dispatcher ops, C++ autograd
+    "bindings.cpp",  # the Python module (pybind11)
+    "kernels.cpp",  # the row kernels for three instruction sets, over threads
+    "kernels.h",
+    "masked_layer_norm.h",
+    "ops.h",
+)
 CFLAGS = (
     "-O3",  # -O2's cheap cost model leaves the lane loops scalar
     "-ffp-contract=off",  # no fused multiply-adds: the same bits from every instruction set
@@ -57,6 +65,8 @@ CFLAGS = (
 BUILD_TIMEOUT = 900.0
 """Seconds to wait for another process's build before giving up."""
 CACHE_ENV = "MASKLN_NATIVE_CACHE"
+MESSAGE_LIMIT = 4000
+"""Characters of the compiler's output kept in a failed build's message (its end)."""
 LIBRARY_SUFFIX = ".pyd" if os.name == "nt" else ".so"
 
 
@@ -173,7 +183,24 @@ def _load_or_build() -> ModuleType:
     with _exclusive(directory / "build.lock"):
         if library.exists():  # another process built it while this one waited
             return _import(library)
-        return _build(library)
+        failed = directory / "failed.json"
+        if failed.exists() and not os.environ.get("MASKLN_NATIVE_REBUILD"):
+            # the same sources and toolchain failed before: say so at once, without building
+            # again in every process (pytest-xdist workers would each wait for a compile)
+            with contextlib.suppress(OSError, ValueError):
+                record = json.loads(failed.read_text())
+                if record.get("toolchain") == _toolchain_fingerprint():
+                    raise NativeUnavailable(
+                        f"{record.get('error', 'the build failed')} (an earlier build with this"
+                        f" toolchain; set MASKLN_NATIVE_REBUILD=1 or delete {failed} to retry)"
+                    )
+        try:
+            return _build(library)
+        except NativeUnavailable as error:
+            record = {"toolchain": _toolchain_fingerprint(), "error": str(error)}
+            with contextlib.suppress(OSError):
+                failed.write_text(json.dumps(record))
+            raise
 
 
 def _import(library: Path) -> ModuleType:
@@ -202,15 +229,18 @@ def _build(library: Path) -> ModuleType:
         with _ninja_on_path():
             module = cpp_extension.load(
                 name,
-                sources=[str(HERE / "masked_layer_norm.cpp")],
+                sources=[str(HERE / name) for name in SOURCES if name.endswith(".cpp")],
                 extra_cflags=list(CFLAGS),
                 extra_include_paths=[str(HERE)],
                 build_directory=str(scratch),
                 verbose=bool(os.environ.get("MASKLN_NATIVE_VERBOSE")),
             )
         os.replace(scratch / f"{name}{LIBRARY_SUFFIX}", library)
-    except Exception as error:  # the compiler's message is in the error
-        raise NativeUnavailable(f"building the native kernels failed: {error}") from error
+    except Exception as error:  # the compiler's messages are in the error: their end
+        message = str(error)
+        if len(message) > MESSAGE_LIMIT:
+            message = "..." + message[-MESSAGE_LIMIT:]
+        raise NativeUnavailable(f"building the native kernels failed: {message}") from error
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     sys.modules[name] = module
@@ -228,6 +258,18 @@ def _toolchain_problem() -> str | None:
     if include is None or not (Path(include) / "Python.h").exists():
         return f"no Python headers (Python.h) in {include}: install python3-dev"
     return None
+
+
+def _toolchain_fingerprint() -> list[str]:
+    """What a retry after a failed build would need to differ in: the compiler and ninja."""
+    found = [shutil.which(os.environ.get("CXX", "c++")), _ninja_folder(), shutil.which("ninja")]
+    fingerprint = []
+    for path in found:
+        try:
+            fingerprint.append(f"{path}@{os.stat(path).st_mtime_ns}" if path else "")
+        except OSError:
+            fingerprint.append(str(path))
+    return fingerprint
 
 
 def _ninja_folder() -> str | None:

@@ -1,200 +1,82 @@
-// Masked layer normalization on CPU: ATen glue around the row kernels of masked_layer_norm.h.
+// Masked layer normalization on CPU: tensors, checks and bindings around kernels.cpp.
 //
-// forward(x, valid, scale, bias, eps) -> (y, mean, rstd)
-// backward(dy, x, valid, scale, mean, rstd, eps, output_mask) -> the requested of
-//     (dx, dscale, dbias)
+//   forward(x, valid, scale, bias, eps) -> (y, mean, rstd)
+//   backward(dy, x, valid, scale, mean, rstd, eps, output_mask) -> the requested of
+//       (dx, dscale, dbias)
 //
-// Rows are split over threads with at::parallel_for. A row's results never depend on the
-// split, and dscale and dbias are sums of per-block sums over fixed blocks of rows (their size
-// depends on the shape alone), added in block order in float64: their bits never depend on the
-// thread count either.
+// y and dx have x's layout (torch.empty_like(x)); mean and rstd are [..., 1] in the compute
+// dtype (float32 for float32, float16 and bfloat16; float64 for float64), 0 on invalid rows;
+// dscale and dbias have scale's dtype. Three ways in: pybind functions (bindings.cpp: the
+// cheapest call), dispatcher ops torch.ops.maskln_native.forward / .backward (the schemas of
+// maskln's custom ops), and forward_autograd, a C++ autograd node (first-order gradients).
 //
-// Instruction sets: the row kernels are compiled three times in this one translation unit,
-// for the baseline of the build (x86-64: SSE2), for AVX2+FMA and for AVX-512, through GCC's
-// target attribute on thin wrappers that inline (flatten) the whole kernel; the widest the CPU
-// supports is picked once at run time (__builtin_cpu_supports). No -march flag: the library
-// runs on any x86-64, and elsewhere (ARM, MSVC) only the baseline is built.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+// Only the headers each part needs (not torch/extension.h, which alone took 26 s of CPU to
+// compile): the three translation units compile side by side.
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <string>
+#include <cmath>
 #include <tuple>
 #include <vector>
 
-#include "masked_layer_norm.h"
+#include "kernels.h"
+#include "ops.h"
 
 namespace maskln_native {
 
-// --- instruction-set variants ---------------------------------------------------------------
+// --- checks and layout ----------------------------------------------------------------------
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(_MSC_VER)
-#define MASKLN_X86 1
-#define MASKLN_AVX2 __attribute__((target("avx2,fma,f16c"), flatten))
-#define MASKLN_AVX512 \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"), flatten))
-#endif
-#if defined(__GNUC__)
-#define MASKLN_BASE __attribute__((flatten))
-#else
-#define MASKLN_BASE
-#endif
-
-template <typename T>
-struct Kernels {
-  void (*forward)(const ForwardArgs<T>&, int64_t, int64_t);
-  void (*backward)(const BackwardArgs<T>&, int64_t, int64_t, double*, double*);
-  void (*backward_sums)(const BackwardArgs<T>&, int64_t, int64_t, double*, double*);
-  void (*backward_dx)(const BackwardArgs<T>&, int64_t, int64_t);
-  void (*backward_dbias)(const BackwardArgs<T>&, int64_t, int64_t, double*);
-};
-
-#define MASKLN_VARIANT(NAME, ATTRIBUTES, W)                                                    \
-  template <typename T>                                                                       \
-  ATTRIBUTES void forward_##NAME(const ForwardArgs<T>& a, int64_t begin, int64_t end) {       \
-    forward_rows<T, W>(a, begin, end);                                                           \
-  }                                                                                           \
-  template <typename T>                                                                       \
-  ATTRIBUTES void backward_##NAME(                                                            \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    backward_rows<T, W, true, true>(a, begin, end, dscale, dbias);                                   \
-  }                                                                                           \
-  template <typename T>                                                                       \
-  ATTRIBUTES void backward_sums_##NAME(                                                       \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    backward_rows<T, W, false, true>(a, begin, end, dscale, dbias);                                   \
-  }                                                                                           \
-  template <typename T>                                                                       \
-  ATTRIBUTES void backward_dx_##NAME(const BackwardArgs<T>& a, int64_t begin, int64_t end) {  \
-    backward_rows<T, W, true, false>(a, begin, end, nullptr, nullptr);                         \
-  }                                                                                           \
-  template <typename T>                                                                       \
-  ATTRIBUTES void backward_dbias_##NAME(                                                      \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dbias) {                  \
-    backward_rows_dbias<T, W>(a, begin, end, dbias);                                             \
-  }                                                                                           \
-  template <typename T>                                                                       \
-  Kernels<T> kernels_##NAME() {                                                               \
-    return {&forward_##NAME<T>, &backward_##NAME<T>, &backward_sums_##NAME<T>,                \
-            &backward_dx_##NAME<T>, &backward_dbias_##NAME<T>};                               \
-  }
-
-MASKLN_VARIANT(base, MASKLN_BASE, 2)
-#ifdef MASKLN_X86
-MASKLN_VARIANT(avx2, MASKLN_AVX2, 4)
-MASKLN_VARIANT(avx512, MASKLN_AVX512, 8)
-#endif
-
-enum Isa : int { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
-const char* const kIsaNames[] = {"base", "avx2", "avx512"};
-
-int supported_isa() {
-#ifdef MASKLN_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-    return kAvx512;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return kAvx2;
-  }
-#endif
-  return kBase;
-}
-
-int parse_isa(const std::string& name) {
-  for (int i = 0; i <= kAvx512; ++i) {
-    if (name == kIsaNames[i]) {
-      return i;
-    }
-  }
-  TORCH_CHECK(false, "maskln native: unknown instruction set '", name,
-              "' (expected base, avx2 or avx512)");
-}
-
-// The widest supported, or MASKLN_NATIVE_ISA's choice when the CPU supports it.
-int initial_isa() {
-  const int widest = supported_isa();
-  const char* chosen = std::getenv("MASKLN_NATIVE_ISA");
-  if (chosen == nullptr || *chosen == '\0') {
-    return widest;
-  }
-  return std::min(parse_isa(chosen), widest);
-}
-
-std::atomic<int>& current_isa() {
-  static std::atomic<int> isa{initial_isa()};
-  return isa;
-}
-
-template <typename T>
-Kernels<T> kernels() {
-#ifdef MASKLN_X86
-  switch (current_isa().load(std::memory_order_relaxed)) {
-    case kAvx512:
-      return kernels_avx512<T>();
-    case kAvx2:
-      return kernels_avx2<T>();
+Dtype kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return Dtype::kFloat;
+    case at::kDouble:
+      return Dtype::kDouble;
+    case at::kHalf:
+      return Dtype::kHalf;
+    case at::kBFloat16:
+      return Dtype::kBFloat16;
     default:
-      break;
+      TORCH_CHECK(false, "maskln native: x must be float32, float64, float16 or bfloat16, got ",
+                  t);
   }
-#endif
-  return kernels_base<T>();
-}
-
-std::string isa() { return kIsaNames[current_isa().load()]; }
-
-// Selects an instruction set (tests compare their bits); returns the previous one.
-std::string set_isa(const std::string& name) {
-  const int wanted = parse_isa(name);
-  TORCH_CHECK(wanted <= supported_isa(), "maskln native: this CPU does not support ", name);
-  return kIsaNames[current_isa().exchange(wanted)];
-}
-
-// --- shapes, checks and layout --------------------------------------------------------------
-
-constexpr int64_t kGrainElements = 32768;  // below this, a chunk costs more to fork than to run
-constexpr int64_t kBlockElements = 16384;  // backward blocks: at least this many elements
-constexpr int64_t kMaxBlocks = 64;
-
-bool is_supported(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
 at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+// What memory safety needs; the op's own checks (maskln_cli.core.check_inputs) say more.
 void check_inputs(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
-                  const at::Tensor& bias, double eps, bool with_bias) {
+                  const at::Tensor* bias, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.layout() == at::kStrided,
               "maskln native: x must be a dense CPU tensor");
-  TORCH_CHECK(is_supported(x.scalar_type()),
-              "maskln native: x must be float32, float64, float16 or bfloat16, got ",
-              x.scalar_type());
+  kernel_dtype(x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, "maskln native: x must have a channel axis");
-  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.device().is_cpu(),
-              "maskln native: valid must be a bool CPU tensor");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.device().is_cpu() &&
+                  valid.layout() == at::kStrided,
+              "maskln native: valid must be a dense bool CPU tensor");
   TORCH_CHECK(valid.sizes() == x.sizes().slice(0, x.dim() - 1),
               "maskln native: valid must have x's leading shape ", x.sizes().slice(0, x.dim() - 1),
               ", got ", valid.sizes());
   const int64_t C = x.size(-1);
   const auto p = compute_type(x.scalar_type());
-  for (const at::Tensor* param : {&scale, &bias}) {
-    if (param == &bias && !with_bias) {
+  for (const at::Tensor* param : {&scale, bias}) {
+    if (param == nullptr) {
       continue;
     }
-    TORCH_CHECK(param->device().is_cpu() && param->dim() == 1 && param->size(0) == C,
-                "maskln native: scale and bias must be CPU tensors of shape [", C, "]");
+    TORCH_CHECK(param->device().is_cpu() && param->layout() == at::kStrided &&
+                    param->dim() == 1 && param->size(0) == C,
+                "maskln native: scale and bias must be dense CPU tensors of shape [", C, "]");
     TORCH_CHECK(param->scalar_type() == x.scalar_type() || param->scalar_type() == p,
-                "maskln native: scale and bias must have x's dtype or ", p);
+                "maskln native: scale and bias must have x's dtype or ", p, ", got ",
+                param->scalar_type());
   }
   TORCH_CHECK(eps > 0.0 && std::isfinite(eps), "maskln native: eps must be finite and positive");
 }
 
-// t itself when it already has dtype and contiguous rows (no dispatcher call), else a copy.
+// t itself when it already has the dtype and contiguous rows (no dispatcher call), else a copy.
 at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType dtype) {
   if (t.scalar_type() == dtype && t.is_contiguous()) {
     return t;
@@ -203,6 +85,22 @@ at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// torch.empty_like(x), without the dispatcher when x has the default strides.
+at::Tensor output_like(const at::Tensor& x) {
+  const auto sizes = x.sizes();
+  const auto strides = x.strides();
+  int64_t expected = 1;
+  bool standard = true;
+  for (int64_t d = x.dim() - 1; d >= 0 && standard; --d) {
+    standard = strides[d] == expected;
+    expected *= sizes[d];
+  }
+  if (standard) {
+    return at::detail::empty_cpu(sizes, x.scalar_type());
+  }
+  return at::empty_like(x, at::MemoryFormat::Preserve);
+}
 
 std::vector<int64_t> statistics_shape(const at::Tensor& x) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -215,20 +113,18 @@ std::vector<int64_t> statistics_shape(const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
     const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor& bias,
     double eps, bool keep_statistics) {
-  check_inputs(x, valid, scale, bias, eps, true);
+  check_inputs(x, valid, scale, &bias, eps);
   const auto p = compute_type(x.scalar_type());
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Preserve);
+  at::Tensor y = output_like(x);
   at::Tensor mean, rstd;
   const int64_t C = x.size(-1);
-  const int64_t rows = C == 0 ? valid.numel() : x.numel() / C;
+  const int64_t rows = valid.numel();
   if (keep_statistics) {
-    const auto options = x.options().dtype(p);
-    if (C == 0) {  // nothing to normalize: statistics 0, as the composite path
-      mean = at::zeros(statistics_shape(x), options);
-      rstd = at::zeros(statistics_shape(x), options);
-    } else {
-      mean = at::empty(statistics_shape(x), options);
-      rstd = at::empty(statistics_shape(x), options);
+    mean = at::detail::empty_cpu(statistics_shape(x), p);
+    rstd = at::detail::empty_cpu(statistics_shape(x), p);
+    if (C == 0) {  // nothing to normalize: statistics 0, as maskln_cli.core.forward
+      mean.zero_();
+      rstd.zero_();
     }
   }
   if (rows == 0 || C == 0) {
@@ -238,24 +134,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
   const at::Tensor valid_rows = contiguous(valid);
   const at::Tensor scale_p = contiguous_as(scale, p);
   const at::Tensor bias_p = contiguous_as(bias, p);
-  // y has x's layout (empty_like); rows are written contiguous, and copied when they differ.
-  const at::Tensor y_rows = y.is_contiguous() ? y : at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "maskln_forward", [&] {
-    using P = typename Compute<scalar_t>::type;
-    ForwardArgs<scalar_t> args{
-        x_rows.const_data_ptr<scalar_t>(),
-        valid_rows.const_data_ptr<bool>(),
-        scale_p.const_data_ptr<P>(),
-        bias_p.const_data_ptr<P>(),
-        y_rows.mutable_data_ptr<scalar_t>(),
-        keep_statistics ? mean.mutable_data_ptr<P>() : nullptr,
-        keep_statistics ? rstd.mutable_data_ptr<P>() : nullptr,
-        C,
-        eps};
-    const auto kernel = kernels<scalar_t>().forward;
-    const int64_t grain = std::max<int64_t>(1, kGrainElements / C);
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
-  });
+  // Rows are written contiguous, and copied when y's layout differs.
+  const at::Tensor y_rows = y.is_contiguous() ? y : at::detail::empty_cpu(x.sizes(), x.scalar_type());
+  run_forward({kernel_dtype(x.scalar_type()), x_rows.const_data_ptr(),
+               valid_rows.const_data_ptr<bool>(), scale_p.const_data_ptr(),
+               bias_p.const_data_ptr(), y_rows.mutable_data_ptr(),
+               keep_statistics ? mean.mutable_data_ptr() : nullptr,
+               keep_statistics ? rstd.mutable_data_ptr() : nullptr, rows, C, eps});
   if (!y_rows.is_same(y)) {
     y.copy_(y_rows);
   }
@@ -270,58 +155,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
 
 // --- backward -------------------------------------------------------------------------------
 
-// Rows per block of the parameter sums: at least kBlockElements elements, at most kMaxBlocks
-// blocks, and block sums (2 C float64 each) of at most a quarter of x's bytes. From the shape
-// and dtype alone, never the thread count.
-int64_t block_rows(int64_t rows, int64_t C, int64_t element_size) {
-  const int64_t max_blocks =
-      std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, rows * element_size / 64));
-  const int64_t by_count = (rows + max_blocks - 1) / max_blocks;
-  const int64_t by_size = (kBlockElements + C - 1) / C;
-  return std::max<int64_t>(1, std::max(by_count, by_size));
-}
-
-// Writes out[c] = sum over blocks b, in order, of partial[b * C + c].
-void reduce_blocks(const std::vector<double>& partial, int64_t blocks, int64_t C, at::Tensor& out) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "maskln_sums", [&] {
-    scalar_t* data = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, C, kGrainElements / 8, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        double total = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-          total += partial[b * C + c];
-        }
-        data[c] = narrow<scalar_t>(total);
-      }
-    });
-  });
-}
-
 std::vector<at::Tensor> backward_impl(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
     const at::Tensor& mean, const at::Tensor& rstd, double eps, bool need_dx, bool need_dscale,
     bool need_dbias) {
-  check_inputs(x, valid, scale, scale, eps, false);
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.device().is_cpu(),
-              "maskln native: dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
+  check_inputs(x, valid, scale, nullptr, eps);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.device().is_cpu() && dy.layout() == at::kStrided,
+              "maskln native: dy must be a dense CPU tensor of x's shape ", x.sizes(), ", got ",
+              dy.sizes());
   const int64_t C = x.size(-1);
-  const int64_t rows = C == 0 ? valid.numel() : x.numel() / C;
-  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows,
+  const int64_t rows = valid.numel();
+  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows && mean.device().is_cpu() &&
+                  rstd.device().is_cpu(),
               "maskln native: mean and rstd must have one value per row (", rows, ")");
   const auto p = compute_type(x.scalar_type());
   at::Tensor dx, dscale, dbias;
   if (need_dx) {
-    dx = at::empty_like(x, at::MemoryFormat::Preserve);
+    dx = output_like(x);
   }
   if (need_dscale) {
-    dscale = at::empty({C}, scale.options());
+    dscale = at::detail::empty_cpu({C}, scale.scalar_type());
   }
   if (need_dbias) {
-    dbias = at::empty({C}, scale.options());
-  }
-  const bool need_sums = need_dscale || need_dbias;
-  if (!need_dx && !need_sums) {
-    return {};
+    dbias = at::detail::empty_cpu({C}, scale.scalar_type());
   }
   if (rows == 0 || C == 0) {
     for (at::Tensor* sum : {&dscale, &dbias}) {
@@ -329,7 +185,7 @@ std::vector<at::Tensor> backward_impl(
         sum->zero_();
       }
     }
-  } else {
+  } else if (need_dx || need_dscale || need_dbias) {
     const at::Tensor x_rows = contiguous(x);
     const at::Tensor dy_rows = contiguous_as(dy, x.scalar_type());
     const at::Tensor valid_rows = contiguous(valid);
@@ -338,58 +194,15 @@ std::vector<at::Tensor> backward_impl(
     const at::Tensor rstd_p = contiguous_as(rstd, p);
     at::Tensor dx_rows;
     if (need_dx) {
-      dx_rows = dx.is_contiguous() ? dx : at::empty(x.sizes(), x.options());
+      dx_rows = dx.is_contiguous() ? dx : at::detail::empty_cpu(x.sizes(), x.scalar_type());
     }
-    const int64_t per_block = block_rows(rows, C, x.element_size());
-    const int64_t blocks = need_sums ? (rows + per_block - 1) / per_block : 0;
-    std::vector<double> partial_dscale(need_dscale || need_dx ? blocks * C : 0);
-    std::vector<double> partial_dbias(need_sums ? blocks * C : 0);
-    AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kHalf, at::kBFloat16, x.scalar_type(), "maskln_backward", [&] {
-          using P = typename Compute<scalar_t>::type;
-          BackwardArgs<scalar_t> args{
-              dy_rows.const_data_ptr<scalar_t>(),
-              x_rows.const_data_ptr<scalar_t>(),
-              valid_rows.const_data_ptr<bool>(),
-              scale_p.const_data_ptr<P>(),
-              mean_p.const_data_ptr<P>(),
-              rstd_p.const_data_ptr<P>(),
-              need_dx ? dx_rows.mutable_data_ptr<scalar_t>() : nullptr,
-              C,
-              eps};
-          const Kernels<scalar_t> k = kernels<scalar_t>();
-          if (!need_sums) {  // dx alone: any split of the rows
-            const int64_t grain = std::max<int64_t>(1, kGrainElements / C);
-            at::parallel_for(
-                0, rows, grain, [&](int64_t begin, int64_t end) { k.backward_dx(args, begin, end); });
-            return;
-          }
-          at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-            for (int64_t b = first; b < last; ++b) {
-              const int64_t begin = b * per_block;
-              const int64_t end = std::min(rows, begin + per_block);
-              double* block_dbias = partial_dbias.data() + b * C;
-              std::fill(block_dbias, block_dbias + C, 0.0);
-              if (!need_dscale && !need_dx) {
-                k.backward_dbias(args, begin, end, block_dbias);
-                continue;
-              }
-              double* block_dscale = partial_dscale.data() + b * C;
-              std::fill(block_dscale, block_dscale + C, 0.0);
-              if (need_dx) {
-                k.backward(args, begin, end, block_dscale, block_dbias);
-              } else {
-                k.backward_sums(args, begin, end, block_dscale, block_dbias);
-              }
-            }
-          });
-        });
-    if (need_dscale) {
-      reduce_blocks(partial_dscale, blocks, C, dscale);
-    }
-    if (need_dbias) {
-      reduce_blocks(partial_dbias, blocks, C, dbias);
-    }
+    run_backward({kernel_dtype(x.scalar_type()), dy_rows.const_data_ptr(),
+                  x_rows.const_data_ptr(), valid_rows.const_data_ptr<bool>(),
+                  scale_p.const_data_ptr(), mean_p.const_data_ptr(), rstd_p.const_data_ptr(),
+                  need_dx ? dx_rows.mutable_data_ptr() : nullptr,
+                  need_dscale ? dscale.mutable_data_ptr() : nullptr,
+                  need_dbias ? dbias.mutable_data_ptr() : nullptr,
+                  kernel_dtype(scale.scalar_type()), rows, C, eps});
     if (need_dx && !dx_rows.is_same(dx)) {
       dx.copy_(dx_rows);
     }
@@ -433,7 +246,7 @@ struct MaskedLayerNormFunction : public torch::autograd::Function<MaskedLayerNor
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    // create_graph: these kernels are not differentiable; the composite path is.
+    // create_graph: these kernels are not differentiable (maskln's composite path is).
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "maskln native autograd: first-order gradients only (create_graph=True needs "
                 "maskln's composite path)");
@@ -459,8 +272,8 @@ at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& valid, const 
 
 }  // namespace maskln_native
 
-// The dispatcher's ops, with the schemas of maskln's own custom ops (maskln::masked_layer_norm
-// and maskln::masked_layer_norm_backward), so that either can call or replace the other.
+// The dispatcher's ops, with the schemas of maskln::masked_layer_norm and
+// maskln::masked_layer_norm_backward, so that either can call or replace the other.
 TORCH_LIBRARY(maskln_native, m) {
   m.def("forward(Tensor x, Tensor valid, Tensor scale, Tensor bias, float eps)"
         " -> (Tensor, Tensor, Tensor)");
@@ -471,20 +284,4 @@ TORCH_LIBRARY(maskln_native, m) {
 TORCH_LIBRARY_IMPL(maskln_native, CPU, m) {
   m.impl("forward", &maskln_native::forward);
   m.impl("backward", &maskln_native::backward);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "maskln's native CPU kernels for masked layer normalization";
-  m.def("forward", &maskln_native::forward_impl, pybind11::arg("x"), pybind11::arg("valid"),
-        pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("eps"),
-        pybind11::arg("keep_statistics") = true,
-        "(y, mean, rstd); mean and rstd undefined (None) without keep_statistics");
-  m.def("backward", &maskln_native::backward_py, pybind11::arg("dy"), pybind11::arg("x"),
-        pybind11::arg("valid"), pybind11::arg("scale"), pybind11::arg("mean"),
-        pybind11::arg("rstd"), pybind11::arg("eps"), pybind11::arg("output_mask"),
-        "The requested of (dx, dscale, dbias), in that order");
-  m.def("forward_autograd", &maskln_native::forward_autograd,
-        "y, differentiable (first order) through a C++ autograd node");
-  m.def("isa", &maskln_native::isa, "The instruction set the kernels run with");
-  m.def("set_isa", &maskln_native::set_isa, "Select base, avx2 or avx512; returns the previous");
 }
