@@ -450,6 +450,22 @@ def test_half_dtypes_match_the_float32_path_within_half_rounding(lib, dtype, par
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_results_are_the_float32_results_rounded_once(lib, dtype):
+    """Halves are read exactly and computed as float32 x is: the outputs are the float32
+    kernel's, rounded to the half dtype (vector and scalar tails, 8 + 5 channels and more)."""
+    x, valid, scale, bias = make_inputs((7, 3), 45, torch.float64, seed=8, poison=True)
+    x = x.to(dtype)
+    scale, bias = scale.float(), bias.float()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+    half = native_run(lib, x, valid, scale, bias, dy)
+    wide = native_run(lib, x.float(), valid, scale, bias, dy.float())
+    assert_bits_equal(half[0][0], wide[0][0].to(dtype))
+    assert_bits_equal(half[1][0], wide[1][0].to(dtype))
+    for got, want in zip([*half[0][1:], *half[1][1:]], [*wide[0][1:], *wide[1][1:]], strict=True):
+        assert_bits_equal(got, want)
+
+
 # --- the entry points ----------------------------------------------------------------------------
 
 

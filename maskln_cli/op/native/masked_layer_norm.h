@@ -125,6 +125,30 @@ MASKLN_INLINE V load(const c10::BFloat16* p) {  // bfloat16: the upper half of a
   std::memcpy(&v, &wide, sizeof v);
   return __builtin_convertvector(v, V);
 }
+#if defined(__FLT16_MAX__)  // the compiler has _Float16 (GCC 12 and Clang on x86, ARM)
+// F16C's vcvtph2ps where the target has it; elsewhere libgcc's exact conversions.
+template <int W>
+struct Half16;
+template <>
+struct Half16<8> {
+  using h = _Float16 __attribute__((vector_size(16)));
+};
+template <>
+struct Half16<4> {
+  using h = _Float16 __attribute__((vector_size(8)));
+};
+template <>
+struct Half16<2> {
+  using h = _Float16 __attribute__((vector_size(4)));
+};
+
+template <int W, typename V = typename Vec<W>::d>
+MASKLN_INLINE V load(const c10::Half* p) {
+  typename Half16<W>::h h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(__builtin_convertvector(h, typename Vec<W>::f), V);
+}
+#else
 template <int W, typename V = typename Vec<W>::d>
 MASKLN_INLINE V load(const c10::Half* p) {
   float f[W];
@@ -133,6 +157,7 @@ MASKLN_INLINE V load(const c10::Half* p) {
   }
   return load<W>(static_cast<const float*>(f));
 }
+#endif
 
 template <int W, typename V>
 MASKLN_INLINE void store(double* p, V v) {
@@ -150,6 +175,25 @@ MASKLN_INLINE void store(T* p, V v) {  // the half dtypes: through float, rounde
     p[k] = static_cast<T>(f[k]);
   }
 }
+template <int W, typename V>
+MASKLN_INLINE void store(c10::BFloat16* p, V v) {  // float's upper half, rounded as c10 does
+  using U = typename Vec<W>::u32;
+  const auto f = __builtin_convertvector(v, typename Vec<W>::f);
+  U bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  U rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;  // to nearest, ties to even
+  rounded = (bits & 0x7FFFFFFF) > 0x7F800000 ? U{} + 0x7FC0 : rounded;  // NaN: c10's quiet NaN
+  const auto half = __builtin_convertvector(rounded, typename Vec<W>::u16);
+  std::memcpy(p, &half, sizeof half);
+}
+#if defined(__FLT16_MAX__)
+template <int W, typename V>
+MASKLN_INLINE void store(c10::Half* p, V v) {  // through float, rounded to nearest even
+  using H = typename Half16<W>::h;
+  const H h = __builtin_convertvector(__builtin_convertvector(v, typename Vec<W>::f), H);
+  std::memcpy(p, &h, sizeof h);
+}
+#endif
 
 constexpr int64_t kLanes = 16;  // lanes of every sum: two AVX-512 registers, four AVX2 ones
 constexpr int64_t kRun = 64 * kLanes;  // elements per lane run before runs are added up
