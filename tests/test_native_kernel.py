@@ -607,3 +607,46 @@ def test_processes_starting_together_build_once(lib, tmp_path):
         assert process.returncode == 0, err
         assert out.strip() == lib.isa()
     assert len((tmp_path / "builds").read_text().split()) == 1
+
+
+def test_kernels_registered_on_maskln_custom_ops(lib):
+    """register_maskln_kernels makes the kernels the CPU implementation of maskln's own ops,
+    and withdrawing restores the Python implementation. In a subprocess: the registration is
+    process-wide."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from maskln_cli import core
+        from maskln_cli.op import native
+        from tests.test_core import make_inputs
+        lib = native.load()
+        x, valid, scale, bias = make_inputs((6, 5), 33, torch.float32, poison=True)
+        dy = torch.randn(x.shape)
+        native_y, mean, rstd = lib.forward(x, valid, scale, bias, 1e-5)
+        native_grads = lib.backward(dy, x, valid, scale, mean, rstd, 1e-5, [True] * 3)
+        python_y = torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, 1e-5)[0]
+        assert lib.register_maskln_kernels() is False
+        y, mean_op, rstd_op = torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, 1e-5)
+        assert torch.equal(y, native_y) and torch.equal(rstd_op, rstd)
+        grads = torch.ops.maskln.masked_layer_norm_backward(
+            dy, x, valid, scale, mean, rstd, 1e-5, [True] * 3
+        )
+        assert all(torch.equal(a, b) for a, b in zip(grads, native_grads))
+        leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+        out = torch.ops.maskln.masked_layer_norm(leaves[0], valid, leaves[1], leaves[2], 1e-5)[0]
+        # The ops' autograd (maskln_cli.core._backward) calls backward_in_place in eager mode,
+        # not the backward op: Python's backward on the native statistics, equal to rounding.
+        autograd_grads = torch.autograd.grad(out, leaves, dy)
+        for a, b in zip(autograd_grads, native_grads):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+        assert lib.register_maskln_kernels(False) is True
+        y = torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, 1e-5)[0]
+        assert torch.equal(y, python_y)
+        assert not torch.equal(python_y, native_y)  # so the checks above tell the two apart
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -18,6 +18,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_autograd", &maskln_native::forward_autograd, py::arg("x"), py::arg("valid"),
         py::arg("scale"), py::arg("bias"), py::arg("eps"),
         "y, differentiable (first order) through a C++ autograd node");
+  m.def("register_maskln_kernels", &maskln_native::register_maskln_kernels,
+        py::arg("enable") = true,
+        "Make forward and backward the CPU kernels of maskln::masked_layer_norm(_backward)"
+        " (enable=False withdraws them); returns whether they were registered");
   m.def("isa", &maskln_native::isa, "The instruction set the kernels run with");
   m.def("set_isa", &maskln_native::set_isa, py::arg("name"),
         "Select base, avx2 or avx512 (tests compare their bits); returns the previous one");

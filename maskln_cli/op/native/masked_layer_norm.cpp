@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -268,6 +269,31 @@ struct MaskedLayerNormFunction : public torch::autograd::Function<MaskedLayerNor
 at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
                             const at::Tensor& bias, double eps) {
   return MaskedLayerNormFunction::apply(x, valid, scale, bias, eps);
+}
+
+// --- the CPU kernels of maskln's own custom ops -------------------------------------------------
+
+// Registers (or, with enable false, withdraws) forward and backward as the CPU kernels of
+// maskln::masked_layer_norm and maskln::masked_layer_norm_backward, which maskln_cli.core
+// defines in Python: the dispatcher then calls C++ directly for CPU tensors, ahead of the
+// ops' Python implementation (CompositeExplicitAutograd), under their Python autograd and fake
+// kernels. Returns whether they were registered before.
+bool register_maskln_kernels(bool enable) {
+  // The registrations last as long as the Library; never destroyed at exit (after the
+  // dispatcher, perhaps), only when withdrawn. Called with Python's lock held.
+  static torch::Library* library = nullptr;
+  const bool was = library != nullptr;
+  if (enable && !was) {
+    auto created = std::make_unique<torch::Library>(torch::Library::IMPL, "maskln",
+                                                    c10::DispatchKey::CPU, __FILE__, __LINE__);
+    created->impl("masked_layer_norm", TORCH_FN(forward));
+    created->impl("masked_layer_norm_backward", TORCH_FN(backward));
+    library = created.release();
+  } else if (!enable && was) {
+    delete library;
+    library = nullptr;
+  }
+  return was;
 }
 
 }  // namespace maskln_native

@@ -20,4 +20,6 @@ std::vector<at::Tensor> backward_py(
 at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
                             const at::Tensor& bias, double eps);
 
+bool register_maskln_kernels(bool enable);
+
 }  // namespace maskln_native
