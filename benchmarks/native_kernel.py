@@ -163,6 +163,92 @@ def interleaved_ratios(calls: dict[str, Call], reps: int, budget: float) -> dict
     return ratios
 
 
+def overhead_calls(t: dict[str, Any], grad: bool) -> dict[str, Call]:
+    """The ways to call the kernel, for --overhead (the caller registers the kernel as the CPU
+    implementation of maskln's op for the whole run)."""
+    lib = native.load()
+    args = (t["x"], t["valid"], t["scale"], t["bias"])
+    if grad:
+        leaves, dy = (t["x"], t["scale"], t["bias"]), t["dy"]
+        op = torch.ops.maskln.masked_layer_norm
+        return {
+            "peer": lambda: torch.autograd.grad(peer(*args), leaves, dy),
+            "C++ autograd node (pybind)": lambda: torch.autograd.grad(
+                lib.forward_autograd(*args, EPS), leaves, dy
+            ),
+            "Python Function + pybind": lambda: torch.autograd.grad(
+                _NativeFunction.apply(*args), leaves, dy
+            ),
+            "maskln op, C++ kernel registered": lambda: torch.autograd.grad(
+                op(*args, EPS)[0], leaves, dy
+            ),
+            "maskln today": lambda: torch.autograd.grad(
+                masked_layer_normalization(*args, EPS), leaves, dy
+            ),
+        }
+    return {
+        "peer": lambda: peer(*args),
+        "pybind forward": lambda: lib.forward(*args, EPS),
+        "pybind forward, no statistics": lambda: lib.forward(*args, EPS, False),
+        "torch.ops.maskln_native.forward": lambda: torch.ops.maskln_native.forward(*args, EPS),
+        "torch.ops...forward.default": lambda: torch.ops.maskln_native.forward.default(*args, EPS),
+        "Python custom_op + pybind": lambda: _python_custom_op()(*args, EPS),
+        "maskln op, C++ kernel registered": lambda: torch.ops.maskln.masked_layer_norm(*args, EPS),
+        "maskln today": lambda: masked_layer_normalization(*args, EPS),
+    }
+
+
+_CUSTOM_OP: list[Any] = []
+
+
+def _python_custom_op() -> Any:
+    """A torch.library.custom_op whose body calls the kernel (defined once)."""
+    if not _CUSTOM_OP:
+
+        @torch.library.custom_op("maskln_bench::forward", mutates_args=())
+        def forward(
+            x: torch.Tensor,
+            valid: torch.Tensor,
+            scale: torch.Tensor,
+            bias: torch.Tensor,
+            eps: float,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return native.load().forward(x, valid, scale, bias, eps)
+
+        _CUSTOM_OP.append(forward)
+    return _CUSTOM_OP[0]
+
+
+def overhead(threads: int, reps: int) -> None:
+    """Median microseconds per call of each way in, interleaved call by call, one thread."""
+    torch.set_num_threads(threads)
+    native.load().register_maskln_kernels(True)
+    for grad in (False, True):
+        for shape in ((1, 1), *TINY):
+            t = make_inputs(shape, torch.float32, grad)
+            calls = overhead_calls(t, grad)
+            names = list(calls)
+            times: dict[str, list[float]] = {name: [] for name in names}
+            context = torch.enable_grad() if grad else torch.no_grad()
+            with context:
+                for name in names:  # warm-up
+                    time_call(calls[name])
+                for _ in range(reps):
+                    gc.collect()
+                    totals = dict.fromkeys(names, 0.0)
+                    for round_index in range(200):
+                        shift = round_index % len(names)
+                        for name in names[shift:] + names[:shift]:
+                            totals[name] += time_call(calls[name])
+                    for name in names:
+                        times[name].append(totals[name] / 200 * 1e6)
+            print(f"{list(shape)} float32, {'forward + backward' if grad else 'forward'}:")
+            peer_median = statistics.median(times["peer"])
+            for name in names:
+                median = statistics.median(times[name])
+                print(f"    {name:36s} {median:8.1f} us  {median / peer_median:5.2f} x peer")
+
+
 def summary(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -217,11 +303,17 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", help="e.g. 4096,16 (float32 and float64 cases)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument(
+        "--overhead", action="store_true", help="per-call time of each way in, tiny inputs"
+    )
+    parser.add_argument(
         "--memory-probe", nargs=2, metavar=("SHAPE", "DTYPE"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
     if args.memory_probe:
         memory_probe(*args.memory_probe)
+        return
+    if args.overhead:
+        overhead(1, args.reps)
         return
     if args.quick:
         args.reps, args.budget = 3, 0.1
