@@ -650,3 +650,13 @@ def test_kernels_registered_on_maskln_custom_ops(lib):
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_load_without_building_says_it_is_not_built(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failure", None)
+    with pytest.raises(native.NativeUnavailable, match="not built yet"):
+        native.load(build=False)
+    assert not native.available(build=False)
+    assert native._failure is None  # a later load may still build

@@ -79,12 +79,14 @@ _module: ModuleType | None = None
 _failure: str | None = None
 
 
-def load() -> ModuleType:
-    """The extension module, built first if the cache lacks it.
+def load(build: bool = True) -> ModuleType:
+    """The extension module, built first if the cache lacks it (with ``build=False``, only
+    when a build is already there: a call that must not wait half a minute for a compiler).
 
     Raises:
         NativeUnavailable: no C++ compiler, no ninja, no Python headers, an unwritable cache,
-            or a failed build; the message says which. Remembered for the process.
+            or a failed build; the message says which. Remembered for the process (except
+            "not built yet" with ``build=False``).
     """
     global _module, _failure
     if _module is not None:
@@ -93,6 +95,10 @@ def load() -> ModuleType:
         if _module is None:
             if _failure is not None:
                 raise NativeUnavailable(_failure)
+            if not build and not library_path().exists():
+                raise NativeUnavailable(
+                    f"not built yet ({library_path()}): python -m maskln_cli.op.native builds it"
+                )
             try:
                 _module = _load_or_build()
             except NativeUnavailable as error:
@@ -101,10 +107,10 @@ def load() -> ModuleType:
     return _module
 
 
-def available() -> bool:
-    """Whether :func:`load` succeeds (building the extension if needed)."""
+def available(build: bool = True) -> bool:
+    """Whether :func:`load` succeeds (building the extension if needed and ``build``)."""
     try:
-        load()
+        load(build)
     except NativeUnavailable:
         return False
     return True
