@@ -21,10 +21,16 @@
 // about 1e154), or whose saved rstd is too small to be exact, are redone by normalized_row:
 // scaled by powers of two, as maskln_cli/functional.py does.
 //
-// This header has no ATen: only plain loops over raw rows. The accumulations run in kLanes
-// independent float64 lanes, which the compiler vectorizes for whatever instruction set the
-// including function is compiled for (see masked_layer_norm.cpp); the order of every addition is
-// fixed by this source, so with -ffp-contract=off the bits do not depend on the vector width.
+// mean is computed as sum * (1 / C): shift takes up its rounding. The statistics' second pass
+// and the backward's second pass read rows from cache (rows go in L1-sized batches, see
+// batch_rows). Tried and dropped: summing a batch's dscale and dbias terms in registers,
+// column by column across its rows, instead of adding each row's to the block sums in L1 (no
+// faster at C = 16, slower from C = 384).
+//
+// This header has no ATen, only loops over raw rows with GCC/Clang vector extensions (vectors
+// of W float64, W chosen by the instruction set that kernels.cpp compiles them for). Sums run
+// in kLanes lanes added in one fixed order, so with -ffp-contract=off the bits do not depend on
+// W. Needs GCC or Clang (cpp_extension's compilers on Linux and macOS).
 #pragma once
 
 #include <c10/util/BFloat16.h>
