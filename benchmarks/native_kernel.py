@@ -2,9 +2,10 @@
 
 Run from the repository root with the project's interpreter::
 
-    .venv/bin/python benchmarks/native_kernel.py            # everything (about 10 minutes)
+    .venv/bin/python benchmarks/native_kernel.py            # everything (10 to 30 minutes)
     .venv/bin/python benchmarks/native_kernel.py --quick    # few repetitions: a smoke test
     .venv/bin/python benchmarks/native_kernel.py --threads 1 --shapes 4096,16 8,16,64
+    .venv/bin/python benchmarks/native_kernel.py --overhead  # each way in, tiny inputs
 
 Contenders, each timed call by call, interleaved (the order rotates every round, so machine
 noise lands on all of them alike); a table cell is the median (and the range) of the
