@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint bench sample-data checkpoint-example clean
+.PHONY: demo test lint bench native sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ lint: $(INSTALLED)
 # BENCH_ARGS: e.g. --quick (a smoke test) or --only 10,11,12; see benchmarks/README.md.
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/bench.py --markdown $(BENCH_ARGS)
+
+# The native CPU kernels compiled into the per-user cache (a C++ compiler and ninja, half a
+# minute or so): later runs, and pytest's workers, then load them at once.
+native: $(INSTALLED)
+	$(BIN)/python -m maskln_cli.op.native
 
 sample-data: $(INSTALLED)
 	$(BIN)/python scripts/make_sample_data.py
