@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import maskln_cli.op  # noqa: F401  (defines maskln's torch ops once torch is imported)
+
 if TYPE_CHECKING:
     from maskln_cli.op.api import masked_layer_normalization
     from maskln_cli.op.module import MaskedLayerNorm

@@ -15,13 +15,17 @@ The module exposes plain functions, callable without the dispatcher::
 
     forward(x, valid, scale, bias, eps, keep_statistics=True) -> (y, mean, rstd)
     backward(dy, x, valid, scale, mean, rstd, eps, output_mask) -> [the requested gradients]
-    forward_autograd(x, valid, scale, bias, eps) -> y          # a C++ autograd node, 1st order
+    register_maskln_kernels(enable=True) -> whether they were registered before
+    set_contract_error(report)   # the Python function that raises the op's own errors
     isa() -> "avx512" | "avx2" | "base";  set_isa(name) -> previous name
 
 and the dispatcher ops ``torch.ops.maskln_native.forward`` and ``.backward`` (the schemas of
-``maskln::masked_layer_norm`` and ``maskln::masked_layer_norm_backward``). Inputs follow the
-op's contract (:func:`maskln_cli.core.check_inputs`); the kernels check only what memory safety
-needs.
+``maskln::masked_layer_norm`` and ``maskln::masked_layer_norm_backward``). Inputs of the plain
+functions follow the op's contract (:func:`maskln_cli.op.checks.check_inputs`): they check only
+what memory safety needs. :mod:`maskln_cli.op.backend` decides when they are used.
+
+This module imports torch only to build or load (``maskln --version`` reads the cache's state
+without it).
 """
 
 from __future__ import annotations
@@ -42,9 +46,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
-__all__ = ["NativeUnavailable", "available", "build", "library_path", "load", "unavailable_reason"]
+__all__ = [
+    "NativeUnavailable",
+    "NotBuiltYet",
+    "available",
+    "build",
+    "build_problem",
+    "library_path",
+    "load",
+    "unavailable_reason",
+]
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (
@@ -74,6 +85,10 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot be built or loaded here; the message says why."""
 
 
+class NotBuiltYet(NativeUnavailable):
+    """``load(build=False)`` found no build in the cache (one may still be possible)."""
+
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -91,12 +106,16 @@ def load(build: bool = True) -> ModuleType:
     global _module, _failure
     if _module is not None:
         return _module
+    # torch first, outside the lock: importing it defines maskln's ops (maskln_cli.op.library),
+    # which loads this module in turn when it is built.
+    import torch  # noqa: F401
+
     with _lock:
         if _module is None:
             if _failure is not None:
                 raise NativeUnavailable(_failure)
             if not build and not library_path().exists():
-                raise NativeUnavailable(
+                raise NotBuiltYet(
                     f"not built yet ({library_path()}): python -m maskln_cli.op.native builds it"
                 )
             try:
@@ -123,6 +142,15 @@ def unavailable_reason() -> str | None:
     except NativeUnavailable as error:
         return str(error)
     return None
+
+
+def build_problem() -> str | None:
+    """Why a build would fail here, without building: no compiler, ninja or Python headers, or
+    an earlier failed build with this toolchain (remembered in the cache); None otherwise."""
+    problem = _toolchain_problem()
+    if problem is not None:
+        return problem
+    return _recorded_failure(library_path().parent / "failed.json")
 
 
 def build() -> Path:
@@ -158,13 +186,26 @@ def build_directory() -> Path:
     """The cache folder of this torch, Python, machine and source hash."""
     key = "-".join(
         (
-            f"torch-{torch.__version__}",
+            f"torch-{torch_version()}",
             sys.implementation.cache_tag or sys.implementation.name,
             platform.machine() or "unknown",
             source_hash(),
         )
     )
     return cache_root() / "native" / key
+
+
+def torch_version() -> str:
+    """torch's version: ``torch.__version__`` once torch is imported, else its package's."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "__version__"):
+        return str(torch.__version__)
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def library_path() -> Path:
@@ -190,16 +231,11 @@ def _load_or_build() -> ModuleType:
         if library.exists():  # another process built it while this one waited
             return _import(library)
         failed = directory / "failed.json"
-        if failed.exists() and not os.environ.get("MASKLN_NATIVE_REBUILD"):
-            # the same sources and toolchain failed before: say so at once, without building
-            # again in every process (pytest-xdist workers would each wait for a compile)
-            with contextlib.suppress(OSError, ValueError):
-                record = json.loads(failed.read_text())
-                if record.get("toolchain") == _toolchain_fingerprint():
-                    raise NativeUnavailable(
-                        f"{record.get('error', 'the build failed')} (an earlier build with this"
-                        f" toolchain; set MASKLN_NATIVE_REBUILD=1 or delete {failed} to retry)"
-                    )
+        # the same sources and toolchain failed before: say so at once, without building
+        # again in every process (pytest-xdist workers would each wait for a compile)
+        recorded = _recorded_failure(failed)
+        if recorded is not None:
+            raise NativeUnavailable(recorded)
         try:
             return _build(library)
         except NativeUnavailable as error:
@@ -209,7 +245,25 @@ def _load_or_build() -> ModuleType:
             raise
 
 
+def _recorded_failure(failed: Path) -> str | None:
+    """The error of an earlier build with this toolchain, recorded in ``failed``, or None."""
+    if os.environ.get("MASKLN_NATIVE_REBUILD"):
+        return None
+    try:
+        record = json.loads(failed.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("toolchain") != _toolchain_fingerprint():
+        return None
+    return (
+        f"{record.get('error', 'the build failed')} (an earlier build with this toolchain; set"
+        f" MASKLN_NATIVE_REBUILD=1 or delete {failed} to retry)"
+    )
+
+
 def _import(library: Path) -> ModuleType:
+    import torch  # noqa: F401  (the extension links against the libraries torch loads)
+
     name = module_name()
     if name in sys.modules:
         return sys.modules[name]

@@ -6,16 +6,20 @@
 //
 // y and dx have x's layout (torch.empty_like(x)); mean and rstd are [..., 1] in the compute
 // dtype (float32 for float32, float16 and bfloat16; float64 for float64), 0 on invalid rows;
-// dscale and dbias have scale's dtype. Three ways in: pybind functions (bindings.cpp: the
-// cheapest call), dispatcher ops torch.ops.maskln_native.forward / .backward (the schemas of
-// maskln's custom ops), and forward_autograd, a C++ autograd node (first-order gradients).
+// dscale and dbias have scale's dtype. Two ways in: pybind functions (bindings.cpp: the
+// cheapest call, which maskln's eager path and its autograd.Function take), and dispatcher ops
+// with the schemas of maskln's custom ops: torch.ops.maskln_native.forward / .backward, and the
+// same kernels as the CPU implementation of maskln::masked_layer_norm(_backward) once
+// register_maskln_kernels is called (what graphs from torch.compile and torch.export call).
+// No C++ autograd node: maskln's autograd is a Python autograd.Function, which torch.func
+// transforms and second-order gradients need (a C++ node saved about 20 us per call but
+// supported neither).
 //
 // Only the headers each part needs (not torch/extension.h, which alone took 26 s of CPU to
 // compile): the three translation units compile side by side.
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -48,7 +52,7 @@ Dtype kernel_dtype(at::ScalarType t) {
 
 at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// What memory safety needs; the op's own checks (maskln_cli.core.check_inputs) say more.
+// What memory safety needs; the op's own checks (maskln_cli.op.checks.check_inputs) say more.
 void check_inputs(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
                   const at::Tensor* bias, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.layout() == at::kStrided,
@@ -109,6 +113,64 @@ std::vector<int64_t> statistics_shape(const at::Tensor& x) {
   return shape;
 }
 
+// --- the op's contract ------------------------------------------------------------------------
+//
+// The dispatcher ops are what torch.ops.maskln.masked_layer_norm(_backward) run on CPU tensors
+// (register_maskln_kernels), called by anyone, exported graphs included: they check every
+// condition of maskln_cli.op.checks.check_inputs here, cheaply, and when one fails call that
+// Python function back (set_contract_error) for its TypeError or ValueError and message. The
+// pybind functions skip this: maskln's Python code checks before calling them.
+
+ContractError* contract_error = nullptr;  // set once from Python, never destroyed
+
+void set_contract_error(ContractError report) {
+  delete contract_error;
+  contract_error = new ContractError(std::move(report));
+}
+
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+bool meets_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+                    const at::Tensor& bias, double eps) {
+  const auto t = x.scalar_type();
+  if (!(t == at::kFloat || t == at::kDouble || is_half(t))) {
+    return false;
+  }
+  for (const at::Tensor* tensor : {&x, &valid, &scale, &bias}) {
+    if (tensor->layout() != at::kStrided) {
+      return false;
+    }
+  }
+  if (x.dim() == 0 || valid.scalar_type() != at::kBool ||
+      valid.sizes() != x.sizes().slice(0, x.dim() - 1) || valid.device() != x.device()) {
+    return false;
+  }
+  for (const at::Tensor* param : {&scale, &bias}) {
+    const auto p = param->scalar_type();
+    if (!(p == t || (is_half(t) && p == at::kFloat)) || param->dim() != 1 ||
+        param->size(0) != x.size(-1) || param->device() != x.device()) {
+      return false;
+    }
+  }
+  // eps > 0 and finite; in float32 (the compute dtype of all but float64) not rounding to 0:
+  // 2**-150 and below round to 0 (maskln_cli.op.checks.eps_rounds_to_zero).
+  return eps > 0.0 && std::isfinite(eps) && (t == at::kDouble || eps > std::ldexp(1.0, -150));
+}
+
+void check_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+                    const at::Tensor& bias, double eps) {
+  if (meets_contract(x, valid, scale, bias, eps)) {
+    return;
+  }
+  if (contract_error != nullptr) {
+    (*contract_error)(x, valid, scale, bias, eps);  // raises the op's own error
+  }
+  TORCH_CHECK(false, "maskln: the inputs are outside the op's contract (x ", x.scalar_type(),
+              " ", x.sizes(), ", valid ", valid.scalar_type(), " ", valid.sizes(), ", scale ",
+              scale.scalar_type(), " ", scale.sizes(), ", bias ", bias.scalar_type(), " ",
+              bias.sizes(), ", eps ", eps, ")");
+}
+
 // --- forward --------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
@@ -123,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
   if (keep_statistics) {
     mean = at::detail::empty_cpu(statistics_shape(x), p);
     rstd = at::detail::empty_cpu(statistics_shape(x), p);
-    if (C == 0) {  // nothing to normalize: statistics 0, as maskln_cli.core.forward
+    if (C == 0) {  // nothing to normalize: statistics 0, as maskln_cli.op.blocked.forward
       mean.zero_();
       rstd.zero_();
     }
@@ -151,6 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor& bias,
     double eps) {
+  check_contract(x, valid, scale, bias, eps);
   return forward_impl(x, valid, scale, bias, eps, true);
 }
 
@@ -221,6 +284,7 @@ std::vector<at::Tensor> backward(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
     const at::Tensor& mean, const at::Tensor& rstd, double eps, c10::List<bool> output_mask) {
   TORCH_CHECK(output_mask.size() == 3, "maskln native: output_mask must have 3 entries");
+  check_contract(x, valid, scale, scale, eps);  // scale stands for bias: the same rules
   return backward_impl(dy, x, valid, scale, mean, rstd, eps, output_mask[0], output_mask[1],
                        output_mask[2]);
 }
@@ -233,48 +297,10 @@ std::vector<at::Tensor> backward_py(
                        output_mask[2]);
 }
 
-// --- autograd in C++: forward and backward without Python in between -------------------------
-
-struct MaskedLayerNormFunction : public torch::autograd::Function<MaskedLayerNormFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& valid, const at::Tensor& scale,
-                            const at::Tensor& bias, double eps) {
-    auto [y, mean, rstd] = forward_impl(x, valid, scale, bias, eps, true);
-    ctx->save_for_backward({x, valid, scale, mean, rstd});
-    ctx->saved_data["eps"] = eps;
-    return y;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    // create_graph: these kernels are not differentiable (maskln's composite path is).
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "maskln native autograd: first-order gradients only (create_graph=True needs "
-                "maskln's composite path)");
-    const auto saved = ctx->get_saved_variables();
-    const bool need_dx = ctx->needs_input_grad(0);
-    const bool need_dscale = ctx->needs_input_grad(2);
-    const bool need_dbias = ctx->needs_input_grad(3);
-    const double eps = ctx->saved_data["eps"].toDouble();
-    auto grads = backward_impl(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4],
-                               eps, need_dx, need_dscale, need_dbias);
-    auto next = grads.begin();
-    at::Tensor dx = need_dx ? *next++ : at::Tensor();
-    at::Tensor dscale = need_dscale ? *next++ : at::Tensor();
-    at::Tensor dbias = need_dbias ? *next++ : at::Tensor();
-    return {dx, at::Tensor(), dscale, dbias, at::Tensor()};
-  }
-};
-
-at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
-                            const at::Tensor& bias, double eps) {
-  return MaskedLayerNormFunction::apply(x, valid, scale, bias, eps);
-}
-
 // --- the CPU kernels of maskln's own custom ops -------------------------------------------------
 
 // Registers (or, with enable false, withdraws) forward and backward as the CPU kernels of
-// maskln::masked_layer_norm and maskln::masked_layer_norm_backward, which maskln_cli.core
+// maskln::masked_layer_norm and maskln::masked_layer_norm_backward, which maskln_cli.op.library
 // defines in Python: the dispatcher then calls C++ directly for CPU tensors, ahead of the
 // ops' Python implementation (CompositeExplicitAutograd), under their Python autograd and fake
 // kernels. Returns whether they were registered before.

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -17,9 +18,14 @@ std::vector<at::Tensor> backward_py(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
     const at::Tensor& mean, const at::Tensor& rstd, double eps, std::vector<bool> output_mask);
 
-at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
-                            const at::Tensor& bias, double eps);
-
 bool register_maskln_kernels(bool enable);
+
+// Raises the op's own error for inputs outside its contract (maskln_cli.op.checks.check_inputs,
+// called back in Python): the dispatcher ops check the contract in C++ and, only when it is not
+// met, call this for the message, so that there is one source of messages.
+using ContractError = std::function<void(const at::Tensor& x, const at::Tensor& valid,
+                                         const at::Tensor& scale, const at::Tensor& bias,
+                                         double eps)>;
+void set_contract_error(ContractError report);
 
 }  // namespace maskln_native

@@ -1,9 +1,11 @@
-"""The native CPU kernel (maskln_cli.op.native) against float64 references and today's path.
+"""The native CPU kernel (maskln_cli.op.native), called directly, against float64 references
+and the raw-op kernels.
 
-Values and gradients are checked against the float64 reference (maskln_cli.reference, and
+Values and gradients are checked against the float64 reference (maskln_cli.op.reference, and
 autograd through it), against exact arithmetic on float64 rows of every magnitude, against
-F.layer_norm's own float32 error on hard data, and against the raw-op path of maskln_cli.core.
-Skipped, with the reason, where the kernel cannot be built (no compiler, no ninja).
+F.layer_norm's own float32 error on hard data, and against the raw-op kernels of
+maskln_cli.op.blocked. Skipped, with the reason, where the kernel cannot be built (no compiler,
+no ninja).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from maskln_cli import core, masked_layer_normalization
+from maskln_cli import masked_layer_normalization
+from maskln_cli.op import blocked as core
 from maskln_cli.op import native
-from maskln_cli.reference import reference_masked_layer_norm
-from tests.test_accuracy import HUGE_ROWS, KINDS, exact_row, float32_error, hard_rows
-from tests.test_core import (
+from maskln_cli.op.reference import reference_masked_layer_norm
+from tests.op.test_accuracy import HUGE_ROWS, KINDS, exact_row, float32_error, hard_rows
+from tests.op.test_core import (
     TOLERANCE,
     apply_layout,
     make_inputs,
@@ -33,7 +36,7 @@ from tests.test_core import (
 )
 
 EPS = 1e-5
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def test_values_and_gradients_match_the_float64_reference(lib, shape, dtype, eps
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_values_and_gradients_match_the_raw_op_path(lib, dtype):
-    """maskln_cli.core's blocked forward and backward_in_place: the same op, to rounding."""
+    """The raw-op kernels' forward and backward_in_place: the same op, to rounding."""
     x, valid, scale, bias = make_inputs((6, 50), 96, dtype, seed=3, poison=True, offset=3.0)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
     (y, mean, rstd), grads = native_run(lib, x, valid, scale, bias, dy)
@@ -305,7 +308,7 @@ def test_zero_channels(lib):
     x, valid = torch.empty(3, 0), torch.tensor([True, False, True])
     y, mean, rstd = lib.forward(x, valid, torch.empty(0), torch.empty(0), EPS)
     assert y.shape == (3, 0) and mean.shape == rstd.shape == (3, 1)
-    assert not mean.any() and not rstd.any()  # as maskln_cli.core.forward
+    assert not mean.any() and not rstd.any()  # as maskln_cli.op.blocked.forward
     dx, dscale, dbias = lib.backward(x, x, valid, torch.empty(0), mean, rstd, EPS, [True] * 3)
     assert dx.shape == (3, 0) and dscale.shape == dbias.shape == (0,)
 
@@ -498,24 +501,6 @@ def test_any_subset_of_gradients_has_the_bits_of_all_three(lib, mask):
             assert_bits_equal(got, want)
 
 
-def test_autograd_node_gives_the_backward_kernel_results(lib):
-    x, valid, scale, bias = make_inputs((5, 3), 17, torch.float64, poison=True)
-    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
-    y = lib.forward_autograd(leaves[0], valid, leaves[1], leaves[2], EPS)
-    dy = torch.randn(x.shape, dtype=torch.float64)
-    grads = torch.autograd.grad(y, leaves, dy)
-    _, want = native_run(lib, x, valid, scale, bias, dy)
-    for got, wanted in zip(grads, want, strict=True):
-        assert torch.equal(got, wanted)
-    # bias alone requiring grad: the other two are not computed
-    y = lib.forward_autograd(x, valid, scale, leaves[2], EPS)
-    (dbias,) = torch.autograd.grad(y, leaves[2], dy)
-    assert torch.equal(dbias, want[2])
-    with pytest.raises(RuntimeError, match="first-order"):
-        y = lib.forward_autograd(leaves[0], valid, leaves[1], leaves[2], EPS)
-        torch.autograd.grad(y, leaves, dy, create_graph=True)
-
-
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -609,46 +594,45 @@ def test_processes_starting_together_build_once(lib, tmp_path):
     assert len((tmp_path / "builds").read_text().split()) == 1
 
 
-def test_kernels_registered_on_maskln_custom_ops(lib):
-    """register_maskln_kernels makes the kernels the CPU implementation of maskln's own ops,
-    and withdrawing restores the Python implementation. In a subprocess: the registration is
-    process-wide."""
+def test_kernels_registered_on_maskln_custom_ops_follow_the_backend(lib):
+    """On the native backend the kernels are the CPU implementation of maskln's own ops (and
+    their autograd calls them); back on the raw one, the ops run the raw-op kernels again. In a
+    subprocess: the registration is process-wide."""
     script = textwrap.dedent(
         """
         import torch
-        from maskln_cli import core
-        from maskln_cli.op import native
-        from tests.test_core import make_inputs
+        from maskln_cli.op import backend, blocked, native
+        from tests.op.test_core import make_inputs
         lib = native.load()
         x, valid, scale, bias = make_inputs((6, 5), 33, torch.float32, poison=True)
         dy = torch.randn(x.shape)
         native_y, mean, rstd = lib.forward(x, valid, scale, bias, 1e-5)
         native_grads = lib.backward(dy, x, valid, scale, mean, rstd, 1e-5, [True] * 3)
-        python_y = torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, 1e-5)[0]
-        assert lib.register_maskln_kernels() is False
-        y, mean_op, rstd_op = torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, 1e-5)
+        raw_y = blocked.forward(x, valid, scale, bias, 1e-5)[0]
+        assert not torch.equal(raw_y, native_y)  # so the checks below tell the two apart
+        op = torch.ops.maskln.masked_layer_norm
+        backward_op = torch.ops.maskln.masked_layer_norm_backward
+        assert torch.equal(op(x, valid, scale, bias, 1e-5)[0], raw_y)  # MASKLN_BACKEND=raw
+        backend.set_backend("native")
+        backend.forward(x, valid, scale, bias, 1e-5)  # the first call loads and registers
+        y, mean_op, rstd_op = op(x, valid, scale, bias, 1e-5)
         assert torch.equal(y, native_y) and torch.equal(rstd_op, rstd)
-        grads = torch.ops.maskln.masked_layer_norm_backward(
-            dy, x, valid, scale, mean, rstd, 1e-5, [True] * 3
-        )
+        grads = backward_op(dy, x, valid, scale, mean, rstd, 1e-5, [True] * 3)
         assert all(torch.equal(a, b) for a, b in zip(grads, native_grads))
         leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
-        out = torch.ops.maskln.masked_layer_norm(leaves[0], valid, leaves[1], leaves[2], 1e-5)[0]
-        # The ops' autograd (maskln_cli.core._backward) calls backward_in_place in eager mode,
-        # not the backward op: Python's backward on the native statistics, equal to rounding.
-        autograd_grads = torch.autograd.grad(out, leaves, dy)
-        for a, b in zip(autograd_grads, native_grads):
-            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
-        assert lib.register_maskln_kernels(False) is True
-        y = torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, 1e-5)[0]
-        assert torch.equal(y, python_y)
-        assert not torch.equal(python_y, native_y)  # so the checks above tell the two apart
+        out = op(leaves[0], valid, leaves[1], leaves[2], 1e-5)[0]
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, leaves, dy),
+                                                     native_grads))
+        backend.set_backend("raw")
+        assert torch.equal(op(x, valid, scale, bias, 1e-5)[0], raw_y)
         print("ok")
         """
     )
+    env = dict(os.environ, MASKLN_BACKEND="raw")
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env=env,
+    )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
