@@ -213,6 +213,12 @@ def _detach_broken_stdout() -> None:
 def _show_version(value: bool) -> None:
     if value:
         typer.echo(f"maskln {installed_version()}")
+        from maskln_cli.op.backend import active_backend  # reads the kernel cache, not torch
+
+        try:
+            typer.echo(f"op backend: {active_backend()}")
+        except MasklnError as error:
+            typer.echo(f"op backend: unknown ({error})")
         raise typer.Exit()
 
 
@@ -221,7 +227,10 @@ def _main(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+            "--version",
+            callback=_show_version,
+            is_eager=True,
+            help="Print the version and the op's backend (native or raw kernels), and exit.",
         ),
     ] = False,
 ) -> None:

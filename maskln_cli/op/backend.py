@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from maskln_cli.errors import MasklnError
 from maskln_cli.op import native
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKEND_ENV",
     "Backend",
+    "BackendChoiceError",
     "NativeFallbackWarning",
     "active_backend",
     "backward",
@@ -44,6 +46,10 @@ __all__ = [
 
 BACKEND_ENV = "MASKLN_BACKEND"
 BACKENDS = ("native", "raw")
+
+
+class BackendChoiceError(MasklnError, ValueError):
+    """``MASKLN_BACKEND`` (or :func:`set_backend`'s argument) names no backend."""
 
 
 class NativeFallbackWarning(UserWarning):
@@ -79,13 +85,13 @@ def requested() -> str:
     native.
 
     Raises:
-        ValueError: ``MASKLN_BACKEND`` names neither.
+        BackendChoiceError: ``MASKLN_BACKEND`` names neither (a ValueError).
     """
     if _chosen is not None:
         return _chosen
     value = os.environ.get(BACKEND_ENV, "").strip().lower() or "native"
     if value not in BACKENDS:
-        raise ValueError(
+        raise BackendChoiceError(
             f"{BACKEND_ENV} must be 'native' or 'raw', got {os.environ[BACKEND_ENV]!r}"
         )
     return value
@@ -103,7 +109,7 @@ def set_backend(name: str) -> str:
     """
     global _chosen
     if name not in BACKENDS:
-        raise ValueError(f"backend must be 'native' or 'raw', got {name!r}")
+        raise BackendChoiceError(f"backend must be 'native' or 'raw', got {name!r}")
     previous = requested()
     _chosen = name
     if _native is not None:  # the registered op follows: its CPU kernel is C++ or Python

@@ -192,5 +192,10 @@ torch.library.register_vmap("maskln::masked_layer_norm", _forward_vmap, lib=_lib
 torch.library.register_vmap("maskln::masked_layer_norm_backward", _backward_vmap, lib=_library)
 
 # The native kernels, when built, become the ops' CPU implementation now; when not, the first
-# call on CPU builds them (or warns once and stays on the raw-op kernels).
-backend.native_kernels(build=False)
+# call on CPU builds them (or warns once and stays on the raw-op kernels). A wrong
+# MASKLN_BACKEND must not fail this import (the ops are defined by now, and importing this
+# module again would define them twice): the op's first call names it.
+try:
+    backend.native_kernels(build=False)
+except backend.BackendChoiceError:
+    pass
