@@ -307,6 +307,24 @@ def op_target(limit: float) -> CaseTarget:
     return target
 
 
+def training_calls(
+    first: Contender, second: Contender
+) -> Callable[[Case], tuple[Callable[[], object], Callable[[], object]]]:
+    """``make_calls`` for timing_rows: forward + backward of each on the same inputs and
+    upstream gradient."""
+
+    def make_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
+        inputs = make_inputs(case, requires_grad=True)
+        generator = torch.Generator().manual_seed(1)
+        grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
+        return (
+            forward_backward_call(first, inputs, grad_out),
+            forward_backward_call(second, inputs, grad_out),
+        )
+
+    return make_calls
+
+
 def timing_rows(
     figure: str,
     make_calls: Callable[[Case], tuple[Callable[[], object], Callable[[], object]]],
@@ -359,14 +377,7 @@ def figure_2(settings: Settings, report: Report) -> None:
     """Forward + backward time, ours / peer."""
     figure = "2 fwd+bwd time"
 
-    def make_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
-        inputs = make_inputs(case, requires_grad=True)
-        generator = torch.Generator().manual_seed(1)
-        grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
-        return (
-            forward_backward_call(ours, inputs, grad_out),
-            forward_backward_call(peer, inputs, grad_out),
-        )
+    make_calls = training_calls(ours, peer)
 
     rows = timing_rows(figure, make_calls, settings, op_target(0.80), OP_CASES)
     met = all(r.met for r in rows)
@@ -379,14 +390,7 @@ def figure_9(settings: Settings, report: Report) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(ours, fullgraph=True, dynamic=False)
 
-    def make_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
-        inputs = make_inputs(case, requires_grad=True)
-        generator = torch.Generator().manual_seed(1)
-        grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
-        return (
-            forward_backward_call(compiled, inputs, grad_out),
-            forward_backward_call(ours, inputs, grad_out),
-        )
+    make_calls = training_calls(compiled, ours)
 
     rows = timing_rows(figure, make_calls, settings, None)
     medians = [row.median for row in rows]
@@ -405,14 +409,7 @@ def figure_13(settings: Settings, report: Report) -> None:
         inputs = make_inputs(case)
         return forward_call(ours_compiled, inputs), forward_call(peer_compiled, inputs)
 
-    def backward_calls(case: Case) -> tuple[Callable[[], object], Callable[[], object]]:
-        inputs = make_inputs(case, requires_grad=True)
-        generator = torch.Generator().manual_seed(1)
-        grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
-        return (
-            forward_backward_call(ours_compiled, inputs, grad_out),
-            forward_backward_call(peer_compiled, inputs, grad_out),
-        )
+    backward_calls = training_calls(ours_compiled, peer_compiled)
 
     for figure, make_calls in (
         ("13 compiled fwd, no grad", forward_calls),
