@@ -27,6 +27,8 @@ the compute dtype; dscale and dbias scale's dtype. Importing this module defines
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from maskln_cli.op import backend
@@ -195,7 +197,5 @@ torch.library.register_vmap("maskln::masked_layer_norm_backward", _backward_vmap
 # call on CPU builds them (or warns once and stays on the raw-op kernels). A wrong
 # MASKLN_BACKEND must not fail this import (the ops are defined by now, and importing this
 # module again would define them twice): the op's first call names it.
-try:
+with contextlib.suppress(backend.BackendChoiceError):
     backend.native_kernels(build=False)
-except backend.BackendChoiceError:
-    pass
