@@ -120,3 +120,14 @@ def test_a_wrong_backend_name_is_one_line_and_exit_2_in_the_cli(tmp_path):
         done.stderr.strip() == "maskln: error: MASKLN_BACKEND must be 'native' or 'raw', got 'fast'"
     )
     assert not out.exists()
+
+
+def test_an_empty_expanded_x_gives_empty_like_strides(on_backend):
+    """The native kernel gave an empty x of strides (0, 1, 1) (an expanded x) contiguous
+    strides; torch.empty_like keeps the 0 (hypothesis found it, now and then)."""
+    x = torch.empty(1, 0, 1).expand(2, 0, 1)
+    valid = torch.ones(1, 0, dtype=torch.bool).expand(2, 0)
+    for name in ("raw", "native"):
+        on_backend(name)
+        out = masked_layer_normalization(x, valid, torch.ones(1), torch.zeros(1))
+        assert out.stride() == torch.empty_like(x).stride() == (0, 1, 1), name

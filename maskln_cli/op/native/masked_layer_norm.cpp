@@ -91,12 +91,13 @@ at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType dtype) {
 
 at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
-// torch.empty_like(x), without the dispatcher when x has the default strides.
+// torch.empty_like(x), without the dispatcher when x has the default strides (an empty x never
+// does: the strides of its empty_like may be 0, as in an expanded x).
 at::Tensor output_like(const at::Tensor& x) {
   const auto sizes = x.sizes();
   const auto strides = x.strides();
   int64_t expected = 1;
-  bool standard = true;
+  bool standard = x.numel() != 0;
   for (int64_t d = x.dim() - 1; d >= 0 && standard; --d) {
     standard = strides[d] == expected;
     expected *= sizes[d];
