@@ -7,7 +7,7 @@ from maskln_cli.op import backend
 def on_backend():
     """``on_backend(name)``: the op computes with that backend until the test ends (skipped when
     it is the native one and that cannot load here); then the choice is as it was."""
-    chosen, previous = backend._chosen, backend.requested()
+    previous = backend.requested()
 
     def choose(name: str) -> None:
         backend.set_backend(name)
@@ -15,5 +15,6 @@ def on_backend():
             pytest.skip(f"native kernels unavailable: {backend.active_backend().reason}")
 
     yield choose
+    # set_backend, not None again: with the native kernels loaded, a None choice would run them
+    # whatever MASKLN_BACKEND says (the choice is read once, not per call)
     backend.set_backend(previous)
-    backend._chosen = chosen  # None again when the environment variable chose
