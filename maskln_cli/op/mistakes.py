@@ -17,7 +17,7 @@ tries (``diagnose_output(..., mistakes=...)``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -370,14 +370,13 @@ def diagnose_output(
     to_truth = _distance(result, truth)
     if to_truth == 0.0:
         return []
-    limit, closer = _limit(dtype, noise)
-    found = []
-    for mistake in (MISTAKES if mistakes is None else mistakes).values():
+
+    def output(formula: Formula) -> torch.Tensor:
         with torch.no_grad():
-            wrong = mistake.formula(x64, valid, scale64, bias64, eps)
-        distance = _distance(result, wrong)
-        if distance <= limit and distance * closer <= to_truth:
-            found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
+            return formula(x64, valid, scale64, bias64, eps)
+
+    tried = MISTAKES if mistakes is None else mistakes
+    found = _matching(result, to_truth, tried.values(), output, dtype, noise)
     one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
     if one_pass is not None:
         found.append(one_pass)
@@ -486,6 +485,26 @@ def _limit(dtype: torch.dtype, noise: float | None) -> tuple[float, float]:
     if noise is None or not noise < float("inf") or 3 * noise <= limit:
         return limit, 10.0
     return 3 * noise, 3.0
+
+
+def _matching(
+    result: torch.Tensor,
+    to_truth: float,
+    mistakes: Iterable[Mistake],
+    result_of: Callable[[Formula], torch.Tensor],
+    dtype: torch.dtype,
+    noise: float | None,
+) -> list[Diagnosis]:
+    """The mistakes ``result`` matches (unsorted), by the rule of :func:`diagnose_output`:
+    ``result_of(formula)`` is what that formula gives (an output, or a gradient), and
+    ``to_truth`` the result's distance from the correct one."""
+    limit, closer = _limit(dtype, noise)
+    found = []
+    for mistake in mistakes:
+        distance = _distance(result, result_of(mistake.formula))
+        if distance <= limit and distance * closer <= to_truth:
+            found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
+    return found
 
 
 def _row_errors(result: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -615,12 +634,7 @@ def diagnose_gradient(
     to_truth = _distance(result, gradient(correct))
     if to_truth == 0.0:
         return []
-    limit, closer = _limit(dtype, noise)
-    found = []
-    for mistake in MISTAKES.values():
-        distance = _distance(result, gradient(mistake.formula))
-        if distance <= limit and distance * closer <= to_truth:
-            found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
+    found = _matching(result, to_truth, MISTAKES.values(), gradient, dtype, noise)
     return sorted(found, key=lambda d: d.distance)
 
 
