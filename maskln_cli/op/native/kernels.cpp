@@ -256,30 +256,36 @@ void backward_typed(const BackwardCall& c) {
   }
 }
 
-void run_forward(const ForwardCall& call) {
-  switch (call.dtype) {
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls body(TypeTag<T>{}) with the C++ type T of dtype: the one switch over the dtypes.
+template <typename Body>
+void with_element_type(Dtype dtype, Body&& body) {
+  switch (dtype) {
     case Dtype::kFloat:
-      return forward_typed<float>(call);
+      return body(TypeTag<float>{});
     case Dtype::kDouble:
-      return forward_typed<double>(call);
+      return body(TypeTag<double>{});
     case Dtype::kHalf:
-      return forward_typed<c10::Half>(call);
+      return body(TypeTag<c10::Half>{});
     case Dtype::kBFloat16:
-      return forward_typed<c10::BFloat16>(call);
+      return body(TypeTag<c10::BFloat16>{});
   }
 }
 
+void run_forward(const ForwardCall& call) {
+  with_element_type(call.dtype, [&](auto tag) {
+    forward_typed<typename decltype(tag)::type>(call);
+  });
+}
+
 void run_backward(const BackwardCall& call) {
-  switch (call.dtype) {
-    case Dtype::kFloat:
-      return backward_typed<float>(call);
-    case Dtype::kDouble:
-      return backward_typed<double>(call);
-    case Dtype::kHalf:
-      return backward_typed<c10::Half>(call);
-    case Dtype::kBFloat16:
-      return backward_typed<c10::BFloat16>(call);
-  }
+  with_element_type(call.dtype, [&](auto tag) {
+    backward_typed<typename decltype(tag)::type>(call);
+  });
 }
 
 }  // namespace maskln_native
