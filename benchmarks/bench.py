@@ -223,9 +223,12 @@ def paired_time_ratios(
 
 
 def interleaved(
-    ours_run: Callable[[], T], peer_run: Callable[[], T], reps: int
+    ours_run: Callable[[], T], peer_run: Callable[[], T], reps: int, warmup: bool = False
 ) -> tuple[list[T], list[T]]:
-    """Run both ``reps`` times, alternating which goes first; return ours' and peer's results."""
+    """Run both ``reps`` times, alternating which goes first; return ours' and peer's results.
+    With ``warmup``, each runs once first, unmeasured (page cache, .pyc files)."""
+    if warmup:
+        ours_run(), peer_run()
     ours_results: list[T] = []
     peer_results: list[T] = []
     for rep in range(reps):
@@ -530,12 +533,11 @@ def figure_5(settings: Settings, report: Report) -> None:
     progress.print(f"  {figure}")
     help_command = [MASKLN, "--help"]
     import_command = [PYTHON, "-c", "import torch"]
-    if settings.cli_warmup:  # page cache, .pyc files
-        run_measured(help_command), run_measured(import_command)
     helps, imports = interleaved(
         lambda: run_measured(help_command).wall_s,
         lambda: run_measured(import_command).wall_s,
         settings.help_reps,
+        warmup=settings.cli_warmup,
     )
     values = ratios(helps, imports)
     met = statistics.median(values) <= 0.25
@@ -628,12 +630,11 @@ def figure_6(settings: Settings, report: Report, workdir: Path) -> None:
     ours_command = [MASKLN, "normalize", str(source), str(ours_out)]
     peer_command = [PYTHON, str(HERE / "peer_normalize.py"), str(source), str(peer_out)]
     progress.print(f"  {figure}: measuring")
-    if settings.cli_warmup:
-        measure_fresh(ours_command, ours_out), measure_fresh(peer_command, peer_out)
     ours_runs, peer_runs = interleaved(
         lambda: measure_fresh(ours_command, ours_out),
         lambda: measure_fresh(peer_command, peer_out),
         settings.big_reps,
+        warmup=settings.cli_warmup,
     )
     big_rows(figure, ours_runs, peer_runs, (0.90, 1.10), report)
     for path in (ours_out, peer_out):
@@ -655,12 +656,11 @@ def figure_7(settings: Settings, report: Report, workdir: Path) -> None:
     single_out = workdir / "small_out.safetensors"
     many_command = [MASKLN, "normalize", *map(str, many), "--out-dir", str(out_dir)]
     single_command = [MASKLN, "normalize", str(single), str(single_out)]
-    if settings.cli_warmup:
-        measure_fresh(many_command, out_dir), measure_fresh(single_command, single_out)
     manys, singles = interleaved(
         lambda: measure_fresh(many_command, out_dir).wall_s,
         lambda: measure_fresh(single_command, single_out).wall_s,
         settings.small_reps,
+        warmup=settings.cli_warmup,
     )
     values = ratios(manys, singles)
     case = f"[{SMALL_SHAPE.replace(',', ', ')}] float32: wall"
@@ -763,6 +763,25 @@ def write_diff_pair(actual: Path, expected: Path) -> None:
     gc.collect()
 
 
+def measure_big_commands(
+    figure: str,
+    settings: Settings,
+    ours_command: list[str],
+    peer_command: list[str],
+    targets: tuple[float, float],
+    report: Report,
+) -> None:
+    """Run both commands ``settings.big_reps`` times, interleaved; add their :func:`big_rows`."""
+    progress.print(f"  {figure}: measuring")
+    ours_runs, peer_runs = interleaved(
+        lambda: run_measured(ours_command),
+        lambda: run_measured(peer_command),
+        settings.big_reps,
+        warmup=settings.cli_warmup,
+    )
+    big_rows(figure, ours_runs, peer_runs, targets, report)
+
+
 def figure_10(settings: Settings, report: Report, workdir: Path) -> None:
     """``maskln diff a b`` of two 512 MiB files / load_file both and assert_close: wall, RSS."""
     figure = "10 diff 512 MiB, passing"
@@ -772,15 +791,7 @@ def figure_10(settings: Settings, report: Report, workdir: Path) -> None:
     settle_writes()
     ours_command = [MASKLN, "diff", str(actual), str(expected)]
     peer_command = [PYTHON, str(HERE / "peer_diff.py"), str(actual), str(expected)]
-    progress.print(f"  {figure}: measuring")
-    if settings.cli_warmup:  # page cache, .pyc files
-        run_measured(ours_command), run_measured(peer_command)
-    ours_runs, peer_runs = interleaved(
-        lambda: run_measured(ours_command),
-        lambda: run_measured(peer_command),
-        settings.big_reps,
-    )
-    big_rows(figure, ours_runs, peer_runs, (1.0, 0.6), report)
+    measure_big_commands(figure, settings, ours_command, peer_command, (1.0, 0.6), report)
     for path in (actual, expected):
         path.unlink()
 
@@ -795,15 +806,7 @@ def figure_11(settings: Settings, report: Report, workdir: Path) -> None:
     settle_writes()
     ours_command = [MASKLN, "verify", str(source), str(result)]
     peer_command = [PYTHON, str(HERE / "peer_verify.py"), str(source), str(result)]
-    progress.print(f"  {figure}: measuring")
-    if settings.cli_warmup:
-        run_measured(ours_command), run_measured(peer_command)
-    ours_runs, peer_runs = interleaved(
-        lambda: run_measured(ours_command),
-        lambda: run_measured(peer_command),
-        settings.big_reps,
-    )
-    big_rows(figure, ours_runs, peer_runs, (1.0, 0.5), report)
+    measure_big_commands(figure, settings, ours_command, peer_command, (1.0, 0.5), report)
     result.unlink()
 
 
@@ -827,10 +830,11 @@ def figure_15(settings: Settings, report: Report, workdir: Path) -> None:
     forward = [*with_grads, "--check", "out"]
     peer_command = [PYTHON, str(HERE / "peer_verify_grad.py"), str(source), str(result)]
     progress.print(f"  {figure}: measuring against --check out")
-    if settings.cli_warmup:
-        run_measured(with_grads), run_measured(forward)
     ours_runs, forward_runs = interleaved(
-        lambda: run_measured(with_grads), lambda: run_measured(forward), settings.big_reps
+        lambda: run_measured(with_grads),
+        lambda: run_measured(forward),
+        settings.big_reps,
+        warmup=settings.cli_warmup,
     )
     walls = ratios((r.wall_s for r in ours_runs), (r.wall_s for r in forward_runs))
     label = f"{big_case()} + grad_out: wall / --check out"
