@@ -227,7 +227,16 @@ def forward(
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
     if kernels is not None and x.device.type == "cpu":
         return kernels.forward(x, valid, scale, bias, eps, keep_statistics)
-    return raw_forward(x, valid, scale, bias, eps, keep_statistics)
+    # The raw-op kernels: half dtypes computed in float32, autocast off.
+    from maskln_cli.op import blocked
+    from maskln_cli.op.checks import compute_dtype
+
+    compute = compute_dtype(x.dtype)
+    with _autocast_off(x.device.type):
+        y, mean, rstd = blocked.forward(
+            x.to(compute), valid, scale.to(compute), bias.to(compute), eps, keep_statistics
+        )
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), mean, rstd
 
 
 def backward(
@@ -246,47 +255,14 @@ def backward(
     if kernels is not None and x.device.type == "cpu":
         computed = iter(kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs)))
         return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
-    return raw_backward(dy, x, valid, scale, mean, rstd, eps, needs)
-
-
-def raw_forward(
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    keep_statistics: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`forward` on the raw-op kernels: half dtypes computed in float32, autocast off."""
-
-    from maskln_cli.op import blocked
-    from maskln_cli.op.checks import compute_dtype
-
-    compute = compute_dtype(x.dtype)
-    with _autocast_off(x.device.type):
-        y, mean, rstd = blocked.forward(
-            x.to(compute), valid, scale.to(compute), bias.to(compute), eps, keep_statistics
-        )
-    return (y if y.dtype == x.dtype else y.to(x.dtype)), mean, rstd
-
-
-def raw_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    eps: float,
-    needs: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`backward` on the raw-op kernels."""
+    # The raw-op kernels, as forward's.
     import torch
 
     from maskln_cli.op import blocked
     from maskln_cli.op.checks import compute_dtype
 
     compute = compute_dtype(x.dtype)
+
     with _autocast_off(x.device.type):
         dx, dscale, dbias = blocked.backward_in_place(
             dy.to(compute), x.to(compute), valid, scale.to(compute), mean.to(compute),
