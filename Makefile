@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-raw lint bench native docs docs-examples docs-serve sample-data checkpoint-example clean
+.PHONY: demo test test-slow test-raw lint bench native docs docs-examples docs-serve sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,16 +39,21 @@ demo: $(INSTALLED)
 	@echo
 	@$(call say,"The demo completed: every step ran as expected (the FAIL above is the deliberate mistake).")
 
-# Everything on the default (native) backend, then the op's own tests on the raw-op fallback
-# (test_native_kernel.py tests the native module itself, whichever backend: run once).
+# The suite on the default (native) backend, then the op's own tests on the raw-op fallback
+# (test_native_kernel.py tests the native module itself, whichever backend: run once). The
+# adversarial suites marked slow (real processes, signals, fuzzed files) are `make test-slow`.
+PYTEST := $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
 test: $(INSTALLED)
-	$(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
-	MASKLN_BACKEND=raw $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4 tests/op \
-		--ignore tests/op/test_native_kernel.py
+	$(PYTEST) -m "not slow"
+	MASKLN_BACKEND=raw $(PYTEST) -m "not slow" tests/op --ignore tests/op/test_native_kernel.py
 
-# The whole suite on the raw-op backend (CI runs it after `make test`).
+# The adversarial suites (CI runs them after `make test`).
+test-slow: $(INSTALLED)
+	$(PYTEST) -m slow
+
+# The whole suite, slow tests included, on the raw-op backend (CI runs it last).
 test-raw: $(INSTALLED)
-	MASKLN_BACKEND=raw $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
+	MASKLN_BACKEND=raw $(PYTEST)
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

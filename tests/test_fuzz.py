@@ -70,6 +70,9 @@ from tests.fuzzing import (
     special_file,
 )
 
+# In `make test-slow` (CI), not `make test`: fuzzed files through real processes.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = int(os.environ.get("MASKLN_FUZZ_EXAMPLES", "25"))
 SUBPROCESS_EXAMPLES = int(os.environ.get("MASKLN_FUZZ_SUBPROCESS_EXAMPLES", "2"))
 FUZZ = settings(

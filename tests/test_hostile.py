@@ -37,6 +37,9 @@ from tests.clitools import (
     writing_into,
 )
 
+# In `make test-slow` (CI), not `make test`: real processes, signals and full disks.
+pytestmark = pytest.mark.slow
+
 
 def small_inputs(**overrides):
     generator = torch.Generator().manual_seed(0)

@@ -19,6 +19,9 @@ import torch
 from maskln_cli.jobs import inspect as stats
 from tests.clitools import ROOT, assert_one_line_error, invoke, metadata, read, run, write
 
+# In `make test-slow` (CI), not `make test`: real processes and hostile files.
+pytestmark = pytest.mark.slow
+
 
 def small_input(path: Path, **metadata: str) -> Path:
     generator = torch.Generator().manual_seed(0)

@@ -34,6 +34,9 @@ from tests.clitools import (
     writing_into,
 )
 
+# In `make test-slow` (CI), not `make test`: real processes killed and files truncated mid-read.
+pytestmark = pytest.mark.slow
+
 C = 8
 
 

@@ -18,6 +18,9 @@ from maskln_cli.files.slices import shard_of
 from maskln_cli.grading.targets import expand_targets
 from tests.clitools import ROOT, assert_one_line_error, invoke, run
 
+# In `make test-slow` (CI), not `make test`: whole classes graded by real processes.
+pytestmark = pytest.mark.slow
+
 HANGS = """
 import time
 

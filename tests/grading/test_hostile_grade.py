@@ -20,6 +20,9 @@ from maskln_cli.grading import guard
 from maskln_cli.grading.runner import grade_target
 from tests.clitools import ROOT, run
 
+# In `make test-slow` (CI), not `make test`: hostile solutions in real grader processes.
+pytestmark = pytest.mark.slow
+
 SOLUTIONS = ROOT / "tests" / "solutions"
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
 CORRECT = "from tests.solutions.correct import masked_layer_normalization as correct\n"
