@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -38,6 +39,16 @@ def run(
         env={**os.environ, "COLUMNS": "200"},
         timeout=300,
         **streams,
+    )
+
+
+def grade_command(*args: object) -> SimpleNamespace:
+    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
+    grade seals its process and checks every file it has loaded, and a test worker has loaded
+    many files that other workers write meanwhile (bytecode, temporary files)."""
+    done = run("grade", *args)
+    return SimpleNamespace(
+        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
     )
 
 
