@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -49,6 +50,31 @@ def grade_command(*args: object) -> SimpleNamespace:
     done = run("grade", *args)
     return SimpleNamespace(
         exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
+    )
+
+
+def run_without_torch_check(*args: object) -> SimpleNamespace:
+    """``maskln ARGS`` through ``main()`` in a fresh Python, which then reports whether the
+    command imported torch: ``exit_code`` (SystemExit's code, None when main returned),
+    ``torch_imported``, and ``stdout`` and ``stderr`` as text (the report line taken off)."""
+    probe = (
+        "import sys\n"
+        "from maskln_cli.cli import main\n"
+        f"sys.argv = ['maskln', *{[str(a) for a in args]!r}]\n"
+        "code = None\n"
+        "try:\n    main()\nexcept SystemExit as end:\n    code = end.code\n"
+        "print('probe', repr(code), 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    stderr, _, report = result.stderr.rstrip("\n").rpartition("\n")
+    if not report.startswith("probe "):  # the probe died before its report: show why
+        raise AssertionError(result.stderr)
+    code, _, imported = report.removeprefix("probe ").rpartition(" ")
+    return SimpleNamespace(
+        exit_code=ast.literal_eval(code),
+        torch_imported=imported == "True",
+        stdout=result.stdout,
+        stderr=stderr,
     )
 
 
