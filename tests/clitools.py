@@ -28,16 +28,21 @@ def invoke(*args: object, input: bytes | None = None):
 
 
 def run(
-    *args: object, stdin=None, input: bytes | None = None, **kwargs
+    *args: object,
+    stdin=None,
+    input: bytes | None = None,
+    environment: dict[str, str] | None = None,
+    **kwargs,
 ) -> subprocess.CompletedProcess:
-    """Run the real entry point (``python -m maskln_cli ARGS``) in a subprocess."""
+    """Run the real entry point (``python -m maskln_cli ARGS``) in a subprocess; ``environment``
+    adds to (or overrides) this process's variables."""
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
     return subprocess.run(
         [sys.executable, "-m", "maskln_cli", *map(str, args)],
         stdin=stdin,
         input=input,
         cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(environment or {})},
         timeout=300,
         **streams,
     )
