@@ -8,6 +8,7 @@ torch is imported only when one of them is first looked up, so ``maskln --help``
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import maskln_cli.op  # noqa: F401  (defines maskln's torch ops once torch is imported)
@@ -27,26 +28,21 @@ __all__ = [
 ]
 
 
+# Where each public name lives: imported on first use.
+_LAZY_HOMES = {
+    "masked_layer_normalization": "maskln_cli.op.api",
+    "MaskedLayerNorm": "maskln_cli.op.module",
+    "capture": "maskln_cli.models.capture",
+    "swap_layer_norms": "maskln_cli.models.swap",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name == "__version__":
         from maskln_cli.version import installed_version
 
         globals()["__version__"] = version = installed_version()
         return version
-    if name == "masked_layer_normalization":
-        from maskln_cli.op.api import masked_layer_normalization
-
-        return masked_layer_normalization
-    if name == "MaskedLayerNorm":
-        from maskln_cli.op.module import MaskedLayerNorm
-
-        return MaskedLayerNorm
-    if name == "capture":
-        from maskln_cli.models.capture import capture
-
-        return capture
-    if name == "swap_layer_norms":
-        from maskln_cli.models.swap import swap_layer_norms
-
-        return swap_layer_norms
+    if name in _LAZY_HOMES:
+        return getattr(importlib.import_module(_LAZY_HOMES[name]), name)
     raise AttributeError(f"module 'maskln_cli' has no attribute {name!r}")

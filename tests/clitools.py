@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -26,18 +28,58 @@ def invoke(*args: object, input: bytes | None = None):
 
 
 def run(
-    *args: object, stdin=None, input: bytes | None = None, **kwargs
+    *args: object,
+    stdin=None,
+    input: bytes | None = None,
+    environment: dict[str, str] | None = None,
+    **kwargs,
 ) -> subprocess.CompletedProcess:
-    """Run the real entry point (``python -m maskln_cli ARGS``) in a subprocess."""
+    """Run the real entry point (``python -m maskln_cli ARGS``) in a subprocess; ``environment``
+    adds to (or overrides) this process's variables."""
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
     return subprocess.run(
         [sys.executable, "-m", "maskln_cli", *map(str, args)],
         stdin=stdin,
         input=input,
         cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(environment or {})},
         timeout=300,
         **streams,
+    )
+
+
+def grade_command(*args: object) -> SimpleNamespace:
+    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
+    grade seals its process and checks every file it has loaded, and a test worker has loaded
+    many files that other workers write meanwhile (bytecode, temporary files)."""
+    done = run("grade", *args)
+    return SimpleNamespace(
+        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
+    )
+
+
+def run_without_torch_check(*args: object) -> SimpleNamespace:
+    """``maskln ARGS`` through ``main()`` in a fresh Python, which then reports whether the
+    command imported torch: ``exit_code`` (SystemExit's code, None when main returned),
+    ``torch_imported``, and ``stdout`` and ``stderr`` as text (the report line taken off)."""
+    probe = (
+        "import sys\n"
+        "from maskln_cli.cli import main\n"
+        f"sys.argv = ['maskln', *{[str(a) for a in args]!r}]\n"
+        "code = None\n"
+        "try:\n    main()\nexcept SystemExit as end:\n    code = end.code\n"
+        "print('probe', repr(code), 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    stderr, _, report = result.stderr.rstrip("\n").rpartition("\n")
+    if not report.startswith("probe "):  # the probe died before its report: show why
+        raise AssertionError(result.stderr)
+    code, _, imported = report.removeprefix("probe ").rpartition(" ")
+    return SimpleNamespace(
+        exit_code=ast.literal_eval(code),
+        torch_imported=imported == "True",
+        stdout=result.stdout,
+        stderr=stderr,
     )
 
 

@@ -95,14 +95,19 @@ def _sequential_sum(rows: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _two_passes(x, valid, scale, bias, row_sum: Callable[[torch.Tensor], torch.Tensor]):
+    """Mean, then the variance around it, each summed over a row by ``row_sum``."""
+    rows = _rows_zeroed(x, valid)
+    channels = x.shape[-1]
+    mean = row_sum(rows) / channels
+    var = row_sum((rows - mean).square()) / channels
+    return _masked((rows - mean) * torch.rsqrt(var + EPS) * scale + bias, valid)
+
+
 def sequential(x, valid, scale, bias):
     """Two passes, each sum accumulated element by element in x's dtype (a naive GPU thread
     per row): correct, and less accurate than torch's pairwise sums."""
-    rows = _rows_zeroed(x, valid)
-    channels = x.shape[-1]
-    mean = _sequential_sum(rows) / channels
-    var = _sequential_sum((rows - mean).square()) / channels
-    return _masked((rows - mean) * torch.rsqrt(var + EPS) * scale + bias, valid)
+    return _two_passes(x, valid, scale, bias, _sequential_sum)
 
 
 def maskln(x, valid, scale, bias):
@@ -159,11 +164,7 @@ def _kahan_sum(rows: torch.Tensor) -> torch.Tensor:
 
 def kahan(x, valid, scale, bias):
     """Two passes, each sum compensated (Kahan) element by element in x's dtype."""
-    rows = _rows_zeroed(x, valid)
-    channels = x.shape[-1]
-    mean = _kahan_sum(rows) / channels
-    var = _kahan_sum((rows - mean).square()) / channels
-    return _masked((rows - mean) * torch.rsqrt(var + EPS) * scale + bias, valid)
+    return _two_passes(x, valid, scale, bias, _kahan_sum)
 
 
 def welford(x, valid, scale, bias):

@@ -136,25 +136,13 @@ def test_header_declaring_more_data_than_the_file_holds_is_rejected_at_once(tmp_
 
 
 def test_stdin_is_bounded(tmp_path):
-    env = {**os.environ, "MASKLN_STDIN_MAX_BYTES": "1000"}
-    result = subprocess.run(
-        [sys.executable, "-m", "maskln_cli", "inspect", "-"],
-        input=PAIRS.read_bytes(),
-        capture_output=True,
-        env=env,
-        cwd=ROOT,
-    )
+    limit = {"MASKLN_STDIN_MAX_BYTES": "1000"}
+    result = run("inspect", "-", input=PAIRS.read_bytes(), environment=limit)
     assert result.returncode == 2
     assert_one_line_error(
         result.stderr, "<stdin>", "more than 1000 bytes", "MASKLN_STDIN_MAX_BYTES"
     )
-    fits = subprocess.run(
-        [sys.executable, "-m", "maskln_cli", "inspect", "-"],
-        input=WORKED.read_bytes(),
-        capture_output=True,
-        env=env,
-        cwd=ROOT,
-    )
+    fits = run("inspect", "-", input=WORKED.read_bytes(), environment=limit)
     assert fits.returncode == 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class BlockJudge:
         return counts, max_ratio, factor, worst
 
 
+@dataclass(eq=False)  # tensors inside: compared by identity, as before
 class AllowancesOnDemand:
     """A block whose allowances ``allowance_of`` makes, judged on the rows that need them.
 
@@ -97,27 +99,15 @@ class AllowancesOnDemand:
     element of a valid row is allowed ``lower`` or more, and invalid rows nothing.
     """
 
-    def __init__(
-        self,
-        judge: BlockJudge,
-        diff: torch.Tensor,
-        row_max: torch.Tensor,
-        a64: torch.Tensor,
-        e64: torch.Tensor,
-        invalid: torch.Tensor | None,
-        allowance_of: Allowances,
-        lower: float,
-        rows: int,
-    ) -> None:
-        self.judge = judge
-        self.diff = diff
-        self.row_max = row_max
-        self.a64 = a64
-        self.e64 = e64
-        self.invalid = invalid
-        self.allowance_of = allowance_of
-        self.lower = lower
-        self.rows = rows
+    judge: BlockJudge
+    diff: torch.Tensor
+    row_max: torch.Tensor
+    a64: torch.Tensor
+    e64: torch.Tensor
+    invalid: torch.Tensor | None
+    allowance_of: Allowances
+    lower: float
+    rows: int
 
     def judged(self, top: int, known: float) -> tuple | None:
         """:meth:`BlockJudge.judge` on the rows :meth:`_rows_to_judge` picks (``known``: the

@@ -6,7 +6,7 @@ from worker processes as JSON and are rebuilt with :meth:`GradeReport.from_dict`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 NO_MATCH = "matches none of the known mistakes"
@@ -76,13 +76,7 @@ class RootCause:
     explains: list[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "mistake": self.mistake,
-            "description": self.description,
-            "fix": self.fix,
-            "clause": self.clause,
-            "explains": list(self.explains),
-        }
+        return asdict(self)  # every field, in order; lists copied
 
 
 @dataclass

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import Result
 
 from maskln_cli.files.keynames import closest_keys, missing_key_message
 from maskln_cli.op.reference import reference_masked_layer_norm
@@ -290,9 +292,11 @@ def test_params_without_default_keys_point_at_module(tmp_path):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("gamma", [False, True])
-def test_module_takes_weight_and_bias_or_gamma_and_beta(tmp_path, gamma):
-    acts, params = activations(), parameters(gamma=gamma)
+def normalize_with_module(
+    tmp_path: Path, acts: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+) -> tuple[Result, Path]:
+    """``maskln normalize`` of ``acts`` with --params (a checkpoint of ``params``) --module MODULE
+    --eps 1e-12, which must succeed; returns the result and the output's path."""
     source = write(tmp_path / "acts.safetensors", acts)
     checkpoint = write(tmp_path / "model.safetensors", params)
     output = tmp_path / "out.safetensors"
@@ -300,6 +304,13 @@ def test_module_takes_weight_and_bias_or_gamma_and_beta(tmp_path, gamma):
         "normalize", source, output, "--params", checkpoint, "--module", MODULE, "--eps", "1e-12"
     )
     assert result.exit_code == 0, result.stderr
+    return result, output
+
+
+@pytest.mark.parametrize("gamma", [False, True])
+def test_module_takes_weight_and_bias_or_gamma_and_beta(tmp_path, gamma):
+    acts, params = activations(), parameters(gamma=gamma)
+    _, output = normalize_with_module(tmp_path, acts, params)
     assert_close_to(read(output)["out"], reference(acts, params, MODULE, 1e-12, gamma))
 
 
@@ -315,13 +326,7 @@ def test_module_from_the_input_itself(tmp_path):
 def test_module_without_bias_uses_zeros_with_a_note(tmp_path):
     acts, params = activations(), parameters()
     del params[f"{MODULE}.bias"]
-    source = write(tmp_path / "acts.safetensors", acts)
-    checkpoint = write(tmp_path / "model.safetensors", params)
-    output = tmp_path / "out.safetensors"
-    result = invoke(
-        "normalize", source, output, "--params", checkpoint, "--module", MODULE, "--eps", "1e-12"
-    )
-    assert result.exit_code == 0, result.stderr
+    result, output = normalize_with_module(tmp_path, acts, params)
     assert f"module {MODULE!r} has no bias: using zeros" in result.stderr
     expected = reference_masked_layer_norm(
         acts["x"], acts["valid"], params[f"{MODULE}.weight"], torch.zeros(CHANNELS), 1e-12

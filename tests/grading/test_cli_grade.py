@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from maskln_cli.cli.report.grade import render_grade
 from maskln_cli.grading import runner as grading
 from maskln_cli.grading.clauses import CLAUSES
 from maskln_cli.grading.runner import GradeReport, grade
-from tests.clitools import ROOT, assert_one_line_error, run
+from tests.clitools import ROOT, assert_one_line_error, grade_command, run, run_without_torch_check
 from tests.solutions import broken
 
 REQUIRED = [name for name, clause in CLAUSES.items() if clause.level == "required"]
@@ -28,16 +27,6 @@ STRICT = [name for name, clause in CLAUSES.items() if clause.level == "strict"]
 RUN_BY_DEFAULT = REQUIRED + STRICT  # optional clauses (half precision) run only when named
 SOLUTIONS = ROOT / "tests" / "solutions"
 EXAMPLE = ROOT / "examples" / "first_attempt.py"
-
-
-def grade_command(*args: object) -> SimpleNamespace:
-    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
-    grade seals its process and checks every file it has loaded, and a test worker has loaded
-    many files that other workers write meanwhile (bytecode, temporary files)."""
-    done = run("grade", *args)
-    return SimpleNamespace(
-        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
-    )
 
 
 def test_maskln_grades_its_own_op_strict_included():
@@ -220,16 +209,8 @@ def test_a_missing_target_or_a_bad_option_is_a_one_line_usage_error():
 
 
 def test_grade_help_does_not_import_torch():
-    probe = (
-        "import sys\n"
-        "from maskln_cli.cli import main\n"
-        "sys.argv = ['maskln', 'grade', '--help']\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "state = 'imported' if 'torch' in sys.modules else 'not imported'\n"
-        "print('torch', state, file=sys.stderr)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert result.stderr.strip().endswith("torch not imported"), result.stderr
+    result = run_without_torch_check("grade", "--help")
+    assert not result.torch_imported, result.stderr
 
 
 # --- rendering ------------------------------------------------------------------------------------

@@ -4,15 +4,13 @@ the report wrapped to a terminal's width."""
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 
 import pytest
 
 from maskln_cli.cli.report import consoles
 from maskln_cli.cli.report.grade import render_grade
 from maskln_cli.grading.report import ClauseResult, GradeReport
-from tests.clitools import ROOT
+from tests.clitools import run_without_torch_check
 
 
 @pytest.mark.parametrize(
@@ -22,17 +20,9 @@ from tests.clitools import ROOT
 )  # fmt: skip
 def test_usage_errors_are_refused_before_torch_is_imported(arguments):
     """A missing file or a bad option costs Python's start-up, not torch's import."""
-    probe = (
-        "import sys\n"
-        "from maskln_cli.cli import main\n"
-        f"sys.argv = ['maskln', 'grade', *{arguments!r}]\n"
-        "code = None\n"
-        "try:\n    main()\nexcept SystemExit as end:\n    code = end.code\n"
-        "state = 'imported' if 'torch' in sys.modules else 'not imported'\n"
-        "print('exit', code, 'torch', state, file=sys.stderr)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert result.stderr.strip().endswith("exit 2 torch not imported"), result.stderr
+    result = run_without_torch_check("grade", *arguments)
+    assert result.exit_code == 2, result.stderr
+    assert not result.torch_imported, result.stderr
 
 
 def test_the_report_wraps_to_a_terminal_width(monkeypatch):

@@ -12,13 +12,12 @@ import os
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from maskln_cli.grading import guard
 from maskln_cli.grading.runner import grade_target
-from tests.clitools import ROOT, run
+from tests.clitools import ROOT, grade_command, run
 
 # In `make test-slow` (CI), not `make test`: hostile solutions in real grader processes.
 pytestmark = pytest.mark.slow
@@ -26,16 +25,6 @@ pytestmark = pytest.mark.slow
 SOLUTIONS = ROOT / "tests" / "solutions"
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
 CORRECT = "from tests.solutions.correct import masked_layer_normalization as correct\n"
-
-
-def grade_command(*args: object) -> SimpleNamespace:
-    """``maskln grade ARGS`` as a real process (``exit_code``, ``stdout``, ``stderr`` as text): a
-    grade seals its process and checks every file it has loaded, and a test worker has loaded
-    many files that other workers write meanwhile (bytecode, temporary files)."""
-    done = run("grade", *args)
-    return SimpleNamespace(
-        exit_code=done.returncode, stdout=done.stdout.decode(), stderr=done.stderr.decode()
-    )
 
 
 def test_a_file_the_grader_loaded_changed_by_the_solution_leaves_no_verdict(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from tests.clitools import (
     metadata,
     read,
     run,
+    run_without_torch_check,
     write,
 )
 
@@ -273,16 +274,8 @@ def test_each_command_help_has_examples(command):
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["normalize", "--help"]])
 def test_help_and_version_do_not_import_torch(args):
-    probe = (
-        "import sys\n"
-        "from maskln_cli.cli import main\n"
-        f"sys.argv = ['maskln', *{args!r}]\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "state = 'imported' if 'torch' in sys.modules else 'not imported'\n"
-        "print('torch', state, file=sys.stderr)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert result.stderr.strip().endswith("torch not imported"), result.stderr
+    result = run_without_torch_check(*args)
+    assert not result.torch_imported, result.stderr
 
 
 @pytest.mark.parametrize(

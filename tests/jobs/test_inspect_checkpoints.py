@@ -12,8 +12,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from maskln_cli.files.checkpoint import open_checkpoint
 from maskln_cli.files.resources import human_bytes
 from maskln_cli.files.tensorfile import TensorFile
 from maskln_cli.jobs import inspect as stats
-from tests.clitools import ROOT, invoke, write
+from tests.clitools import invoke, run_without_torch_check, write
 
 
 def reference_stats(tensor):
@@ -97,16 +95,9 @@ def test_keys_reads_the_header_only(tmp_path, monkeypatch):
 
 def test_keys_does_not_import_torch(tmp_path):
     path, _ = checkpoint(tmp_path)
-    probe = (
-        "import sys\n"
-        "from maskln_cli.cli import main\n"
-        f"sys.argv = ['maskln', 'inspect', '--keys', {str(path)!r}]\n"
-        "try:\n    main()\nexcept SystemExit as done:\n    assert not done.code, done.code\n"
-        "state = 'imported' if 'torch' in sys.modules else 'not imported'\n"
-        "print('torch', state, file=sys.stderr)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert result.stderr.strip().endswith("torch not imported"), result.stderr
+    result = run_without_torch_check("inspect", "--keys", path)
+    assert not result.exit_code, result.stderr
+    assert not result.torch_imported, result.stderr
     assert "encoder.layer.0.output.dense.weight" in result.stdout
 
 
@@ -285,18 +276,9 @@ def test_inspect_computes_without_torch_but_for_float8(tmp_path):
     plain = write(tmp_path / "plain.safetensors", common)
     quantized = torch.randn(3).to(torch.float8_e4m3fn)
     with_float8 = write(tmp_path / "f8.safetensors", {**common, "q": quantized})
-    probe = (
-        "import json, sys\n"
-        "from maskln_cli.cli import main\n"
-        "sys.argv = ['maskln', 'inspect', '--json', sys.argv[1]]\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "print('torch', 'torch' in sys.modules, file=sys.stderr)\n"
-    )
     for path, imported in ((plain, False), (with_float8, True)):
-        result = subprocess.run(
-            [sys.executable, "-c", probe, str(path)], capture_output=True, text=True, cwd=ROOT
-        )
-        assert result.stderr.strip().endswith(f"torch {imported}"), result.stderr
+        result = run_without_torch_check("inspect", "--json", path)
+        assert result.torch_imported == imported, result.stderr
         listed = {t["name"]: t for t in json.loads(result.stdout)["tensors"]}
         for name, tensor in common.items():
             if name == "mask":
