@@ -359,6 +359,18 @@ def printed_blocks(every: list[Block], lines: list[str]) -> dict[int, Block]:
     return found
 
 
+def differs(label: str, what: str, real: list[str], shown: list[str]) -> ExampleFailed:
+    """The failure of an example whose output is not what its page shows."""
+    return ExampleFailed(
+        f"{label}: {what}:\n"
+        + "\n".join(real)
+        + "\n\nthe page shows:\n"
+        + "\n".join(shown)
+        + "\n\nregenerate: .venv/bin/python -m tests.docs.runner --update "
+        + shlex.quote(label.split(":")[0])
+    )
+
+
 def compare_printed(shown: Block, printed: str, label: str, update: bool) -> list[str] | None:
     """Compare what a python block printed with the text block after it; with ``update``, the
     text block's new lines when they differ."""
@@ -366,12 +378,7 @@ def compare_printed(shown: Block, printed: str, label: str, update: bool) -> lis
     if matches(shown.lines, real):
         return None
     if not update:
-        raise ExampleFailed(
-            f"{label}: the block printed:\n"
-            + "\n".join(real)
-            + "\n\nthe page shows:\n"
-            + "\n".join(shown.lines)
-        )
+        raise differs(label, "the block printed", real, shown.lines)
     print(f"{label}: updated what the block prints", file=sys.stderr)
     return regenerated(shown.lines, real)
 
@@ -388,14 +395,8 @@ def run_console(block: Block, folder: Path, label: str, update: bool) -> list[st
             new_lines += command.shown
             continue
         if not update:
-            raise ExampleFailed(
-                f"{label}: $ {command.command}\n(exit code {code}) printed:\n"
-                + "\n".join(real)
-                + "\n\nthe page shows:\n"
-                + "\n".join(command.shown)
-                + "\n\nregenerate: .venv/bin/python -m tests.docs.runner --update "
-                + shlex.quote(label.split(":")[0])
-            )
+            what = f"$ {command.command}\n(exit code {code}) printed"
+            raise differs(label, what, real, command.shown)
         changed = True
         new_lines += regenerated(command.shown, real)
         print(f"{label}: updated the output of $ {first} (exit code {code})", file=sys.stderr)
