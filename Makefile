@@ -5,12 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint bench docs docs-examples docs-serve sample-data checkpoint-example clean
+.PHONY: demo test test-raw lint bench native docs docs-examples docs-serve sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		--constraint constraints.txt --editable '.[test,docs]'
+	@# The native CPU kernels, compiled into the per-user cache (~30 s on two quiet cores);
+	@# without a C++ compiler the op falls back to the raw-op kernels: a warning, not a failure.
+	$(BIN)/python -m maskln_cli.op.native || echo "maskln: native kernels not built; the op uses the raw-op kernels"
 	touch $@
 
 # say: a line in bold green on a terminal (plain when piped, or with NO_COLOR set).
@@ -36,8 +39,16 @@ demo: $(INSTALLED)
 	@echo
 	@$(call say,"The demo completed: every step ran as expected (the FAIL above is the deliberate mistake).")
 
+# Everything on the default (native) backend, then the op's own tests on the raw-op fallback
+# (test_native_kernel.py tests the native module itself, whichever backend: run once).
 test: $(INSTALLED)
 	$(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
+	MASKLN_BACKEND=raw $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4 tests/op \
+		--ignore tests/op/test_native_kernel.py
+
+# The whole suite on the raw-op backend (CI runs it after `make test`).
+test-raw: $(INSTALLED)
+	MASKLN_BACKEND=raw $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
@@ -46,6 +57,11 @@ lint: $(INSTALLED)
 # BENCH_ARGS: e.g. --quick (a smoke test) or --only 10,11,12; see benchmarks/README.md.
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/bench.py --markdown $(BENCH_ARGS)
+
+# The native CPU kernels compiled into the per-user cache (a C++ compiler and ninja, half a
+# minute or so; the install step does it too): later runs, and pytest's workers, load them at once.
+native: $(INSTALLED)
+	$(BIN)/python -m maskln_cli.op.native
 
 sample-data: $(INSTALLED)
 	$(BIN)/python scripts/make_sample_data.py

@@ -46,6 +46,12 @@ class Case:
 
 
 CASES: tuple[Case, ...] = tuple(Case(shape, dtype) for shape in SHAPES for dtype in DTYPES)
+TINY_SHAPES: tuple[tuple[int, ...], ...] = ((4096, 16), (8, 16, 64))
+"""Calls where the per-call overhead dominates (target: <= 1.5x the peer, not 0.8x)."""
+OP_CASES: tuple[Case, ...] = CASES + tuple(
+    Case(shape, "float32") for shape in ((64, 512, 768), (32, 65536), *TINY_SHAPES)
+)
+"""The op's timing figures (1, 2, 13): the bench shapes and issue 21's extra float32 shapes."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import maskln_cli.op  # noqa: F401  (defines maskln's torch ops once torch is imported)
+
 if TYPE_CHECKING:
     from maskln_cli.models.capture import capture
     from maskln_cli.models.swap import swap_layer_norms

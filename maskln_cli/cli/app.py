@@ -25,6 +25,7 @@ from maskln_cli.cli.grade import grade
 from maskln_cli.cli.inspect import inspect
 from maskln_cli.cli.normalize import normalize
 from maskln_cli.cli.usage import OneLineErrors, PlainHelp
+from maskln_cli.errors import MasklnError
 from maskln_cli.version import installed_version
 
 app = typer.Typer(
@@ -44,6 +45,12 @@ app = typer.Typer(
 def _show_version(value: bool) -> None:
     if value:
         typer.echo(f"maskln {installed_version()}")
+        from maskln_cli.op.backend import active_backend  # reads the kernel cache, not torch
+
+        try:
+            typer.echo(f"op backend: {active_backend()}")
+        except MasklnError as error:
+            typer.echo(f"op backend: unknown ({error})")
         raise typer.Exit()
 
 
@@ -52,7 +59,10 @@ def _main(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+            "--version",
+            callback=_show_version,
+            is_eager=True,
+            help="Print the version and the op's backend (native or raw kernels), and exit.",
         ),
     ] = False,
 ) -> None:

@@ -1,18 +1,13 @@
-"""The public function: check the arguments, pick the compute dtype, and dispatch."""
+"""The public function: check the arguments, and take the cheapest way to the kernels."""
 
 from __future__ import annotations
 
 import torch
 
-from maskln_cli.op.autograd import (
-    MaskedLayerNormFunction,
-    autocast_off,
-    traced,
-    transformed,
-)
-from maskln_cli.op.blocked import forward
-from maskln_cli.op.checks import as_valid_mask, check_inputs, compute_dtype
-from maskln_cli.op.functional import masked_layer_norm_functional
+import maskln_cli.op.library  # noqa: F401  (defines torch.ops.maskln.masked_layer_norm)
+from maskln_cli.op import backend
+from maskln_cli.op.autograd import MaskedLayerNormFunction, observed, traced, transformed
+from maskln_cli.op.checks import as_valid_mask, check_inputs
 
 __all__ = ["masked_layer_normalization"]
 
@@ -57,17 +52,15 @@ def masked_layer_normalization(
     """
     valid = as_valid_mask(valid)
     eps = check_inputs(x, valid, scale, bias, eps)
-    dtype = x.dtype
-    compute = compute_dtype(dtype)
-    # Differentiable casts: gradients come back in each input's own dtype.
-    x_, scale_, bias_ = (t if t.dtype == compute else t.to(compute) for t in (x, scale, bias))
-    with autocast_off(x.device.type):  # the arithmetic is ours: autocast must not recast it
-        if transformed():
-            out = masked_layer_norm_functional(x_, valid, scale_, bias_, eps)
-        elif torch.compiler.is_compiling() or traced(x, valid, scale, bias):
-            out = torch.ops.maskln.masked_layer_norm(x_, valid, scale_, bias_, eps)[0]
-        elif torch.is_grad_enabled() and any(t.requires_grad for t in (x_, scale_, bias_)):
-            out = MaskedLayerNormFunction.apply(x_, valid, scale_, bias_, eps)[0]
-        else:
-            out = forward(x_, valid, scale_, bias_, eps, keep_statistics=False)[0]
-    return out if out.dtype == dtype else out.to(dtype)
+    if (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or traced(x, valid, scale, bias)
+        or observed()
+    ):  # a graph is being made, or ops watched: the registered op, one node calling the kernels
+        return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]
+    if transformed():  # torch.func or forward-mode AD: the op's autograd and vmap rules
+        return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]
+    if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or bias.requires_grad):
+        return MaskedLayerNormFunction.apply(x, valid, scale, bias, eps)[0]
+    return backend.forward(x, valid, scale, bias, eps, keep_statistics=False)[0]

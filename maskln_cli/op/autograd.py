@@ -1,30 +1,46 @@
-"""How the op meets PyTorch: its autograd, the torch.library custom ops, and the dispatch tests.
+"""The op's derivatives: two autograd.Functions over the kernels of :mod:`maskln_cli.op.backend`.
 
-One op, three ways in, chosen by :func:`maskln_cli.op.api.masked_layer_normalization`:
+:class:`MaskedLayerNormFunction` is the op with its derivatives of both modes:
 
-- eager (the default): the blocked, in-place kernels of :mod:`maskln_cli.op.blocked`, through
-  an autograd.Function;
-- under torch.compile and torch.export, and for fake and meta tensors: the same kernels as the
-  torch.library custom op ``maskln::masked_layer_norm``, with a fake implementation, autograd
-  (its backward the custom op ``maskln::masked_layer_norm_backward``) and a vmap rule, so that
-  a graph holds one opaque node;
-- under torch.func transforms (grad, vmap, jvp, jacrev, jacfwd, hessian) and forward-mode AD:
-  the purely functional composite of :mod:`maskln_cli.op.functional`, which they see through.
+- ``backward`` (reverse mode) calls the backward kernel, directly when no graph is to be built
+  (the common case), else through the registered backward op, whose own autograd is
+  :class:`MaskedLayerNormBackwardFunction`;
+- ``jvp`` (forward mode: ``torch.func.jvp``, ``jacfwd``, dual tensors) is the backward kernel
+  again, since the Jacobian of xhat in x is symmetric: for a valid row,
+  ``J = rstd * (I - 1/C - xhat xhat^T / C)``, so ``J t`` is the backward's dx for ``dy = t``
+  and unit scale; then ``y' = scale * J x' + xhat * scale' + bias'``.
+
+:class:`MaskedLayerNormBackwardFunction` is the backward kernel as a function of (dy, x, scale),
+so that derivatives compose over it (``create_graph=True``, ``jacrev``, ``hessian``): its own
+derivatives (second order) come from the float64 composite of :mod:`maskln_cli.op.functional`,
+which recomputes the statistics from x and so carries the terms that flow through them.
+
+Both are the autograd of the registered ops (:mod:`maskln_cli.op.library`), applied there at a
+single level of torch.func's transforms (the ops' dispatcher kernels unwrap one level at a time;
+vmap has the ops' own rules); the public function applies the first directly for plain tensors,
+the cheapest way in. Inside, anything but plain tensors (fake, functional, wrapped by a
+transform) goes through the ops again, so a traced graph holds the op as one node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad
+from torch._functorch.utils import enable_single_level_autograd_function
 
-from maskln_cli.op.blocked import backward_in_place, forward
+from maskln_cli.op import backend
+from maskln_cli.op.checks import compute_dtype
 from maskln_cli.op.functional import gradients
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def transformed() -> bool:
-    """A torch.func transform, or forward-mode AD, is active: the composite path."""
+    """A torch.func transform, or forward-mode AD, is active."""
     return (
         torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
     )
@@ -37,100 +53,73 @@ def legacy_batched(tensor: torch.Tensor) -> bool:
 
 
 def traced(*tensors: torch.Tensor) -> bool:
-    """Fake, meta or other tensor subclasses (tracing, export): the custom op's path."""
-    return any(
-        type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
-        for t in tensors
+    """Fake, meta or other tensor subclasses (tracing, export): the registered op's path."""
+    return any(type(t) not in PLAIN or t.device.type == "meta" for t in tensors)
+
+
+def observed() -> bool:
+    """A TorchDispatchMode (a flop counter, a tracer) or the profiler is active: it sees ops
+    of the dispatcher only, so the op must be one, not a direct call of the kernels."""
+    return bool(torch._C._len_torch_dispatch_stack()) or torch._C._autograd._profiler_enabled()
+
+
+def plain(*tensors: torch.Tensor) -> bool:
+    """Tensors the kernels can take directly: no graph being traced, no transform active,
+    nothing observing the dispatcher."""
+    return not (
+        traced(*tensors)
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or observed()
     )
 
 
-class autocast_off:
-    """``torch.autocast(device, enabled=False)`` when autocast is on for ``device``, else
-    nothing (entering an autocast context costs microseconds on every call)."""
-
-    def __init__(self, device_type: str) -> None:
-        self._context = None
-        if device_type in ("cpu", "cuda", "xpu") and torch.is_autocast_enabled(device_type):
-            self._context = torch.autocast(device_type, enabled=False)
-
-    def __enter__(self) -> None:
-        if self._context is not None:
-            self._context.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._context is not None:
-            self._context.__exit__(*exc)
+def differentiable(*tensors: torch.Tensor) -> bool:
+    """A derivative of the op's result may be taken: reverse mode (grad enabled, an input
+    requiring it) or forward mode (a dual level active, forward gradients enabled)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return torch.autograd.forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
 
 
-# --- autograd: one setup_context and one backward, for the eager Function and the custom op ----
+def second_order(*tensors: torch.Tensor) -> bool:
+    """Under torch.func, whether the derivative being computed from ``tensors`` (a Function's
+    saved tensors and incoming derivative) will itself be differentiated: by an enclosing grad
+    or jvp transform (their tensors wrap another level that tracks derivatives: ``hessian``,
+    ``grad(grad(f))``), or by autograd outside the transforms (they require grad beneath)."""
+    functorch = torch._C._functorch
+    own = max(
+        (functorch.maybe_get_level(t) for t in tensors if functorch.is_gradtrackingtensor(t)),
+        default=None,
+    )
+    for tensor in tensors:
+        while functorch.is_functorch_wrapped_tensor(tensor):
+            if functorch.is_gradtrackingtensor(tensor) and functorch.maybe_get_level(tensor) != own:
+                return True
+            tensor = functorch.get_unwrapped(tensor)
+        if tensor.requires_grad:
+            return True
+    return False
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, valid, scale, _, eps = inputs
-    _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.save_for_backward(x, valid, scale, mean, rstd)
-    ctx.eps = eps
+def apply_one_level(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function`` applied at the current level of torch.func's transforms only, as from a
+    dispatcher kernel, where the transforms have already unwrapped the levels above (plain
+    ``apply`` would route through all of them again)."""
+    with enable_single_level_autograd_function():
+        return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
-def _backward(
-    ctx: Any, dy: torch.Tensor, _dmean: object = None, _drstd: object = None
-) -> tuple[torch.Tensor | None, ...]:
-    x, valid, scale, mean, rstd = ctx.saved_tensors
-    need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
-    needs = (need_dx, need_dscale, need_dbias)
-    if torch.is_grad_enabled() or transformed() or legacy_batched(dy):
-        # create_graph (or a batched backward under vmap): the saved statistics carry no graph,
-        # so the differentiable formula recomputes them from x, for the second-order terms that
-        # flow through mean and rstd. In float64, so that its intermediate values are exact.
-        grads = gradients(dy.double(), x.double(), valid, scale.double(), ctx.eps, needs)
-        dx, dscale, dbias = (None if g is None else g.to(x.dtype) for g in grads)
-    elif traced(dy, x, valid, scale):
-        computed = iter(
-            torch.ops.maskln.masked_layer_norm_backward(
-                dy, x, valid, scale, mean, rstd, ctx.eps, list(needs)
-            )
-        )
-        dx, dscale, dbias = (next(computed) if need else None for need in needs)
-    else:
-        dx, dscale, dbias = backward_in_place(dy, x, valid, scale, mean, rstd, ctx.eps, *needs)
-    return dx, None, dscale, dbias, None
-
-
-class MaskedLayerNormFunction(torch.autograd.Function):
-    """The eager op: the blocked kernels, with no dispatcher in between (the custom op below
-    costs about 20 microseconds a call more, which small inputs would notice)."""
-
-    @staticmethod
-    def forward(x, valid, scale, bias, eps):  # type: ignore[override]
-        return forward(x, valid, scale, bias, eps)
-
-    setup_context = staticmethod(_setup_context)  # type: ignore[assignment]
-    backward = staticmethod(_backward)  # type: ignore[assignment]
-
-
-# --- the torch.library custom ops: what torch.compile, torch.export and fake tensors see -------
-
-
-@torch.library.custom_op("maskln::masked_layer_norm", mutates_args=())
-def masked_layer_norm_op(
+def run_forward(
     x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, mean, rstd)`` from checked inputs of one compute dtype: the blocked forward."""
-    return forward(x, valid, scale, bias, eps)  # type: ignore[return-value]
+    """``(y, mean, rstd)``: the kernels for plain tensors, else the registered op."""
+    if plain(x, valid, scale, bias):
+        return backend.forward(x, valid, scale, bias, eps)  # type: ignore[return-value]
+    return tuple(torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps))  # type: ignore[return-value]
 
 
-@masked_layer_norm_op.register_fake
-def _(x, valid, scale, bias, eps):
-    statistics = x.new_empty((*x.shape[:-1], 1))
-    return torch.empty_like(x), statistics, torch.empty_like(statistics)
-
-
-masked_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("maskln::masked_layer_norm_backward", mutates_args=())
-def masked_layer_norm_backward_op(
+def run_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     valid: torch.Tensor,
@@ -138,38 +127,152 @@ def masked_layer_norm_backward_op(
     mean: torch.Tensor,
     rstd: torch.Tensor,
     eps: float,
-    output_mask: list[bool],
-) -> list[torch.Tensor]:
-    """The gradients that ``output_mask`` asks for, of (dx, dscale, dbias), in that order."""
-    grads = backward_in_place(dy, x, valid, scale, mean, rstd, eps, *output_mask)
-    return [g for g in grads if g is not None]
+    needs: tuple[bool, bool, bool],
+) -> Grads:
+    """``(dx, dscale, dbias)``, None where ``needs`` says so: the kernels for plain tensors,
+    else the registered backward op."""
+    if plain(dy, x, valid, scale, mean, rstd):
+        return backend.backward(dy, x, valid, scale, mean, rstd, eps, needs)
+    computed = iter(
+        torch.ops.maskln.masked_layer_norm_backward(
+            dy, x, valid, scale, mean, rstd, eps, list(needs)
+        )
+    )
+    return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
 
 
-@masked_layer_norm_backward_op.register_fake
-def _(dy, x, valid, scale, mean, rstd, eps, output_mask):
-    shapes = (x.shape, scale.shape, scale.shape)
-    return [x.new_empty(shape) for shape, need in zip(shapes, output_mask, strict=True) if need]
+class MaskedLayerNormFunction(torch.autograd.Function):
+    """``(y, mean, rstd)`` of checked inputs, differentiable in x, scale and bias (mean and rstd
+    are not); see the module docstring."""
+
+    @staticmethod
+    def forward(x, valid, scale, bias, eps):  # type: ignore[override]
+        return run_forward(x, valid, scale, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        x, valid, scale, bias, eps = inputs
+        _, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.save_for_backward(x, valid, scale, mean, rstd)
+        ctx.save_for_forward(x, valid, scale, mean, rstd)
+        ctx.eps = eps
+        ctx.bias_dtype = bias.dtype
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, _dmean: object, _drstd: object) -> tuple[Any, ...]:
+        x, valid, scale, mean, rstd = ctx.saved_tensors
+        need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
+        needs = (need_dx, need_dscale, need_dbias)
+        if legacy_batched(dy) or (
+            torch._C._are_functorch_transforms_active() and second_order(dy, x, scale)
+        ):
+            # The float64 composite, differentiable by every transform: second derivatives
+            # under torch.func (which cannot nest its own transforms inside the backward op's
+            # derivatives), and torch's older vmap (gradcheck's batched gradients).
+            dx, dscale, dbias = gradients(dy.double(), x.double(), valid, scale.double(),
+                                          ctx.eps, needs)  # fmt: skip
+            dx = None if dx is None else dx.to(x.dtype)
+            dscale = None if dscale is None else dscale.to(scale.dtype)
+        elif torch.is_grad_enabled() or transformed():  # a graph of the gradients is built
+            computed = iter(
+                torch.ops.maskln.masked_layer_norm_backward(
+                    dy, x, valid, scale, mean, rstd, ctx.eps, list(needs)
+                )
+            )
+            dx, dscale, dbias = (next(computed) if need else None for need in needs)
+        else:
+            dx, dscale, dbias = run_backward(dy, x, valid, scale, mean, rstd, ctx.eps, needs)
+        if dbias is not None and dbias.dtype != ctx.bias_dtype:  # bias may be x's dtype
+            dbias = dbias.to(ctx.bias_dtype)
+        return dx, None, dscale, dbias, None
+
+    @staticmethod
+    def jvp(
+        ctx: Any, tx: Any, _tvalid: Any, tscale: Any, tbias: Any, _teps: Any
+    ) -> tuple[Any, ...]:
+        x, valid, scale, mean, rstd = ctx.saved_tensors
+        ones = torch.ones_like(scale)
+        ty = None
+        if tx is not None and (
+            legacy_batched(tx)
+            or (torch._C._are_functorch_transforms_active() and second_order(tx, x, scale))
+        ):  # the composite, as in backward
+            needs = (True, False, False)
+            jx = gradients(tx.double(), x.double(), valid, ones.double(), ctx.eps, needs)[0]
+            ty = jx.to(tx.dtype) * scale  # type: ignore[union-attr]
+        elif tx is not None:  # scale * J tx, J symmetric: the backward kernel, unit scale
+            (jx,) = torch.ops.maskln.masked_layer_norm_backward(
+                tx, x, valid, ones, mean, rstd, ctx.eps, [True, False, False]
+            )
+            ty = jx * scale
+        if tscale is not None:
+            compute = compute_dtype(x.dtype)
+            unit = torch.ones_like(scale, dtype=compute)
+            xhat, _, _ = torch.ops.maskln.masked_layer_norm(
+                x.to(compute), valid, unit, torch.zeros_like(unit), ctx.eps
+            )
+            ty = xhat * tscale if ty is None else ty + xhat * tscale
+        if tbias is not None:
+            ty = tbias.expand(x.shape) if ty is None else ty + tbias
+        assert ty is not None  # forward AD asks only when some input has a tangent
+        return ty.masked_fill(~valid.unsqueeze(-1), 0.0).to(x.dtype), None, None
 
 
-@masked_layer_norm_op.register_vmap
-def _(info, in_dims, x, valid, scale, bias, eps):
-    """Under vmap, the batch axis becomes one more leading axis of x; batched scale and bias
-    apply to the normalized rows, which the op computes with unit scale and zero bias."""
-    size = info.batch_size
-    x = _batch_first(x, in_dims[0], size)
-    valid = _batch_first(valid, in_dims[1], size)
-    batched_params = in_dims[2] is not None or in_dims[3] is not None
-    if not batched_params:
-        return masked_layer_norm_op(x, valid, scale, bias, eps), (0, 0, 0)
-    channels = x.shape[-1]
-    y, mean, rstd = masked_layer_norm_op(x, valid, x.new_ones(channels), x.new_zeros(channels), eps)
-    view = (size,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-    scale = _batch_first(scale, in_dims[2], size).reshape(view)
-    bias = _batch_first(bias, in_dims[3], size).reshape(view)
-    return (torch.where(valid.unsqueeze(-1), y * scale + bias, 0.0), mean, rstd), (0, 0, 0)
+class MaskedLayerNormBackwardFunction(torch.autograd.Function):
+    """``(dx, dscale, dbias)`` (None where not needed) from the backward kernel, differentiable
+    in dy, x and scale through the float64 composite (see the module docstring)."""
+
+    @staticmethod
+    def forward(dy, x, valid, scale, mean, rstd, eps, needs):  # type: ignore[override]
+        return run_backward(dy, x, valid, scale, mean, rstd, eps, needs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        dy, x, valid, scale, _, _, eps, needs = inputs
+        ctx.save_for_backward(dy, x, valid, scale)
+        ctx.save_for_forward(dy, x, valid, scale)
+        ctx.eps, ctx.needs = eps, needs
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
+        dy, x, valid, scale = ctx.saved_tensors
+        function, wanted = _composite(ctx, valid)
+        _, vjp = torch.func.vjp(function, dy, x, scale)
+        reference = (x, scale, scale)
+        given = tuple(
+            torch.zeros_like(reference[i]) if cotangents[i] is None else cotangents[i]
+            for i in wanted
+        )
+        ddy, ddx, dscale = vjp(given)
+        return ddy, ddx, None, dscale, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tdy: Any, tx: Any, _tvalid: Any, tscale: Any, *_rest: Any) -> tuple[Any, ...]:
+        dy, x, valid, scale = ctx.saved_tensors
+        function, wanted = _composite(ctx, valid)
+        tangents = tuple(
+            torch.zeros_like(primal) if tangent is None else tangent
+            for primal, tangent in ((dy, tdy), (x, tx), (scale, tscale))
+        )
+        # J t by two vjps (u -> J^T u is linear, its vjp is J): a jvp would nest forward-mode
+        # levels, which torch does not support inside forward-mode AD.
+        outputs, vjp = torch.func.vjp(function, dy, x, scale)
+        _, vjp_of_vjp = torch.func.vjp(vjp, tuple(torch.zeros_like(o) for o in outputs))
+        (out,) = vjp_of_vjp(tangents)
+        computed = iter(out)
+        return tuple(next(computed) if i in wanted else None for i in range(3))
 
 
-def _batch_first(tensor: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
-    if dim is None:
-        return tensor.unsqueeze(0).expand(size, *tensor.shape)
-    return tensor.movedim(dim, 0)
+def _composite(ctx: Any, valid: torch.Tensor) -> tuple[Callable[..., Any], list[int]]:
+    """The backward as the composite function of (dy, x, scale) whose derivatives are the
+    second-order terms, in the dtypes of x and scale; and the indices of the gradients it
+    returns (those the backward computed)."""
+    wanted = [i for i, need in enumerate(ctx.needs) if need]
+
+    def function(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> tuple[Any, ...]:
+        grads = gradients(dy.double(), x.double(), valid, scale.double(), ctx.eps, ctx.needs)
+        dtypes = (x.dtype, scale.dtype, scale.dtype)
+        return tuple(grads[i].to(dtypes[i]) for i in wanted)  # type: ignore[union-attr]
+
+    return function, wanted

@@ -88,6 +88,40 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
     return eps  # type: ignore[return-value]
 
 
+def raise_contract_error(
+    x: object, valid: object, scale: object, bias: object, eps: object
+) -> None:
+    """Raise :func:`check_inputs`' error for these inputs (the native dispatcher ops call this
+    when their own check of the same conditions fails); return when it finds none."""
+    check_inputs(x, valid, scale, bias, eps)
+
+
+def check_backward_inputs(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: object,
+    output_mask: list[bool],
+) -> float:
+    """The backward op's arguments: x, valid, scale and eps as :func:`check_inputs` checks
+    them; dy of x's shape, mean and rstd one value per row, output_mask three bools."""
+    eps = check_inputs(x, valid, scale, scale, eps)  # scale stands for bias: the same rules
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {list(x.shape)}, got {list(dy.shape)}")
+    rows = valid.numel()
+    for name, statistics in (("mean", mean), ("rstd", rstd)):
+        if statistics.numel() != rows:
+            raise ValueError(
+                f"{name} must have one value per row ({rows}), got {statistics.numel()}"
+            )
+    if len(output_mask) != 3:
+        raise ValueError(f"output_mask must have 3 entries, got {len(output_mask)}")
+    return eps
+
+
 def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:
     """True when eps, positive as a Python float, is 0 in ``dtype`` (then rows of constant
     values would divide by zero).

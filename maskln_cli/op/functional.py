@@ -1,10 +1,11 @@
 """The op as a purely functional composite of differentiable torch ops.
 
 No ``out=``, nothing in place, no data-dependent Python branching and no ``.item()``: every
-torch transform sees through it. :mod:`maskln_cli.op` runs it under ``torch.func`` transforms
-(grad, vmap, jvp, jacfwd, hessian) and forward-mode AD, uses its backward formula for
-second-order gradients, and redoes with it the rare rows whose arithmetic overflows in the
-blocked kernels; those kernels stay the eager default.
+torch transform sees through it. The op's kernels (native or raw-op) compute every first
+derivative, under torch.func too; this composite's backward formula, :func:`gradients`, is
+what second derivatives differentiate (:mod:`maskln_cli.op.autograd`), and the raw-op kernels
+redo with it the rare rows whose arithmetic overflows. :func:`masked_layer_norm_functional`,
+the forward, is a float64 oracle for the kernels in tests.
 
 The arithmetic, row by row, in float64 (Ba et al., 2016, with a corrected two-pass variance)::
 

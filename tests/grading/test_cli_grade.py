@@ -58,7 +58,7 @@ def test_a_file_that_imports_maskln_op_fails_raw_ops(tmp_path):
     failing = [c for c in json.loads(result.stdout)["clauses"] if not c["passed"]]
     assert [c["name"] for c in failing] == ["raw_ops"]
     assert (
-        "a ready-made normalization ran: maskln_cli.op.api.masked_layer_normalization (forward)"
+        "a ready-made normalization ran: maskln::masked_layer_norm (forward)"
         in failing[0]["detail"]
     )
 

@@ -259,7 +259,9 @@ def test_version():
     from maskln_cli import __version__
 
     result = invoke("--version")
-    assert result.exit_code == 0 and result.stdout.strip() == f"maskln {__version__}"
+    version, backend = result.stdout.strip().splitlines()
+    assert result.exit_code == 0 and version == f"maskln {__version__}"
+    assert backend.startswith(("op backend: native", "op backend: raw"))
 
 
 @pytest.mark.parametrize("command", ["normalize", "inspect", "generate"])

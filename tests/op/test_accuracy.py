@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from maskln_cli import masked_layer_normalization
+from maskln_cli.op.reference import reference_masked_layer_norm
 
 FLOAT32_UNIT = 2.0**-23
 
@@ -250,3 +251,48 @@ def test_float32_parameter_gradients_within_twice_torch_layer_norm(shape):
         torch_error = float((torch_got.double() - want).abs().max())
         unit = float(want.abs().max()) * FLOAT32_UNIT  # an ulp of the largest sum
         assert error <= max(2 * torch_error, unit), (error, torch_error, unit)
+
+
+def offset_rows(kind: str) -> torch.Tensor:
+    """Two rows of a tiny spread on a large offset (the mean's rounding error is most of it)."""
+    if kind == "float32 -1e-24 with 1e-30 at one channel":
+        x = torch.full((2, 33), -1e-24, dtype=torch.float32)
+        x[:, 0] += 1e-30
+        return x
+    if kind == "float32 constant 2e-5":
+        return torch.full((2, 4097), 2e-5, dtype=torch.float32)
+    if kind == "float64 -1e-144 +- 1e-150":
+        generator = torch.Generator().manual_seed(0)
+        return -1e-144 + 1e-150 * torch.randn(2, 64, generator=generator, dtype=torch.float64)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["float32 -1e-24 with 1e-30 at one channel", "float32 constant 2e-5",
+     "float64 -1e-144 +- 1e-150"],
+)  # fmt: skip
+def test_tiny_spread_on_a_large_offset_matches_exact_arithmetic(kind):
+    """The raw-op kernels skipped the mean's correction when it moved xhat by less than an
+    eighth of an ulp of 1 (an absolute test): the float32 row came out 7% off, constant rows
+    2.3e-9 instead of 0, and the float64 rows 2e-11 off, as did the float64 reference (no
+    correction at all). Against 200-bit arithmetic on the rows' exact values: the op's y and
+    dx, and the reference's y."""
+    x = offset_rows(kind)
+    channels = x.shape[-1]
+    generator = torch.Generator().manual_seed(1)
+    dy = torch.randn(channels, generator=generator, dtype=torch.float64).tolist()
+    ones, zeros = [1.0] * channels, [0.0] * channels
+    (want_y, want_dx, _), (y_scale, dx_scale, _) = exact_row(x[0].tolist(), ones, zeros, 1e-5, dy)
+    valid = torch.ones(2, dtype=torch.bool)
+    scale, bias = torch.ones(channels, dtype=x.dtype), torch.zeros(channels, dtype=x.dtype)
+    leaf = x.clone().requires_grad_()
+    out = masked_layer_normalization(leaf, valid, scale, bias)
+    (dx,) = torch.autograd.grad(out, leaf, torch.tensor([dy, dy], dtype=x.dtype))
+    unit = 2.0**-23 if x.dtype == torch.float32 else 2.0**-52
+    for got, want, natural in ((out[0], want_y, y_scale), (dx[0], want_dx, dx_scale)):
+        error = (got.detach().double() - torch.tensor(want, dtype=torch.float64)).abs().max()
+        assert float(error) <= 4 * unit * natural, (kind, float(error), natural)
+    reference = reference_masked_layer_norm(x, valid, scale, bias)[0]
+    error = (reference - torch.tensor(want_y, dtype=torch.float64)).abs().max()
+    assert float(error) <= 4 * 2.0**-52 * max(y_scale, 1e-300), (kind, float(error))

@@ -1,0 +1,201 @@
+"""The op in torch's dispatcher: ``maskln::masked_layer_norm`` and its backward.
+
+What torch.compile, torch.export, torch.jit.trace, fake and meta tensors and users calling
+``torch.ops.maskln.masked_layer_norm`` see: each op is one node of a graph, checked as the
+public function checks (the same messages), with
+
+- a CPU kernel: the native C++ kernels once they load (registered from C++ by
+  :mod:`maskln_cli.op.backend`), else the Python implementation below, which runs the raw-op
+  kernels (and every device but the CPU);
+- a fake (meta) implementation giving the real outputs' shapes, dtypes and strides;
+- autograd (reverse and forward mode) by the Functions of :mod:`maskln_cli.op.autograd`, the
+  backward op differentiable in turn (second order);
+- vmap rules, one call for the batch.
+
+Schemas::
+
+    masked_layer_norm(Tensor x, Tensor valid, Tensor scale, Tensor bias, float eps)
+        -> (Tensor y, Tensor mean, Tensor rstd)
+    masked_layer_norm_backward(Tensor dy, Tensor x, Tensor valid, Tensor scale, Tensor mean,
+        Tensor rstd, float eps, bool[] output_mask) -> Tensor[]   # the requested of dx,
+                                                                  # dscale, dbias
+
+y and dx have x's dtype and layout (``torch.empty_like(x)``); mean and rstd ``[..., 1]`` in
+the compute dtype; dscale and dbias scale's dtype. Importing this module defines the ops;
+:mod:`maskln_cli.op.registration` imports it as soon as torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from maskln_cli.op import backend
+from maskln_cli.op.autograd import (
+    MaskedLayerNormBackwardFunction,
+    MaskedLayerNormFunction,
+    apply_one_level,
+    differentiable,
+)
+from maskln_cli.op.checks import check_backward_inputs, check_inputs, compute_dtype
+
+__all__ = ["BACKWARD_SCHEMA", "FORWARD_SCHEMA", "backward_op", "forward_op"]
+
+FORWARD_SCHEMA = (
+    "masked_layer_norm(Tensor x, Tensor valid, Tensor scale, Tensor bias, float eps)"
+    " -> (Tensor, Tensor, Tensor)"
+)
+BACKWARD_SCHEMA = (
+    "masked_layer_norm_backward(Tensor dy, Tensor x, Tensor valid, Tensor scale, Tensor mean,"
+    " Tensor rstd, float eps, bool[] output_mask) -> Tensor[]"
+)
+
+_library = torch.library.Library("maskln", "DEF")
+_library.define(FORWARD_SCHEMA)
+_library.define(BACKWARD_SCHEMA)
+forward_op = torch.ops.maskln.masked_layer_norm.default
+backward_op = torch.ops.maskln.masked_layer_norm_backward.default
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+# --- fake (and meta) implementations: the real outputs' shapes, dtypes and strides -----------
+
+
+def _forward_fake(x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
+    check_inputs(x, valid, scale, bias, eps)
+    statistics = x.new_empty((*x.shape[:-1], 1), dtype=compute_dtype(x.dtype))
+    return torch.empty_like(x), statistics, torch.empty_like(statistics)
+
+
+def _backward_fake(dy, x, valid, scale, mean, rstd, eps, output_mask):  # type: ignore[no-untyped-def]
+    check_backward_inputs(dy, x, valid, scale, mean, rstd, eps, output_mask)
+    made = (torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale))
+    return [t for t, need in zip(made, output_mask, strict=True) if need]
+
+
+torch.library.register_fake("maskln::masked_layer_norm", _forward_fake, lib=_library)
+torch.library.register_fake("maskln::masked_layer_norm_backward", _backward_fake, lib=_library)
+
+
+# --- the Python implementations (every device; CPU until the native kernels load) -------------
+
+
+def _forward(x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
+    eps = check_inputs(x, valid, scale, bias, eps)
+    return backend.forward(x, valid, scale, bias, eps)
+
+
+def _backward(dy, x, valid, scale, mean, rstd, eps, output_mask):  # type: ignore[no-untyped-def]
+    eps = check_backward_inputs(dy, x, valid, scale, mean, rstd, eps, output_mask)
+    grads = backend.backward(dy, x, valid, scale, mean, rstd, eps, tuple(output_mask))
+    return [g for g in grads if g is not None]
+
+
+_library.impl("masked_layer_norm", _forward, "CompositeExplicitAutograd")
+_library.impl("masked_layer_norm_backward", _backward, "CompositeExplicitAutograd")
+
+
+# --- autograd: the Functions when a derivative may be taken, else straight to the kernel ------
+
+
+def _forward_autograd(keyset, x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
+    if differentiable(x, scale, bias):
+        eps = check_inputs(x, valid, scale, bias, eps)  # the Function may call kernels directly
+        return apply_one_level(MaskedLayerNormFunction, x, valid, scale, bias, eps)
+    with torch._C._AutoDispatchBelowAutograd():
+        return forward_op.redispatch(keyset & _AFTER_AUTOGRAD, x, valid, scale, bias, eps)
+
+
+def _backward_autograd(keyset, dy, x, valid, scale, mean, rstd, eps, output_mask):  # type: ignore[no-untyped-def]
+    if differentiable(dy, x, scale):
+        eps = check_backward_inputs(dy, x, valid, scale, mean, rstd, eps, output_mask)
+        grads = apply_one_level(
+            MaskedLayerNormBackwardFunction, dy, x, valid, scale, mean, rstd, eps,
+            tuple(output_mask),
+        )  # fmt: skip
+        return [g for g in grads if g is not None]
+    with torch._C._AutoDispatchBelowAutograd():
+        return backward_op.redispatch(
+            keyset & _AFTER_AUTOGRAD, dy, x, valid, scale, mean, rstd, eps, output_mask
+        )
+
+
+_library.impl("masked_layer_norm", _forward_autograd, "Autograd", with_keyset=True)
+_library.impl("masked_layer_norm_backward", _backward_autograd, "Autograd", with_keyset=True)
+
+
+# --- vmap: the batch axis becomes one more leading axis of x, one call for the batch ----------
+
+
+def _batch_first(tensor: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
+    """``tensor`` with its batch axis first, expanded to ``size`` when it has none."""
+    if dim is None:
+        return tensor.unsqueeze(0).expand(size, *tensor.shape)
+    return tensor.movedim(dim, 0)
+
+
+def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit scale and zero bias in x's compute dtype."""
+    ones = torch.ones(x.shape[-1], dtype=compute_dtype(x.dtype), device=x.device)
+    return ones, torch.zeros_like(ones)
+
+
+def _forward_vmap(info, in_dims, x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
+    """Batched scale and bias apply to the normalized rows, computed with unit parameters."""
+    size = info.batch_size
+    x = _batch_first(x, in_dims[0], size)
+    valid = _batch_first(valid, in_dims[1], size)
+    if in_dims[2] is None and in_dims[3] is None:
+        return forward_op(x, valid, scale, bias, eps), (0, 0, 0)
+    compute = compute_dtype(x.dtype)
+    xhat, mean, rstd = forward_op(x.to(compute), valid, *_unit(x), eps)
+    view = (size,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    scale = _batch_first(scale, in_dims[2], size).reshape(view)
+    bias = _batch_first(bias, in_dims[3], size).reshape(view)
+    y = (xhat * scale + bias).masked_fill(~valid.unsqueeze(-1), 0.0)
+    return (y.to(x.dtype), mean, rstd), (0, 0, 0)
+
+
+def _backward_vmap(info, in_dims, dy, x, valid, scale, mean, rstd, eps, output_mask):  # type: ignore[no-untyped-def]
+    """dx from one backward call over the whole batch (a batched scale multiplies dy first, and
+    the call takes unit scale); dscale and dbias summed per batch element over its own rows."""
+    size = info.batch_size
+    batched = (*in_dims[:3], *in_dims[4:6])
+    dy, x, valid, mean, rstd = (
+        _batch_first(t, d, size) for t, d in zip((dy, x, valid, mean, rstd), batched, strict=True)
+    )
+    need_dx, need_dscale, need_dbias = output_mask
+    grads: list[torch.Tensor] = []
+    if need_dx:
+        wdy, weight = dy, scale
+        if in_dims[3] is not None:
+            view = (size,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+            wdy = (dy * _batch_first(scale, in_dims[3], size).reshape(view)).to(dy.dtype)
+            weight = torch.ones(x.shape[-1], dtype=scale.dtype, device=x.device)
+        grads += backward_op(wdy, x, valid, weight, mean, rstd, eps, [True, False, False])
+    if need_dscale or need_dbias:
+        kept = dy.masked_fill(~valid.unsqueeze(-1), 0.0)  # invalid rows count for nothing
+        rows = tuple(range(1, dy.dim() - 1))
+
+        def per_element(t: torch.Tensor) -> torch.Tensor:
+            total = t.sum(dim=rows, dtype=torch.float64) if rows else t.double()
+            return total.to(scale.dtype)
+
+        if need_dscale:
+            xhat = forward_op(x.to(compute_dtype(x.dtype)), valid, *_unit(x), eps)[0]
+            grads.append(per_element(kept * xhat))
+        if need_dbias:
+            grads.append(per_element(kept))
+    return grads, [0] * len(grads)
+
+
+torch.library.register_vmap("maskln::masked_layer_norm", _forward_vmap, lib=_library)
+torch.library.register_vmap("maskln::masked_layer_norm_backward", _backward_vmap, lib=_library)
+
+# The native kernels, when built, become the ops' CPU implementation now; when not, the first
+# call on CPU builds them (or warns once and stays on the raw-op kernels). A wrong
+# MASKLN_BACKEND must not fail this import (the ops are defined by now, and importing this
+# module again would define them twice): the op's first call names it.
+with contextlib.suppress(backend.BackendChoiceError):
+    backend.native_kernels(build=False)

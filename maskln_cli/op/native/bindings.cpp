@@ -1,0 +1,40 @@
+// The Python module: plain functions through pybind11, the cheapest way in from Python.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "kernels.h"
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "maskln's native CPU kernels for masked layer normalization";
+  m.def("forward", &maskln_native::forward_impl, py::arg("x"), py::arg("valid"),
+        py::arg("scale"), py::arg("bias"), py::arg("eps"), py::arg("keep_statistics") = true,
+        "(y, mean, rstd); mean and rstd are None without keep_statistics");
+  m.def("backward", &maskln_native::backward_py, py::arg("dy"), py::arg("x"), py::arg("valid"),
+        py::arg("scale"), py::arg("mean"), py::arg("rstd"), py::arg("eps"),
+        py::arg("output_mask"), "The requested of (dx, dscale, dbias), in that order");
+  m.def("register_maskln_kernels", &maskln_native::register_maskln_kernels,
+        py::arg("enable") = true,
+        "Make forward and backward the CPU kernels of maskln::masked_layer_norm(_backward)"
+        " (enable=False withdraws them); returns whether they were registered");
+  m.def(
+      "set_contract_error",
+      [](py::function report) {
+        // Held for the life of the process: never destroyed after the interpreter.
+        auto* held = new py::function(std::move(report));
+        maskln_native::set_contract_error([held](const at::Tensor& x, const at::Tensor& valid,
+                                                 const at::Tensor& scale, const at::Tensor& bias,
+                                                 double eps) {
+          py::gil_scoped_acquire gil;
+          (*held)(x, valid, scale, bias, eps);  // raises: error_already_set reaches Python
+        });
+      },
+      py::arg("report"),
+      "The Python function the dispatcher ops call, for its error, on inputs outside the"
+      " op's contract");
+  m.def("isa", &maskln_native::isa, "The instruction set the kernels run with");
+  m.def("set_isa", &maskln_native::set_isa, py::arg("name"),
+        "Select base, avx2 or avx512 (tests compare their bits); returns the previous one");
+}

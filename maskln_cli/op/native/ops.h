@@ -1,0 +1,31 @@
+// The tensor-level entry points of masked_layer_norm.cpp, for bindings.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace maskln_native {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
+    const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor& bias,
+    double eps, bool keep_statistics);
+
+std::vector<at::Tensor> backward_py(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+    const at::Tensor& mean, const at::Tensor& rstd, double eps, std::vector<bool> output_mask);
+
+bool register_maskln_kernels(bool enable);
+
+// Raises the op's own error for inputs outside its contract (maskln_cli.op.checks.check_inputs,
+// called back in Python): the dispatcher ops check the contract in C++ and, only when it is not
+// met, call this for the message, so that there is one source of messages.
+using ContractError = std::function<void(const at::Tensor& x, const at::Tensor& valid,
+                                         const at::Tensor& scale, const at::Tensor& bias,
+                                         double eps)>;
+void set_contract_error(ContractError report);
+
+}  // namespace maskln_native
