@@ -103,6 +103,9 @@ class Problem:
     read_files: dict[FileIdentity, str] = field(default_factory=dict)
     """Every file read, INPUT and each option's, by identity: how messages name it. None of
     them may become an output."""
+    input_file: TensorFile | None = field(default=None, repr=False)
+    """INPUT, open while the problem is: what else it holds is read from here, never reopened
+    (a file can change between two opens; stdin cannot be read twice)."""
 
     @property
     def rows(self) -> int:
@@ -137,6 +140,7 @@ def load_problem(path: str, options: NormalizeOptions) -> Iterator[Problem]:
         )
         problem = _prepare(data, params, grads, options)
         problem.read_files = _read_files(data, params, grads, options)
+        problem.input_file = data
         yield problem
 
 

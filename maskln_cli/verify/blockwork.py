@@ -105,9 +105,7 @@ class BlockWork:
 
     def measure(self, start: int, stop: int) -> Measured | None:
         """The figures of rows ``start:stop`` (None when a value is NaN or inf)."""
-        import torch
 
-        from maskln_cli.op.blocked import backward_in_place, forward
         from maskln_cli.verify.budget import RowBudget
 
         streaming, problem = self.streaming, self.problem
@@ -116,13 +114,7 @@ class BlockWork:
         x64 = x.double()
         grad_out = problem.grad_out[start:stop] if self.gradients else None  # type: ignore[index]
         dy64 = grad_out.double() if grad_out is not None else None
-        with torch.no_grad():
-            out, mean, rstd = forward(x64, valid, problem.scale, problem.bias, problem.eps)
-            truth = {"out": out}
-            if dy64 is not None:
-                assert mean is not None and rstd is not None
-                grads = backward_in_place(dy64, x64, valid, problem.scale, mean, rstd, problem.eps)
-                truth.update(zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True))
+        truth, rstd = float64_truth(problem, x64, valid, dy64)
         sticks = self.yardsticks(x, valid, grad_out)
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
@@ -200,3 +192,23 @@ class BlockWork:
         offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         second_order = offset.mul_(e0).square_()
         return fit_rows(error, z, rstd, problem.eps, second_order, rows)
+
+
+def float64_truth(
+    problem: Problem, x64: torch.Tensor, valid: torch.Tensor, dy64: torch.Tensor | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The truth of some rows (``out``, and the gradients given ``dy64``) and their rstd, by the
+    op's raw-op kernels in float64, without autograd. Every path of verify takes it from here,
+    whichever backend the op runs on: a verdict's figures never depend on the backend."""
+    import torch
+
+    from maskln_cli.op.blocked import backward_in_place, forward
+
+    with torch.no_grad():
+        out, mean, rstd = forward(x64, valid, problem.scale, problem.bias, problem.eps)
+        truth = {"out": out}
+        if dy64 is not None:
+            assert mean is not None and rstd is not None
+            grads = backward_in_place(dy64, x64, valid, problem.scale, mean, rstd, problem.eps)
+            truth.update(zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True))
+    return truth, rstd

@@ -88,8 +88,7 @@ def verify_file(
             problem, mask = _as_plain_layer_norm(problem, mask)
         plan = Plan(problem, result, options, verify)
         plan.valid_rows = valid_rows  # the op's valid rows, also where every row is normalized
-        if input_path != STDIO:
-            _suggest_valid_key(plan, input_path, options)
+        _suggest_valid_key(plan, options)
         if mask is not None and mask.left_out == mask.rows:
             _refuse_comparing_nothing(plan, mask)
         job = _Job(plan, mask, options.chunk_rows)
@@ -111,18 +110,18 @@ def _as_plain_layer_norm(problem: Problem, mask: RowMask | None) -> tuple[Proble
     return plain, RowMask(source, leading, keep)
 
 
-def _suggest_valid_key(plan: Plan, input_path: str, options: NormalizeOptions) -> None:
+def _suggest_valid_key(plan: Plan, options: NormalizeOptions) -> None:
     """INPUT holds no mask under --valid-key's name, yet a 0/1 integer or bool tensor of x's
     leading shape: say which option reads it (a note, next to 'every position is valid')."""
     from maskln_cli.verify.findings import mask_candidates
 
     if options.valid_key is not None or not any("every position is valid" in n for n in plan.notes):
         return
-    with open_tensor_file(input_path) as data:
-        found = mask_candidates(data, tuple(plan.problem.shape[:-1]))
+    data = plan.problem.input_file
+    found = mask_candidates(data, tuple(plan.problem.shape[:-1])) if data is not None else []
     if found:
         plan.notes.append(
-            f"{input_path} holds {', '.join(repr(k) for k in found[:3])}, of x's leading shape"
+            f"{data.name} holds {', '.join(repr(k) for k in found[:3])}, of x's leading shape"
             f" and only 0 and 1: did you mean `--valid-key {found[0]}`?"
         )
 

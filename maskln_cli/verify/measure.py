@@ -20,7 +20,7 @@ from maskln_cli.compare.files import threads_for
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.files.problem import GRADIENT_KEYS, Progress
 from maskln_cli.verify.allowance import Allowance
-from maskln_cli.verify.blockwork import Measured, SumShare
+from maskln_cli.verify.blockwork import Measured, SumShare, float64_truth
 from maskln_cli.verify.options import ROW_TENSORS
 from maskln_cli.verify.systematic import FitSums
 
@@ -100,33 +100,16 @@ class StreamingPass:
         }
 
     def _chunk(self, start: int, stop: int, live: dict[str, Checked], sums: _Sums | None) -> None:
-        """Rows ``start:stop`` compared whole, in float64 (NaN and inf included), the truth's
-        gradients by autograd."""
-        from maskln_cli.op.api import masked_layer_normalization
+        """Rows ``start:stop`` compared whole, in float64 (NaN and inf included)."""
         from maskln_cli.verify.budget import RowBudget
 
-        torch = self.torch
         problem = self.problem
         x = problem.x[start:stop]
         valid = problem.valid[start:stop]
         x64 = x.double()
         grad_out = problem.grad_out[start:stop] if sums is not None else None  # type: ignore[index]
         dy64 = grad_out.double() if grad_out is not None else None
-        if dy64 is not None:
-            leaves = [t.detach().requires_grad_() for t in (x64, problem.scale, problem.bias)]
-            with torch.enable_grad():
-                out = masked_layer_normalization(
-                    leaves[0], valid, leaves[1], leaves[2], problem.eps
-                )
-                grads = torch.autograd.grad(out, leaves, dy64)
-            truth = dict(zip(GRADIENT_KEYS, grads, strict=True), out=out.detach())
-        else:
-            with torch.no_grad():
-                truth = {
-                    "out": masked_layer_normalization(
-                        x64, valid, problem.scale, problem.bias, problem.eps
-                    )
-                }
+        truth, _ = float64_truth(problem, x64, valid, dy64)
         self._note_poison(start, x, valid, grad_out)
         sticks = self.work.yardsticks(x, valid, grad_out)
         budgets: dict[torch.dtype, RowBudget] = {}

@@ -131,7 +131,6 @@ def test_inductor_trains_on_transposed_inputs():
 # --- the op checks its inputs, with the public function's messages ---------------------------
 
 BAD = {
-    "int64 all-ones mask": {"valid": torch.ones(3, 4, dtype=torch.int64)},
     "mask of the wrong shape": {"valid": torch.ones(4, 3, dtype=torch.bool)},
     "negative eps": {"eps": -1e-5},
     "nan eps": {"eps": math.nan},
@@ -145,8 +144,8 @@ BAD = {
 
 @pytest.mark.parametrize("name", BAD)
 def test_registered_op_checks_inputs_with_the_public_messages(name):
-    """Through torch.ops (and so in exported graphs) an int64 mask returned zeros, a mask of
-    the wrong shape was accepted and a negative eps gave NaN."""
+    """Through torch.ops (and so in exported graphs) a mask of the wrong shape was accepted and a
+    negative eps gave NaN (an int64 mask returned zeros: the test below)."""
     args = {"x": torch.randn(3, 4, 5), "valid": torch.ones(3, 4, dtype=torch.bool),
             "scale": torch.ones(5), "bias": torch.zeros(5), "eps": 1e-5}  # fmt: skip
     args.update(BAD[name])
@@ -159,6 +158,18 @@ def test_registered_op_checks_inputs_with_the_public_messages(name):
         with pytest.raises(type(public.value)) as through_op:
             OP(*values.values())
         assert str(through_op.value) == str(public.value)
+
+
+def test_an_integer_mask_is_converted_by_the_function_and_refused_by_the_op():
+    """The one mask rule lives in the public function (a 0/1 attention_mask is a mask); the
+    registered op's schema takes a bool mask, so an int64 one is refused there, not zeroed."""
+    x, scale, bias = torch.randn(3, 4, 5), torch.ones(5), torch.zeros(5)
+    ones = torch.tensor([[1, 0, 1, 1]] * 3)
+    torch.testing.assert_close(
+        masked_layer_normalization(x, ones, scale, bias), OP(x, ones.bool(), scale, bias, 1e-5)[0]
+    )
+    with pytest.raises(TypeError, match="valid must be a bool tensor, got int64"):
+        OP(x, ones, scale, bias, 1e-5)
 
 
 def test_registered_op_takes_half_x_with_float32_parameters():
