@@ -5,7 +5,7 @@ Run from the repository root with the project's interpreter::
     .venv/bin/python benchmarks/bench.py               # everything (several minutes)
     .venv/bin/python benchmarks/bench.py --quick       # few repetitions: a smoke test
     .venv/bin/python benchmarks/bench.py --only core   # groups: core, memory, cli; or figures: 1,3
-    .venv/bin/python benchmarks/bench.py --markdown    # the table as Markdown, for the README
+    .venv/bin/python benchmarks/bench.py --markdown    # the table, for docs/performance.md
 
 Every figure but 12 is a ratio "ours / peer" measured side by side in one run, the two contenders
 interleaved run by run (alternating which goes first; in figures 1 and 2, call by call within
@@ -872,7 +872,8 @@ def figure_15(settings: Settings, report: Report, workdir: Path) -> None:
         path.unlink()
 
 
-GRADE_CORRECT = {  # a correct solution, as the README says: every clause passes, strict too
+# A correct solution, as docs/guides/grading.md says: every clause passes, strict too.
+GRADE_CORRECT = {
     "maskln's op": ["maskln_cli:masked_layer_normalization", "--strict"],
     "tests/solutions/correct.py": [str(ROOT / "tests" / "solutions" / "correct.py"), "--strict"],
 }

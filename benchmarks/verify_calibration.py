@@ -1,5 +1,5 @@
 """How ``maskln verify`` judges correct and wrong kernels, over several seeds: the measurements
-behind ``--factor``'s default (README, "Choosing --factor").
+behind ``--factor``'s default (docs/verify-budget.md, "Choosing --factor").
 
 Run from the repository root with the project's interpreter::
 

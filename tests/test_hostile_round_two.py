@@ -1,4 +1,4 @@
-"""Hostile inputs, round two: each test breaks a promise of the README's Guarantees on the code
+"""Hostile inputs, round two: each test breaks a promise of docs/guarantees.md on the code
 before issue 13, and holds it now."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from maskln_cli.op.reference import reference_masked_layer_norm
-from tests.clitools import ROOT, invoke, metadata, read, write
+from tests.clitools import invoke, metadata, read, write
 
 COMMON = {
     "hidden_size": 32,
@@ -226,33 +226,3 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
     )  # fmt: skip
     assert explicit.exit_code == 1 and "likely eps" in explicit.stdout
     assert "or the kernel is right" not in explicit.stdout  # eps was given: not ours to doubt
-
-
-def readme_recipe():
-    """The docs' code block for MaskedLayerNorm inside a transformers model, executed."""
-    readme = (ROOT / "docs" / "op" / "module.md").read_text()
-    marker = "<!-- recipe: tests/test_transformers_checkpoints.py runs this block -->"
-    block = readme.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    namespace: dict[str, object] = {}
-    exec(compile(block, "docs/op/module.md (recipe)", "exec"), namespace)
-    return namespace["use_masked_layer_norms"]
-
-
-@pytest.mark.parametrize("name", ["bert", "gpt2"])
-def test_readme_recipe_swaps_every_layer_norm_and_keeps_valid_positions(name):
-    model, _ = build(name)
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, 40, (len(LENGTHS), max(LENGTHS)), generator=generator)
-    mask = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
-    with torch.no_grad():
-        before = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        state = {key: value.clone() for key, value in model.state_dict().items()}
-        swapped = readme_recipe()(model)
-        after = swapped(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert not any(isinstance(m, torch.nn.LayerNorm) for m in swapped.modules())
-    assert state.keys() == swapped.state_dict().keys()  # the same parameter names
-    assert all(torch.equal(state[k], v) for k, v in swapped.state_dict().items())
-    valid = mask.bool()
-    torch.testing.assert_close(after[valid], before[valid])
-    assert torch.equal(after[~valid], torch.zeros_like(after[~valid]))  # +0.0, every element
-    assert not torch.signbit(after[~valid]).any()

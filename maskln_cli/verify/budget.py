@@ -50,9 +50,9 @@ __all__ = [
 
 DEFAULT_FACTOR = 3.0
 """How many times the modelled rounding a kernel may err by default (``--factor``). Measured
-(README, "Choosing --factor"): correct kernels reach at most about 1.0 of the model (a plain
-sequential float32 sum at offset 1e4; torch's own stays below 0.5), the wrong kernels of the
-suite at least about 6; 3 leaves a margin of about 2 to 3 each way."""
+(docs/verify-budget.md, "Choosing --factor"): correct kernels reach at most about 1.0 of the
+model (a plain sequential float32 sum at offset 1e4; torch's own stays below 0.5), the wrong
+kernels of the suite at least about 6; 3 leaves a margin of about 2 to 3 each way."""
 
 ULPS = 2
 """Units in the last place of the result's dtype that are always allowed."""

@@ -8,12 +8,14 @@ A page's blocks run in order, in a fresh folder of their own (``sample_data``, `
 - ``pyfile`` blocks list a file of the repository (``--8<-- "examples/my_kernel.py"``, which the
   site includes, highlighted as Python); the file must exist and compile.
 - ``pycon`` blocks (``>>>`` prompts) are doctests: the output shown must be the output given.
+- a ``text`` block right after a ``python`` block is what that block prints (stdout).
 - ``console`` blocks are commands after ``$ `` (a line ending in ``\\`` goes on), each followed
   by what it prints, stdout and stderr together, as a terminal shows them, 100 columns wide. A
   plain ``maskln ...`` command runs in this process (Typer's test runner: the same app, without
   importing torch again; ``MASKLN_DOCS_SUBPROCESS=1`` runs it as a real process instead); any
   other runs in bash, with the project's ``.venv/bin`` first on PATH. A line ``...`` (optionally
-  followed by a remark in parentheses) stands for any number of lines.
+  followed by a remark in parentheses) stands for any number of lines, and ``...`` inside a line
+for any text (a version number, say).
 
 Before comparing, both sides are normalized alike: timings (``0.05 s``, ``"seconds": 0.265``,
 ``in 3.21s``) become ``<t>``, the folder's own path is dropped, trailing spaces are ignored.
@@ -30,7 +32,10 @@ after it, counted as before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import doctest
+import io
+import itertools
 import os
 import re
 import shlex
@@ -217,6 +222,17 @@ def normalized(lines: list[str]) -> list[str]:
     return out
 
 
+def line_matches(shown: str, real: str) -> bool:
+    """Whether one real line is the shown one, ``...`` inside it standing for any text."""
+    if shown == real or "..." not in shown:
+        return shown == real
+    return re.fullmatch(".*".join(map(re.escape, shown.split("..."))), real) is not None
+
+
+def _equal(shown: list[str], real: list[str]) -> bool:
+    return len(shown) == len(real) and all(map(line_matches, shown, real))
+
+
 def matches(shown: list[str], real: list[str]) -> bool:
     """Whether the real output is what is shown, a ``...`` line standing for any lines."""
     shown, real = normalized(shown), normalized(real)
@@ -227,18 +243,16 @@ def matches(shown: list[str], real: list[str]) -> bool:
         else:
             pieces[-1].append(line)
     if len(pieces) == 1:
-        return shown == real
+        return _equal(shown, real)
     first, *middle, last = pieces
-    if real[: len(first)] != first or len(real) < len(first) + len(last):
+    if len(real) < len(first) + len(last) or not _equal(first, real[: len(first)]):
         return False
-    if last and real[len(real) - len(last) :] != last:
+    if last and not _equal(last, real[len(real) - len(last) :]):
         return False
     at, stop = len(first), len(real) - len(last)
     for piece in middle:
-        found = next(
-            (i for i in range(at, stop - len(piece) + 1) if real[i : i + len(piece)] == piece),
-            None,
-        )
+        starts = range(at, stop - len(piece) + 1)
+        found = next((i for i in starts if _equal(piece, real[i : i + len(piece)])), None)
         if found is None:
             return False
         at = found + len(piece)
@@ -250,11 +264,20 @@ def regenerated(shown: list[str], real: list[str]) -> list[str]:
     before and after it as were shown."""
     cuts = [i for i, line in enumerate(shown) if ELLIPSIS.match(line)]
     if len(cuts) != 1:
-        return real
+        return _kept(shown, real)
     head, tail = cuts[0], len(shown) - cuts[0] - 1
     if head + tail >= len(real):
-        return real
-    return real[:head] + [shown[cuts[0]]] + (real[len(real) - tail :] if tail else [])
+        return _kept(shown, real)
+    kept = [*_kept(shown[:head], real[:head]), shown[cuts[0]]]
+    return kept + (_kept(shown[head + 1 :], real[len(real) - tail :]) if tail else [])
+
+
+def _kept(shown: list[str], real: list[str]) -> list[str]:
+    """``real``, keeping a shown line with ``...`` inside it where it still matches."""
+    return [
+        shown[i] if i < len(shown) and "..." in shown[i] and line_matches(shown[i], line) else line
+        for i, line in enumerate(real)
+    ]
 
 
 # --- a page --------------------------------------------------------------------------------------
@@ -279,7 +302,9 @@ def run_page(page: Path, folder: Path, update: bool = False) -> int:
     prepare(folder)
     text = page.read_text()
     lines = text.split("\n")
-    blocks = [b for b in blocks_of(text) if b.lang in EXECUTED]
+    every = blocks_of(text)
+    blocks = [b for b in every if b.lang in EXECUTED]
+    printed_by = printed_blocks(every, lines)
     where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
     for block in blocks:
         if block.lang == "python" and "title" in block.attributes:
@@ -298,7 +323,14 @@ def run_page(page: Path, folder: Path, update: bool = False) -> int:
             if block.lang == "pyfile" or "title" in block.attributes:
                 compile(expand_snippets(block), label, "exec")
             elif block.lang == "python":
-                exec(compile(expand_snippets(block), label, "exec"), namespace)
+                shown = printed_by.get(block.start)
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    exec(compile(expand_snippets(block), label, "exec"), namespace)
+                if shown is not None:
+                    new = compare_printed(shown, printed.getvalue(), label, update)
+                    if new is not None:
+                        replacements.append((shown, new))
             elif block.lang == "pycon":
                 run_doctest(block.text, namespace, label)
             else:
@@ -316,6 +348,41 @@ def run_page(page: Path, folder: Path, update: bool = False) -> int:
     return len(blocks)
 
 
+def printed_blocks(every: list[Block], lines: list[str]) -> dict[int, Block]:
+    """The ``text`` blocks that show what a ``python`` block prints: each right after its block
+    (nothing but blank lines between), by the python block's first line."""
+    found = {}
+    for block, after in itertools.pairwise(every):
+        between = lines[block.end + 1 : after.start]
+        if block.lang == "python" and after.lang == "text" and not "".join(between).strip():
+            found[block.start] = after
+    return found
+
+
+def differs(label: str, what: str, real: list[str], shown: list[str]) -> ExampleFailed:
+    """The failure of an example whose output is not what its page shows."""
+    return ExampleFailed(
+        f"{label}: {what}:\n"
+        + "\n".join(real)
+        + "\n\nthe page shows:\n"
+        + "\n".join(shown)
+        + "\n\nregenerate: .venv/bin/python -m tests.docs.runner --update "
+        + shlex.quote(label.split(":")[0])
+    )
+
+
+def compare_printed(shown: Block, printed: str, label: str, update: bool) -> list[str] | None:
+    """Compare what a python block printed with the text block after it; with ``update``, the
+    text block's new lines when they differ."""
+    real = [line.rstrip() for line in printed.rstrip("\n").split("\n")] if printed.strip() else []
+    if matches(shown.lines, real):
+        return None
+    if not update:
+        raise differs(label, "the block printed", real, shown.lines)
+    print(f"{label}: updated what the block prints", file=sys.stderr)
+    return regenerated(shown.lines, real)
+
+
 def run_console(block: Block, folder: Path, label: str, update: bool) -> list[str] | None:
     """Run a console block; with ``update``, the block's new lines when its output changed."""
     new_lines: list[str] = []
@@ -328,14 +395,8 @@ def run_console(block: Block, folder: Path, label: str, update: bool) -> list[st
             new_lines += command.shown
             continue
         if not update:
-            raise ExampleFailed(
-                f"{label}: $ {command.command}\n(exit code {code}) printed:\n"
-                + "\n".join(real)
-                + "\n\nthe page shows:\n"
-                + "\n".join(command.shown)
-                + "\n\nregenerate: .venv/bin/python -m tests.docs.runner --update "
-                + shlex.quote(label.split(":")[0])
-            )
+            what = f"$ {command.command}\n(exit code {code}) printed"
+            raise differs(label, what, real, command.shown)
         changed = True
         new_lines += regenerated(command.shown, real)
         print(f"{label}: updated the output of $ {first} (exit code {code})", file=sys.stderr)

@@ -88,3 +88,32 @@ def test_regenerated_keeps_as_many_lines_around_the_ellipsis():
     shown = ["h1", "h2", "...  (the rest)", "t1"]
     assert regenerated(shown, ["H1", "H2", "x", "y", "T1"]) == ["H1", "H2", "...  (the rest)", "T1"]
     assert regenerated(shown, ["H1", "T1"]) == ["H1", "T1"]
+
+
+PRINTING = """```python
+print("version 2.13.0")
+print("done")
+```
+
+```text
+version ...
+done
+```
+"""
+
+
+def test_a_text_block_after_a_python_block_is_what_it_prints(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text(PRINTING)
+    assert run_page(page, tmp_path / "run") == 1
+    page.write_text(PRINTING.replace("done\n```\n", "finished\n```\n"))
+    with pytest.raises(ExampleFailed):
+        run_page(page, tmp_path / "run")
+    run_page(page, tmp_path / "run", update=True)
+    assert page.read_text() == PRINTING  # "version ..." still matches: kept
+
+
+def test_an_ellipsis_inside_a_line_stands_for_any_text():
+    assert matches(["maskln_version   ..."], ["maskln_version   0.1.0"])
+    assert not matches(["maskln_version   ..."], ["torch_version    2.13.0"])
+    assert not matches(["a ... z"], ["a b", "z"])  # within one line only

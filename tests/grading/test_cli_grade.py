@@ -395,7 +395,8 @@ def unprivileged_python() -> tuple[str, dict]:
 
 @LINUX
 def test_a_same_user_process_cannot_open_the_graders_stdout_while_it_grades():
-    """Root can anyway (the threat model, README); as another user this runs unprivileged."""
+    """Root can anyway (the threat model, docs/grading/sandbox.md); as another user this runs
+    unprivileged."""
     python, options = unprivileged_python()
     probe = subprocess.run(
         [python, "-c", NOT_DUMPABLE_PROBE, str(ROOT)],

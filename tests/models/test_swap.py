@@ -94,8 +94,9 @@ def test_a_mask_passed_positionally_to_bert_zeroes_the_padding():
 
 
 def test_deepcopy_and_averaged_models_use_each_batchs_own_mask():
-    """The README recipe's failure: its mask lived in a hook's closure, so a deep copy kept
-    feeding the original's norms and used the previous batch's mask in its own."""
+    """The failure of the recipe swap_layer_norms replaced (docs/op/module.md had it): its mask
+    lived in a hook's closure, so a deep copy kept feeding the original's norms and used the
+    previous batch's mask in its own."""
     torch.manual_seed(0)
     model, _ = build("bert")
     model.train()  # dropout: the models' outputs differ, each is checked on its own

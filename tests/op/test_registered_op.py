@@ -258,7 +258,8 @@ def test_torch_func_first_derivatives_run_the_kernels(monkeypatch):
 def test_autocast_compiles_to_one_graph_with_fullgraph():
     """Under autocast the hand-written autocast_off broke fullgraph, and one norm made 9 or 10
     graphs; a swapped BERT made 18 where stock BERT makes 1."""
-    from tests.test_transformers_checkpoints import LENGTHS, build, readme_recipe
+    from tests.op.hand_written_swap import use_masked_layer_norms
+    from tests.test_transformers_checkpoints import LENGTHS, build
 
     x, valid = torch.randn(2, 5, 8), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     norm = MaskedLayerNorm(8)
@@ -270,7 +271,7 @@ def test_autocast_compiles_to_one_graph_with_fullgraph():
     model, _ = build("bert")
     ids = torch.randint(2, 40, (len(LENGTHS), max(LENGTHS)))
     mask = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
-    swapped = readme_recipe()(model)
+    swapped = use_masked_layer_norms(model)
     torch._dynamo.reset()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(swapped)(input_ids=ids, attention_mask=mask)

@@ -1,7 +1,7 @@
 """Kernels judged by `maskln verify`'s error budget (tests/kernels.py): correct ones pass on
 data where float32 is at its worst, wrong ones fail with the right words and diagnosis.
 
-The README's table of kernels and verdicts is measured over more seeds by
+The table of kernels and verdicts in docs/verify-budget.md is measured over more seeds by
 benchmarks/verify_calibration.py; these hold each of its findings.
 """
 
@@ -124,7 +124,8 @@ def test_the_nan_leaking_one_liner_fails_on_its_gradients(tmp_path, data):
 
 def test_a_mistake_below_the_datas_float32_resolution_passes(tmp_path):
     """A one-pass variance does not cancel on rows centred on 0: its error is rounding, as
-    large as PyTorch's own and without structure. Such a kernel passes (README: the table)."""
+    large as PyTorch's own and without structure. Such a kernel passes (docs/verify-budget.md:
+    the table)."""
     inputs = DATA["offset 0"](0)
     document, figures = judge(tmp_path, inputs, kernels.run(kernels.one_pass, inputs))
     assert document["passed"] and "systematic" not in figures["out"]
