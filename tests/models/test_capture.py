@@ -11,6 +11,7 @@ deliberately wrong layer norm.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import warnings
 import weakref
@@ -170,6 +171,21 @@ def test_maskln_verify_passes_on_the_dumps_and_fails_on_a_wrong_layer_norm(tmp_p
     for file in wrong_run.files:
         expected = 1 if metadata(file)["module"] == wrong_path else 0
         assert verify(file, "--valid", f"{file}:valid") == expected, file.name
+    # The folders in one command each: every layer norm passes; the wrong one alone fails.
+    assert verified_folder(tmp_path / "right") == {}
+    assert verified_folder(tmp_path / "wrong") == {wrong_path: False}
+
+
+def verified_folder(folder) -> dict[str, bool]:
+    """``maskln verify FOLDER/ --json``: each file judged on its valid rows, by its metadata;
+    the modules whose file failed (and the exit code agrees)."""
+    result = invoke("verify", folder, "--json")
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == len(list(folder.glob("*.safetensors"))), result.stdout
+    assert all(row["status"] == "checked" for row in rows), result.stdout
+    failed = {row["module"]: row["passed"] for row in rows if not row["passed"]}
+    assert result.exit_code == (1 if failed else 0), result.stderr
+    return failed
 
 
 def test_a_swapped_models_dumps_zero_the_padding_and_pass_whole(tmp_path):
