@@ -271,7 +271,13 @@ class Plan:
             "checked": list(self.names),
             "strict": self.verify.strict,
             **self._lower_precision_context(),
+            # Rows left out by --plain-layer-norm are INPUT's invalid rows, not --valid's.
+            **({"rows_left_out_by": self._left_out_by()} if self.verify.plain_layer_norm else {}),
         }
+
+    def _left_out_by(self) -> str:
+        plain = "--plain-layer-norm: INPUT's invalid rows"
+        return f"--valid and {plain}" if self.verify.valid is not None else plain
 
     def _lower_precision_context(self) -> dict[str, object]:
         """``lower_precision`` (only when some tensor is judged in a coarser dtype than x's):

@@ -190,3 +190,17 @@ def test_a_lower_precision_is_said_and_each_tensor_judged_in_its_own_dtype(tmp_p
         in (tensors["grad_scale"]["problems"][0])
     )
     assert document["lower_precision"]["tensors"] == {"out": "float16", "grad_x": "float16"}
+
+
+def test_rows_left_out_by_plain_layer_norm_are_not_said_to_be_valids(tmp_path):
+    """The report said 'left out N rows (--valid)' under --plain-layer-norm alone."""
+    t = inputs()
+    source = write(tmp_path / "in.safetensors", t)
+    target = write(tmp_path / "result.safetensors", {"out": plain(t)})
+    left_out = int((~t["valid"]).sum())
+    done = invoke("verify", source, target, "--plain-layer-norm")
+    assert done.exit_code == 0, done.stdout
+    assert f"left out         {left_out} rows (--plain-layer-norm: INPUT's invalid rows)" in (
+        done.stdout
+    )
+    assert "(--valid)" not in done.stdout

@@ -167,7 +167,8 @@ def _tensor_block(tensor: TensorComparison, report: ComparisonReport) -> object:
     if tensor.mismatched is not None:
         grid.add_row("  mismatched", _mismatched(tensor))
         if tensor.rows_left_out is not None:
-            grid.add_row("  left out", f"{tensor.rows_left_out:,} rows (--valid)")
+            by = report.context.get("rows_left_out_by", "--valid")
+            grid.add_row("  left out", f"{tensor.rows_left_out:,} rows ({safe(str(by))})")
         if verify:
             _error_rows(grid, tensor, report)
         else:
