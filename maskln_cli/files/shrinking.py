@@ -21,6 +21,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 EXIT_CODE = 2
@@ -34,6 +35,9 @@ _writing: list[int] = [0]
 _lock = threading.Lock()
 _installed: list[object] = []
 """The ctypes handler, kept alive for the life of the process once installed."""
+_ending = threading.Lock()
+"""Taken by the first thread to fault: several threads reading the same mapping fault together,
+and each would print the message (``os.write`` lets the others run) before ``_exit``."""
 
 
 @contextlib.contextmanager
@@ -88,6 +92,9 @@ def shrunk() -> list[str]:
 
 def _on_sigbus(signum: int) -> None:
     """Runs inside the signal handler: plain system calls only, then ``_exit``."""
+    if not _ending.acquire(blocking=False):
+        while True:  # another thread is already reporting and ending the process
+            time.sleep(1)
     try:
         names = shrunk()
         if names:

@@ -282,3 +282,44 @@ def test_shrunk_names_a_watched_file_that_shrank(tmp_path):
         os.truncate(path, 10)
         assert shrinking.shrunk() == ["f-as-named"]
     assert shrinking.shrunk() == []
+
+
+_MANY_THREADS_FAULT = """
+import mmap, os, sys, threading
+import torch
+from maskln_cli.files import shrinking
+shrinking.install_handler()
+path = sys.argv[1]
+with open(path, "wb") as f:
+    f.write(b"\\1" * (64 << 20))
+f = open(path, "rb")
+mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+with shrinking.watch(path, f.fileno()):
+    os.truncate(path, 4096)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)[4096:]
+    start = threading.Barrier(8)
+    def touch(part):
+        start.wait()
+        part.sum()
+    threads = [threading.Thread(target=touch, args=(p,)) for p in data.chunk(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_threads_faulting_together_print_one_line(tmp_path, attempt):
+    # verify reads one mapping from several threads: each faults, and each used to print the
+    # message before the first one's _exit (about half the runs of this script, before the fix).
+    path = tmp_path / "mapped"
+    process = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _MANY_THREADS_FAULT, str(path)],
+        capture_output=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
+    assert process.returncode == 2, process.stderr
+    assert_one_line_error(process.stderr, f"{path}: the file shrank while it was being read")
