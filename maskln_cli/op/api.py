@@ -6,7 +6,13 @@ import torch
 
 import maskln_cli.op.library  # noqa: F401  (defines torch.ops.maskln.masked_layer_norm)
 from maskln_cli.op import backend
-from maskln_cli.op.autograd import MaskedLayerNormFunction, observed, traced, transformed
+from maskln_cli.op.autograd import (
+    MaskedLayerNormFunction,
+    apply_eager,
+    observed,
+    traced,
+    transformed,
+)
 from maskln_cli.op.checks import as_valid_mask, check_inputs
 
 __all__ = ["masked_layer_normalization"]
@@ -62,5 +68,5 @@ def masked_layer_normalization(
     if transformed():  # torch.func or forward-mode AD: the op's autograd and vmap rules
         return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or bias.requires_grad):
-        return MaskedLayerNormFunction.apply(x, valid, scale, bias, eps)[0]
+        return apply_eager(MaskedLayerNormFunction, x, valid, scale, bias, eps)[0]
     return backend.forward(x, valid, scale, bias, eps, keep_statistics=False)[0]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad
-from torch._functorch.utils import enable_single_level_autograd_function
+from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
 
 from maskln_cli.op import backend
 from maskln_cli.op.checks import compute_dtype
@@ -54,7 +54,7 @@ def legacy_batched(tensor: torch.Tensor) -> bool:
 
 def traced(*tensors: torch.Tensor) -> bool:
     """Fake, meta or other tensor subclasses (tracing, export): the registered op's path."""
-    return any(type(t) not in PLAIN or t.device.type == "meta" for t in tensors)
+    return any(type(t) not in PLAIN or t.is_meta for t in tensors)
 
 
 def observed() -> bool:
@@ -108,6 +108,14 @@ def apply_one_level(function: type[torch.autograd.Function], *args: Any) -> Any:
     ``apply`` would route through all of them again)."""
     with enable_single_level_autograd_function():
         return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
+
+
+def apply_eager(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)`` for plain tensors outside torch.func's transforms, every
+    argument given: ``Function.apply`` binds default arguments through ``inspect.signature``
+    on every call, which costs more than the whole op on a small tensor."""
+    args = unwrap_dead_wrappers(args)  # as Function.apply does
+    return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
 def run_forward(
