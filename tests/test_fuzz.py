@@ -126,6 +126,12 @@ def draw_case(data: st.DataObject, workspace: Workspace) -> Case:
     return case
 
 
+def path_or_stdin(path: Path, data: bytes, from_stdin: bool) -> tuple[Path | str, bytes | None]:
+    """How a command reads the mutated file: its argument and the run's input (``-`` and the
+    bytes on stdin, or the path and no input)."""
+    return ("-", data) if from_stdin else (path, None)
+
+
 def _verdict(outcome) -> str:
     """A coarse label for hypothesis' statistics: exit code and the kind of error."""
     if outcome.exit_code != 2:
@@ -227,8 +233,7 @@ def test_fuzz_params_and_grad_out_files(workspace, data, params_from_stdin):
         target.write_bytes(SENTINEL)
         spool = folder / "spool"
         source = workspace.inputs["f32"]
-        side_arg = "-" if params_from_stdin else side
-        stdin = case.data if params_from_stdin else None
+        side_arg, stdin = path_or_stdin(side, case.data, params_from_stdin)
         for option in ("--params", "--grad-out"):
             result = run_in_process(
                 "normalize", source, target, option, side_arg, input=stdin, spool_dir=spool
@@ -364,21 +369,12 @@ def test_fuzz_verify(workspace, data, input_from_stdin, expected_from_stdin):
         source.write_bytes(case.data)
         spool = folder / "spool"
         expected = workspace.expected[case.base]
-        as_input = run_in_process(
-            "verify",
-            "-" if input_from_stdin else source,
-            expected,
-            input=case.data if input_from_stdin else None,
-            spool_dir=spool,
-        )
+        argument, stdin = path_or_stdin(source, case.data, input_from_stdin)
+        as_input = run_in_process("verify", argument, expected, input=stdin, spool_dir=spool)
         check_outcome(as_input, {0, 1, 2})
+        argument, stdin = path_or_stdin(source, case.data, expected_from_stdin)
         as_expected = run_in_process(
-            "verify",
-            workspace.inputs[case.base],
-            "-" if expected_from_stdin else source,
-            "--json",
-            input=case.data if expected_from_stdin else None,
-            spool_dir=spool,
+            "verify", workspace.inputs[case.base], argument, "--json", input=stdin, spool_dir=spool
         )
         check_outcome(as_expected, {0, 1, 2})
         if as_expected.exit_code in (0, 1):
@@ -408,15 +404,11 @@ def test_fuzz_diff(workspace, data, mutated_from_stdin):
         source.write_bytes(case.data)
         spool = folder / "spool"
         base = workspace.inputs[case.base]
-        stdin_side = "-" if mutated_from_stdin else source
-        stdin = case.data if mutated_from_stdin else None
+        stdin_side, stdin = path_or_stdin(source, case.data, mutated_from_stdin)
         forward = run_in_process("diff", stdin_side, base, input=stdin, spool_dir=spool)
         check_outcome(forward, {0, 1, 2})
-        other = source if mutated_from_stdin else "-"
-        backward = run_in_process(
-            "diff", base, other, "--json",
-            input=None if mutated_from_stdin else case.data, spool_dir=spool,
-        )  # fmt: skip
+        other, stdin = path_or_stdin(source, case.data, not mutated_from_stdin)
+        backward = run_in_process("diff", base, other, "--json", input=stdin, spool_dir=spool)
         check_outcome(backward, {0, 1, 2})
         assert (forward.exit_code == 2) == (backward.exit_code == 2), (
             f"{forward.describe()}\n{backward.describe()}"

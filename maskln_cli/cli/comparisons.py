@@ -11,7 +11,7 @@ import typer
 from maskln_cli.cli.failures import (
     EXIT_ERROR,
     EXIT_MISMATCH,
-    quiet_when_stdout_closes,
+    end_with_report,
     reports_errors,
 )
 from maskln_cli.cli.options import (
@@ -290,25 +290,21 @@ def _finish_folder(report: FolderReport, json_output: bool, quiet: bool) -> None
     from maskln_cli.cli.report.folder import print_json_lines, render_folder
 
     # A file that could not be judged is an error of its input: exit 2, as for one file.
-    code = EXIT_ERROR if report.errors else 0 if report.passed else EXIT_MISMATCH
-    with quiet_when_stdout_closes(code):
-        if json_output:
-            print_json_lines(report)
-        else:
-            render_folder(report, quiet=quiet)
-    if code:
-        raise typer.Exit(code)
+    end_with_report(
+        EXIT_ERROR if report.errors else 0 if report.passed else EXIT_MISMATCH,
+        json_output,
+        lambda: print_json_lines(report),
+        lambda: render_folder(report, quiet=quiet),
+    )
 
 
 def _finish_comparison(result: ComparisonReport, json_output: bool, quiet: bool) -> None:
     from maskln_cli.cli.report.comparison import render_comparison
     from maskln_cli.cli.report.json_output import print_json
 
-    code = 0 if result.passed else EXIT_MISMATCH
-    with quiet_when_stdout_closes(code):
-        if json_output:
-            print_json(result.to_dict())
-        else:
-            render_comparison(result, quiet=quiet)
-    if code:
-        raise typer.Exit(code)
+    end_with_report(
+        0 if result.passed else EXIT_MISMATCH,
+        json_output,
+        lambda: print_json(result.to_dict()),
+        lambda: render_comparison(result, quiet=quiet),
+    )

@@ -109,3 +109,20 @@ def quiet_when_stdout_closes(code: int) -> Any:
     except StdoutClosed:
         detach_broken_stdout()
         raise typer.Exit(code) from None
+
+
+def end_with_report(
+    code: int,
+    json_output: bool,
+    print_json: Callable[[], None],
+    render: Callable[[], None],
+) -> None:
+    """A command's last step: its result as JSON (``--json``) or as its report, then exit with
+    ``code``, the verdict's (0: none); a reader that closes stdout ends it with the same code."""
+    with quiet_when_stdout_closes(code):
+        if json_output:
+            print_json()
+        else:
+            render()
+    if code:
+        raise typer.Exit(code)

@@ -11,6 +11,7 @@ import typer
 from maskln_cli.cli.failures import (
     EXIT_ERROR,
     EXIT_MISMATCH,
+    end_with_report,
     quiet_when_stdout_closes,
     reports_errors,
 )
@@ -193,14 +194,12 @@ def _grade_one(target: str, options: dict, json_output: bool, quiet: bool) -> No
             contain_processes=True,  # this process does nothing else: detached processes come back
             progress=progress,
         )
-    code = 0 if result.passed else EXIT_MISMATCH
-    with quiet_when_stdout_closes(code):
-        if json_output:
-            print_json(result.to_dict())
-        else:
-            render_grade(result, quiet=quiet)
-    if code:
-        raise typer.Exit(code)
+    end_with_report(
+        0 if result.passed else EXIT_MISMATCH,
+        json_output,
+        lambda: print_json(result.to_dict()),
+        lambda: render_grade(result, quiet=quiet),
+    )
 
 
 def _grade_class(

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskln_cli.cli.failures import quiet_when_stdout_closes, reports_errors
+from maskln_cli.cli.failures import end_with_report, reports_errors
 
 
 @reports_errors(writes=False)
@@ -60,8 +60,6 @@ def inspect(
 
     with progress_bar(f"inspect {path}", enabled=not keys_only) as progress:
         summary = summarize_file(path, patterns or (), progress, keys_only)
-    with quiet_when_stdout_closes(0):
-        if json_output:
-            print_json(summary.to_dict())
-        else:
-            render_file_summary(summary)
+    end_with_report(
+        0, json_output, lambda: print_json(summary.to_dict()), lambda: render_file_summary(summary)
+    )

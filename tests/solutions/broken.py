@@ -33,8 +33,14 @@ def _row_sum(t):
     return t.sum(dim=tuple(range(t.dim() - 1))) if t.dim() > 1 else t
 
 
-def _analytic_gradients(dy, x, valid, scale, eps, row_sum=_row_sum):
-    """dx, dscale, dbias of sum(y * dy), in differentiable torch ops (so it has a backward)."""
+def _row_mean(t):
+    return t.mean(dim=-1, keepdim=True)
+
+
+def _analytic_gradients(dy, x, valid, scale, eps, row_sum=_row_sum, row_mean=_row_mean):
+    """dx, dscale, dbias of sum(y * dy), in differentiable torch ops (so it has a backward);
+    ``row_sum`` (over the leading axes) and ``row_mean`` (dx's two means over C) are where a
+    buggy kernel's reductions go wrong."""
     keep = valid.unsqueeze(-1)
     xs = x.masked_fill(~keep, 0.0)
     centered = xs - xs.mean(dim=-1, keepdim=True)
@@ -42,8 +48,8 @@ def _analytic_gradients(dy, x, valid, scale, eps, row_sum=_row_sum):
     xhat = centered * rstd
     dy = dy.masked_fill(~keep, 0.0)
     wdy = dy * scale
-    c1 = (wdy * xhat).mean(dim=-1, keepdim=True)
-    dx = (rstd * (wdy - wdy.mean(dim=-1, keepdim=True) - xhat * c1)).masked_fill(~keep, 0.0)
+    c1 = row_mean(wdy * xhat)
+    dx = (rstd * (wdy - row_mean(wdy) - xhat * c1)).masked_fill(~keep, 0.0)
     return dx, row_sum(dy * xhat), row_sum(dy)
 
 
@@ -204,16 +210,11 @@ class _RemainderlessBackwardKernel(_Kernel):
     @staticmethod
     def backward(ctx, dy):
         x, valid, scale = ctx.saved_tensors
-        keep = valid.unsqueeze(-1)
-        xs = x.masked_fill(~keep, 0.0)
-        centered = xs - xs.mean(dim=-1, keepdim=True)
-        rstd = torch.rsqrt((centered * centered).mean(dim=-1, keepdim=True) + ctx.eps)
-        xhat = centered * rstd
-        dy = dy.masked_fill(~keep, 0.0)
-        wdy = dy * scale
         # The mistake: the backward's two row reductions lose the last C % 8 channels.
-        dx = rstd * (wdy - _mean_of_body(wdy) - xhat * _mean_of_body(wdy * xhat))
-        return dx.masked_fill(~keep, 0.0), None, _row_sum(dy * xhat), _row_sum(dy), None
+        dx, dscale, dbias = _analytic_gradients(
+            dy, x, valid, scale, ctx.eps, row_mean=_mean_of_body
+        )
+        return dx, None, dscale, dbias, None
 
 
 def backward_drops_channel_remainder(x, valid, scale, bias, eps=1e-05):

@@ -5,7 +5,7 @@ realistic size or in half precision. Each fails the clause named in its docstrin
 
 import torch
 
-from tests.solutions.broken import _Kernel, _row_sum
+from tests.solutions.broken import _analytic_gradients, _Kernel
 from tests.solutions.correct import masked_layer_normalization as correct
 
 WARP = 32
@@ -19,19 +19,12 @@ class _WarpBackwardKernel(_Kernel):
         x, valid, scale = ctx.saved_tensors
         if x.shape[-1] <= WARP:
             return _Kernel.backward(ctx, dy)
-        keep = valid.unsqueeze(-1)
-        xs = x.masked_fill(~keep, 0.0)
-        centered = xs - xs.mean(dim=-1, keepdim=True)
-        rstd = torch.rsqrt((centered * centered).mean(dim=-1, keepdim=True) + ctx.eps)
-        xhat = centered * rstd
-        dy = dy.masked_fill(~keep, 0.0)
-        wdy = dy * scale
 
         def warp_mean(t):  # the mistake: one warp's lanes only, not a loop over the row
             return t[..., :WARP].sum(dim=-1, keepdim=True) / t.shape[-1]
 
-        dx = rstd * (wdy - warp_mean(wdy) - xhat * warp_mean(wdy * xhat))
-        return dx.masked_fill(~keep, 0.0), None, _row_sum(dy * xhat), _row_sum(dy), None
+        dx, dscale, dbias = _analytic_gradients(dy, x, valid, scale, ctx.eps, row_mean=warp_mean)
+        return dx, None, dscale, dbias, None
 
 
 def backward_wrong_past_a_warp(x, valid, scale, bias, eps=1e-05):
