@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.compare.comparison import Comparison
+    from maskln_cli.verify.budget import RowBudget
     from maskln_cli.verify.plan import Plan
 
 
@@ -42,17 +43,22 @@ class Allowance:
         inputs: tuple[torch.Tensor, ...],
         rows: torch.Tensor | None,
         later: bool = False,
+        budget: RowBudget | None = None,
     ) -> dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]:
         """The allowance pieces of some rows of a block (None: all of them) for
         :meth:`Comparison.measure`, from the block's ``inputs`` (x in float64, valid, the
         truth, the yardstick and its error, and for grad_x the upstream gradient in float64);
-        ``later``, a function making them from copies of just those rows."""
+        ``later``, a function making them from copies of just those rows. ``budget``, the
+        block's RowBudget when the caller has it: its rows' statistics are taken, not computed
+        again from x."""
         if rows is None:
-            return self.pieces(comparison, *inputs)
+            return self.pieces(comparison, *inputs, budget=budget)
+        if budget is not None:
+            budget = budget.rows(rows)
         some = [t.index_select(0, rows) for t in inputs]
         if later:
-            return functools.partial(self.pieces, comparison, *some)
-        return self.pieces(comparison, *some)
+            return functools.partial(self.pieces, comparison, *some, budget=budget)
+        return self.pieces(comparison, *some, budget=budget)
 
     def pieces(
         self,
@@ -63,15 +69,20 @@ class Allowance:
         guess: torch.Tensor,
         error: torch.Tensor,
         grad_out: torch.Tensor | None = None,
+        budget: RowBudget | None = None,
     ) -> dict[str, torch.Tensor]:
         """The allowance pieces of rows of x (float64), as those of a whole chunk are made;
-        those of grad_x with the upstream gradient ``grad_out`` (float64)."""
+        those of grad_x with the upstream gradient ``grad_out`` (float64). ``budget``: these
+        rows' RowBudget, if the caller has it (in any judged dtype)."""
         from maskln_cli.verify.budget import RowBudget
 
         problem = self.problem
         if self.mode == "budget":
             precision = self.precisions[self.judges.get(comparison.name, self.judge)]
-            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
+            if budget is None:
+                budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
+            else:
+                budget = budget.judged_in(precision)
             model = budget.out() if grad_out is None else budget.grad_x(grad_out)
             return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error)
         allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)

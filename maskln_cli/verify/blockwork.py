@@ -116,6 +116,13 @@ class BlockWork:
         dy64 = grad_out.double() if grad_out is not None else None
         truth, rstd = float64_truth(problem, x64, valid, dy64)
         sticks = self.yardsticks(x, valid, grad_out)
+        # With gradients the block's rows' budget statistics are needed for the sums anyway:
+        # made once, and taken by the allowances of out and grad_x too (else made from x
+        # for just the rows that need them).
+        budget = None
+        if dy64 is not None and streaming.mode == "budget":
+            precision = streaming.precisions[streaming.judge]
+            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
         figures: dict[str, BlockFigures] = {}
@@ -138,7 +145,9 @@ class BlockWork:
             inputs = (x64, valid, reference, guess, error)
             if name == "grad_x":
                 inputs += (dy64,)  # type: ignore[assignment]
-            allowance_of = functools.partial(streaming.allowance.of_rows, comparison, inputs)
+            allowance_of = functools.partial(
+                streaming.allowance.of_rows, comparison, inputs, budget=budget
+            )
             # Every element of a valid row is allowed atol or more: what is always allowed
             # (budget.floor) adds it, and the allowance is at least that.
             measured = comparison.measure(
@@ -159,10 +168,12 @@ class BlockWork:
                 dtype = (checked.judge if checked else None) or streaming.judge
                 sums.judged[name] = getattr(sticks[dtype], name).double()
                 if dtype not in sums.budgets:
-                    rows = RowBudget(
-                        x64, valid, problem.scale, problem.bias, problem.eps,
-                        streaming.precisions[dtype],
-                    )  # fmt: skip
+                    if budget is None:
+                        budget = RowBudget(
+                            x64, valid, problem.scale, problem.bias, problem.eps,
+                            streaming.precisions[dtype],
+                        )  # fmt: skip
+                    rows = budget.judged_in(streaming.precisions[dtype])
                     sums.budgets[dtype] = rows.share_of_sums(dy64)
         return Measured(figures, fit, sums)
 

@@ -27,6 +27,7 @@ channel-sized accumulators (:class:`SumBudget`).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -140,29 +141,58 @@ class RowBudget:
         precision: Precision,
     ) -> None:
         self.valid = valid.unsqueeze(1)
-        self.precision = p = precision
         self.scale, self.bias = scale, bias
         # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
         if not math.isfinite(float(x.sum())):
             x = torch.where(self.valid & x.isfinite(), x, 0.0)
         elif not bool(self.valid.all()):
             x = torch.where(self.valid, x, 0.0)
-        channels = x.shape[-1]
+        self.channels = x.shape[-1]
         mean = x.mean(dim=-1, keepdim=True)
         centered = x - mean
         self.rstd = (centered.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
         self.xhat = centered.mul_(self.rstd)
         self.offset = x.abs().mean(dim=-1, keepdim=True).mul_(self.rstd)  # A
+        self._judged_in(precision)
+
+    def _judged_in(self, precision: Precision) -> None:
+        """What depends on the judged dtype (the rest is the rows' statistics, in float64)."""
+        self.precision = precision
         # Relative perturbation of the normalization per unit of A: the mean's rounding in a
         # sum of C terms, and x's own rounding to the kernel's dtype.
-        self.e0 = math.sqrt(channels) * p.reduce + p.x
+        self.e0 = math.sqrt(self.channels) * precision.reduce + precision.x
         perturbation = self.e0 * self.offset
         # Once the perturbation is not small (x rounded to bfloat16 at an offset of 1e3 moves
         # each value by a good part of the row's spread), the variance itself moves: second
         # order, and a growth of the first-order terms.
         self.e2 = perturbation.square()
         self.growth = (1 + perturbation).square()
-        self.channels = channels
+
+    def judged_in(self, precision: Precision) -> RowBudget:
+        """The same rows judged in another dtype: their statistics are not computed again."""
+        if precision == self.precision:
+            return self
+        other = copy.copy(self)
+        other._judged_in(precision)
+        return other
+
+    def rows(self, index: torch.Tensor) -> RowBudget:
+        """The budget of rows ``index`` alone, the same bits as a RowBudget made from them:
+        every statistic is a row's own (its reductions run along the row, whatever the rows
+        beside it), so it is taken from these rows' instead of being computed again."""
+        some = copy.copy(self)
+        for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
+            setattr(some, name, getattr(self, name).index_select(0, index))
+        return some
+
+    def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """``grad_out`` (float64) with 0 on invalid rows and for NaN and inf."""
+        dy = torch.where(self.valid, grad_out, 0.0)
+        # A finite float64 sum means every value is finite (float32 and half values cannot
+        # overflow it): then isfinite, a pass over the rows, is not needed.
+        if math.isfinite(float(dy.sum())):
+            return dy
+        return torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
 
     def out(self) -> torch.Tensor:
         """The model of ``out``'s error."""
@@ -186,19 +216,20 @@ class RowBudget:
         p = self.precision
         e1 = self.e0 + p.store
         ed = math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
-        dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
-        wdy = dy * self.scale
+        wdy = self.upstream(grad_out).mul_(self.scale)
         xhat_abs = self.xhat.abs()
-        k2 = (self.xhat * wdy).abs().mean(dim=-1, keepdim=True)  # |c1| at most
-        k3 = wdy.abs().mean(dim=-1, keepdim=True)  # |c2| at most
+        products = self.xhat * wdy
+        c1 = products.mean(dim=-1, keepdim=True)
+        k2 = products.abs_().mean(dim=-1, keepdim=True)  # |c1| at most
+        wdy_abs = wdy.abs()
+        k3 = wdy_abs.mean(dim=-1, keepdim=True)  # |c2| at most
         k1 = self.offset * k3 + k2  # mean((A + |xhat|) * |wdy|)
-        c1 = (self.xhat * wdy).mean(dim=-1, keepdim=True)
-        dx = (wdy - self.xhat * c1 - wdy.mean(dim=-1, keepdim=True)).mul_(self.rstd)
-        model = (
-            (self.offset + xhat_abs) * k2 * e1
-            + xhat_abs * k1 * e1
-            + (xhat_abs * k2 + k3 + wdy.abs()) * ed
-        ).mul_(self.rstd)
+        dx = (wdy - self.xhat * c1).sub_(wdy.mean(dim=-1, keepdim=True)).mul_(self.rstd)
+        # In place where the order of operations allows: the same bits, fewer temporaries.
+        model = (self.offset + xhat_abs).mul_(k2).mul_(e1)
+        model += (xhat_abs * k1).mul_(e1)
+        model += xhat_abs.mul_(k2).add_(k3).add_(wdy_abs).mul_(ed)
+        model.mul_(self.rstd)
         model += dx.abs_().mul_(e1 + self.e2 + p.store)
         return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
 
@@ -211,12 +242,12 @@ class RowBudget:
 
     def add_to(self, sums: SumBudget, grad_out: torch.Tensor) -> None:
         """Add this chunk's share of the grad_scale and grad_bias models to ``sums``."""
-        dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
+        dy = self.upstream(grad_out)
         term = dy * self.xhat  # grad_scale sums these over rows
         sums.rows += int(self.valid.sum())
-        sums.scale_squares += term.square().sum(dim=0)
-        sums.bias_squares += dy.square().sum(dim=0)
-        moved = dy.abs() * (self.offset + self.xhat.abs()) * self.growth
+        sums.scale_squares += term.square_().sum(dim=0)
+        sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
+        moved = self.xhat.abs().add_(self.offset).mul_(dy.abs_()).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
 
 
@@ -377,9 +408,13 @@ def yardstick(
             out = F.layer_norm(rows, (channels,), weight, shift, eps)
             return Yardstick(out.index_fill_(0, invalid, 0.0))
     rows = torch.where(keep, x.to(dtype), zero)
-    leaves = [t.detach().requires_grad_() for t in (rows, weight, shift)]
-    with torch.enable_grad():
-        out = torch.where(keep, F.layer_norm(leaves[0], (channels,), *leaves[1:], eps), zero)
-        upstream = torch.where(keep, grad_out.to(dtype), zero)
-        grads = torch.autograd.grad(out, leaves, upstream)
-    return Yardstick(out.detach(), *grads)
+    upstream = torch.where(keep, grad_out.to(dtype), zero)
+    # The kernels autograd runs for F.layer_norm and its backward, called directly: the same
+    # bits (the backward of torch.where passes the upstream gradient, already 0 on the
+    # padding), without autograd's graph and its first call's imports (sympy, a second or two).
+    with torch.no_grad():
+        normalized, mean, rstd = torch.native_layer_norm(rows, (channels,), weight, shift, eps)
+        grads = torch.ops.aten.native_layer_norm_backward(
+            upstream, rows, (channels,), mean, rstd, weight, shift, (True, True, True)
+        )
+    return Yardstick(torch.where(keep, normalized, zero), *grads)
