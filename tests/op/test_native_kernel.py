@@ -376,6 +376,12 @@ def test_non_contiguous_parameters_and_valid(lib):
 # --- determinism and instruction sets ------------------------------------------------------------
 
 
+def test_the_kernels_run_on_torchs_threads(lib):
+    """at::parallel_for is a header template: built without OpenMP, it runs every call on one
+    thread (it did until the build passed -fopenmp), and the next test compared nothing."""
+    assert lib.intra_op_parallel()
+
+
 @pytest.mark.parametrize("shape", [(4096, 16), (2000, 300), (64, 4097), (32, 65536)], ids=str)
 def test_bits_do_not_depend_on_the_thread_count(lib, shape):
     """dscale and dbias are sums over fixed row blocks, added in order: the same bits on one

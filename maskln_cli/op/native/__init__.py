@@ -72,7 +72,11 @@ CFLAGS = (
     "-fno-math-errno",  # sqrt as one instruction (torch itself is built so)
     "-Wno-unused-function",
     "-Wno-psabi",  # the ABI notes on vector arguments: all of them are inlined
+    # at::parallel_for is a header template that runs on torch's OpenMP threads only when
+    # compiled with OpenMP; without it every call ran on one thread.
+    "-fopenmp",
 )
+LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch has loaded, by its soname
 BUILD_TIMEOUT = 900.0
 """Seconds to wait for another process's build before giving up."""
 CACHE_ENV = "MASKLN_NATIVE_CACHE"
@@ -164,7 +168,7 @@ def source_hash() -> str:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
-    digest.update("\0".join(CFLAGS).encode())
+    digest.update("\0".join(CFLAGS + LDFLAGS).encode())
     return digest.hexdigest()[:16]
 
 
@@ -291,6 +295,7 @@ def _build(library: Path) -> ModuleType:
                 name,
                 sources=[str(HERE / name) for name in SOURCES if name.endswith(".cpp")],
                 extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 extra_include_paths=[str(HERE)],
                 build_directory=str(scratch),
                 verbose=bool(os.environ.get("MASKLN_NATIVE_VERBOSE")),

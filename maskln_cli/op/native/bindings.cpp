@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The Python function the dispatcher ops call, for its error, on inputs outside the"
       " op's contract");
   m.def("isa", &maskln_native::isa, "The instruction set the kernels run with");
+  m.def("intra_op_parallel", &maskln_native::intra_op_parallel,
+        "Whether the kernels' loops run on torch's intra-op threads (built with OpenMP)");
   m.def("set_isa", &maskln_native::set_isa, py::arg("name"),
         "Select base, avx2 or avx512 (tests compare their bits); returns the previous one");
 }

@@ -141,6 +141,14 @@ Kernels<T> kernels() {
 
 std::string isa() { return kIsaNames[current_isa().load()]; }
 
+bool intra_op_parallel() {
+#ifdef INTRA_OP_PARALLEL
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::string set_isa(const std::string& name) {
   const int wanted = parse_isa(name);
   TORCH_CHECK(wanted <= supported_isa(), "maskln native: this CPU does not support ", name);

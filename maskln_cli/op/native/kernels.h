@@ -53,5 +53,7 @@ int64_t block_rows(int64_t rows, int64_t C, int64_t element_size);
 
 std::string isa();
 std::string set_isa(const std::string& name);
+// Whether at::parallel_for here runs on torch's threads (this file compiled with OpenMP).
+bool intra_op_parallel();
 
 }  // namespace maskln_native
