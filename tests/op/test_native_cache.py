@@ -213,9 +213,11 @@ def test_an_unusable_cache_path_is_a_reason_to_fall_back(monkeypatch, tmp_path, 
     exception from ``--version`` or from the loader."""
     match = UNUSABLE[case](monkeypatch, tmp_path)
     refused_without_loading(match)
-    # --version in this process, as a fresh one would see it (nothing loaded yet)
+    # --version in this process, as a fresh one asking for the native kernels would see it
     monkeypatch.setattr(backend, "_native", None)
     monkeypatch.setattr(backend, "_failure", None)
+    monkeypatch.setattr(backend, "_chosen", None)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     result = invoke("--version")
     assert result.exit_code == 0, result.output
     assert "op backend: raw (native kernels unavailable:" in result.stdout

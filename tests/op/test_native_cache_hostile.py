@@ -34,6 +34,8 @@ pytestmark = pytest.mark.slow
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 OTHER_UID = 12345
 REBUILD_ENV = "MASKLN_NATIVE_REBUILD"
+NATIVE = {"MASKLN_BACKEND": "native"}
+"""The backend every process here asks for (make test-raw runs this module with raw chosen)."""
 
 
 def record_of(library: Path) -> Path:
@@ -152,7 +154,7 @@ def run_op(library: Path, env: dict[str, str], prefix: tuple[str, ...] = ()) -> 
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, **env},
+        env={**os.environ, **NATIVE, **env},
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
@@ -170,12 +172,12 @@ def assert_falls_back_once(report: dict, reason: str) -> None:
 
 def assert_commands_work_on_raw(env: dict[str, str], reason: str, tmp_path: Path) -> None:
     """``--version`` says raw and why; ``normalize`` exits 0 with the raw backend's bytes."""
-    version = run("--version", environment=env)
+    version = run("--version", environment={**NATIVE, **env})
     assert version.returncode == 0, version.stderr
     assert b"op backend: raw (native kernels unavailable:" in version.stdout, version.stdout
     assert reason.encode() in version.stdout, version.stdout
     out, raw_out = tmp_path / "out.safetensors", tmp_path / "raw.safetensors"
-    done = run("normalize", "-q", WORKED, out, environment=env)
+    done = run("normalize", "-q", WORKED, out, environment={**NATIVE, **env})
     assert done.returncode == 0, done.stderr
     run("normalize", "-q", WORKED, raw_out, environment={"MASKLN_BACKEND": "raw"})
     assert out.read_bytes() == raw_out.read_bytes()
@@ -273,7 +275,7 @@ def test_an_unreadable_cache_folder_falls_back(rebuilt, tmp_path):
             capture_output=True,
             text=True,
             cwd=ROOT,
-            env={**os.environ, native.CACHE_ENV: str(root)},
+            env={**os.environ, **NATIVE, native.CACHE_ENV: str(root)},
             timeout=60,
         )
         assert version.returncode == 0 and "Permission denied" in version.stdout, version
@@ -339,7 +341,7 @@ def test_the_rebuild_variable_rebuilds(rebuilt, tmp_path):
     copy_build(rebuilt, root)
     log = tmp_path / "builds"
     command = [sys.executable, "-c", STAND_IN_COMPILE, str(rebuilt.source), str(log)]
-    env = {**os.environ, native.CACHE_ENV: str(root)}
+    env = {**os.environ, **NATIVE, native.CACHE_ENV: str(root)}
     for variables, builds in (({REBUILD_ENV: "1"}, 1), ({}, 1)):
         done = subprocess.run(
             command, capture_output=True, text=True, cwd=ROOT, env={**env, **variables}, timeout=300
@@ -409,7 +411,7 @@ def test_asking_for_the_native_kernels_before_torch_is_imported_never_hangs(
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, native.CACHE_ENV: str(root), "CXX": str(compiler)},
+        env={**os.environ, **NATIVE, native.CACHE_ENV: str(root), "CXX": str(compiler)},
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
