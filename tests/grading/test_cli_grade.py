@@ -19,7 +19,7 @@ from maskln_cli.cli.report.grade import render_grade
 from maskln_cli.grading import runner as grading
 from maskln_cli.grading.clauses import CLAUSES
 from maskln_cli.grading.runner import GradeReport, grade
-from tests.clitools import ROOT, assert_one_line_error, grade_command, run, run_without_torch_check
+from tests.clitools import ROOT, assert_one_line_error, grade_command, run_without_torch_check
 from tests.solutions import broken
 
 REQUIRED = [name for name, clause in CLAUSES.items() if clause.level == "required"]
