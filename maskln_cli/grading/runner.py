@@ -291,11 +291,12 @@ def grade_target(
 
     ``timeout``: seconds each clause may take (``--timeout``); None: each call of the function
     may take a multiple of what maskln's op takes on its case, at least a few seconds, and each
-    clause a minute at most (:data:`~maskln_cli.grading.sandbox.CLAUSE_LIMIT`). ``contain_processes``: this process does nothing
-    else meanwhile (the command): it becomes a child subreaper for the grade, so processes the
-    function detaches (a double fork, setsid) come back to it and are killed with the child;
-    its other children are spared. ``fork_child``: fork the child from this process, which
-    must run no other thread (a class grade's worker), instead of starting a new interpreter.
+    clause a minute at most (:data:`~maskln_cli.grading.sandbox.CLAUSE_LIMIT`).
+    ``contain_processes``: this process does nothing else meanwhile (the command): it becomes a
+    child subreaper for the grade, so processes the function detaches (a double fork, setsid)
+    come back to it and are killed with the child; its other children are spared.
+    ``fork_child``: fork the child from this process, which must run no other thread (a class
+    grade's worker), instead of starting a new interpreter.
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """

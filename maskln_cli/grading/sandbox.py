@@ -121,12 +121,20 @@ def memory_cap_bytes(gib_: float | None = None) -> int:
 
 def preload() -> None:
     """Import what the grader uses once the child has run (the tensors' decoder), and what a
-    forked child runs: a solution runs as the same user and could change those files meanwhile
-    (:mod:`.guard`)."""
+    forked child runs, and run maskln's op once (its native kernels loaded, or built, here: a
+    child only times it): a solution runs as the same user and could change those files
+    meanwhile (:mod:`.guard`)."""
     import safetensors.torch  # noqa: F401
+    import torch
 
     from maskln_cli.grading import clauses, confine, rootcause, targets  # noqa: F401
-    from maskln_cli.op import api  # noqa: F401
+    from maskln_cli.op.api import masked_layer_normalization
+
+    with contextlib.suppress(Exception):  # the grader works without it: only slower children
+        x = torch.ones(2, 3, requires_grad=True)
+        out = masked_layer_normalization(x, torch.ones(2, dtype=torch.bool), torch.ones(3),
+                                         torch.zeros(3))  # fmt: skip
+        out.sum().backward()
 
 
 def last_log_line(log: IO[bytes] | None) -> str:
@@ -346,7 +354,7 @@ class Sandbox:
         deadline = whole
         self.call_limit = None
         while True:
-            frame = self._frame()
+            frame = pop_frame(self.buffer)
             if frame is not None:
                 keys = set(frame[0])
                 if keys == {"at"}:
@@ -375,25 +383,6 @@ class Sandbox:
             if not chunk:
                 raise ChildGone(self._reason())
             self.buffer += chunk
-
-    def _frame(self) -> tuple[dict[str, Any], bytes] | None:
-        if len(self.buffer) < HEADER.size:
-            return None
-        json_size, data_size = HEADER.unpack_from(self.buffer)
-        if json_size > MAX_JSON or data_size > MAX_DATA:
-            raise ChildGone("the child process sent a malformed answer")
-        end = HEADER.size + json_size + data_size
-        if len(self.buffer) < end:
-            return None
-        try:
-            header = json.loads(bytes(self.buffer[HEADER.size : HEADER.size + json_size]))
-        except ValueError:
-            raise ChildGone("the child process sent a malformed answer") from None
-        data = bytes(self.buffer[HEADER.size + json_size : end])
-        del self.buffer[:end]
-        if not isinstance(header, dict):
-            raise ChildGone("the child process sent a malformed answer")
-        return header, data
 
     # -- clauses --------------------------------------------------------------------------------
 
@@ -431,28 +420,12 @@ class Sandbox:
         return decode_run(header, data)
 
     def _timeout_words(self) -> str:
-        """Why the clause ran out of time: the memory cap, when the child's address space was
-        at it (allocating, failing and retrying); else a hang or slowness, and in which case."""
-        where = f" in the case {self.case}" if self.case else ""
-        limit = self.call_limit or self.timeout or CLAUSE_LIMIT
-        if self.memory_bytes and self.peak_memory >= MEMORY_NEAR_CAP * self.memory_bytes:
-            return (
-                f"out of memory (cap {gib(self.memory_bytes)}, {MEMORY_ENV}): the process"
-                f" held {gib(self.peak_memory)} when its {limit:.3g} s ran out{where}"
-            )
-        if self.timeout is not None:
-            return f"timed out after {self.timeout:g} s{where} (the function hung, or is that slow)"
-        if self.call_limit is None:
-            return (
-                f"timed out after {CLAUSE_LIMIT:g} s, the limit of a clause,{where} (the function"
-                " is that slow; --timeout SECONDS sets another)"
-            )
-        return (
-            f"timed out after {self.call_limit:.3g} s{where} (the function hung, or is that"
-            f" slow: a call may take {TIME_FACTOR:g} times what maskln's op takes on its case,"
-            f" at least {FLOOR_SECONDS:g} s; --timeout SECONDS gives each clause one limit"
-            " instead)"
+        """Why the clause ran out of time (:func:`timeout_words`)."""
+        near_cap = bool(self.memory_bytes) and (
+            self.peak_memory >= MEMORY_NEAR_CAP * (self.memory_bytes or 0)
         )
+        held = self.peak_memory if near_cap else None
+        return timeout_words(self.case, self.timeout, self.call_limit, self.memory_bytes, held)
 
     def _sample_memory(self) -> None:
         """Keep the child's largest address space seen (VmSize, Linux: a forked child starts
@@ -477,6 +450,64 @@ class Sandbox:
         self.failures_in_a_row += 1
         self.failed_clauses.append(name)
         return run
+
+
+def pop_frame(buffer: bytearray) -> tuple[dict[str, Any], bytes] | None:
+    """The first whole frame in ``buffer`` (taken out of it), or None while it is not whole.
+    Raises ChildGone for what is not a frame."""
+    if len(buffer) < HEADER.size:
+        return None
+    json_size, data_size = HEADER.unpack_from(buffer)
+    if json_size > MAX_JSON or data_size > MAX_DATA:
+        raise ChildGone("the child process sent a malformed answer")
+    end = HEADER.size + json_size + data_size
+    if len(buffer) < end:
+        return None
+    try:
+        header = json.loads(bytes(buffer[HEADER.size : HEADER.size + json_size]))
+    except ValueError:
+        raise ChildGone("the child process sent a malformed answer") from None
+    data = bytes(buffer[HEADER.size + json_size : end])
+    del buffer[:end]
+    if not isinstance(header, dict):
+        raise ChildGone("the child process sent a malformed answer")
+    return header, data
+
+
+def timeout_words(
+    case: str | None,
+    timeout: float | None,
+    call_limit: float | None,
+    memory_bytes: int | None,
+    held: int | None,
+) -> str:
+    """Why a clause ran out of time: the memory cap, when the child ``held`` near it
+    (allocating, failing and retrying); else a hang or slowness, in which case, and the limit
+    that ran out: ``timeout`` (``--timeout``), a call's own (``call_limit``), or the clause's.
+
+    Example:
+        >>> timeout_words("x [2, 3]", None, 5.0, None, None)[:42]
+        'timed out after 5 s in the case x [2, 3] ('
+    """
+    where = f" in the case {case}" if case else ""
+    limit = call_limit or timeout or CLAUSE_LIMIT
+    if memory_bytes and held is not None:
+        return (
+            f"out of memory (cap {gib(memory_bytes)}, {MEMORY_ENV}): the process held"
+            f" {gib(held)} when its {limit:.3g} s ran out{where}"
+        )
+    if timeout is not None:
+        return f"timed out after {timeout:g} s{where} (the function hung, or is that slow)"
+    if call_limit is None:
+        return (
+            f"timed out after {CLAUSE_LIMIT:g} s, the limit of a clause,{where} (the function"
+            " is that slow; --timeout SECONDS sets another)"
+        )
+    return (
+        f"timed out after {call_limit:.3g} s{where} (the function hung, or is that slow: a call"
+        f" may take {TIME_FACTOR:g} times what maskln's op takes on its case, at least"
+        f" {FLOOR_SECONDS:g} s; --timeout SECONDS gives each clause one limit instead)"
+    )
 
 
 def _call_limit(told: Any, limit: float) -> float:

@@ -154,3 +154,42 @@ def test_the_output_cap_says_it_is_the_graders_and_its_size():
     assert result.exit_code == 1
     (clause,) = json.loads(result.stdout)["clauses"]
     assert "it wrote more than the grader's cap of 64 MiB" in clause["detail"], clause["detail"]
+
+
+HANGS = "from tests.solutions.misbehaving import hangs as masked_layer_normalization\n"
+CALL_LIMIT = "timed out after 5 s in the case "
+CALL_LIMIT_WHY = (
+    "(the function hung, or is that slow: a call may take 1000 times what maskln's op takes on"
+    " its case, at least 5 s; --timeout SECONDS gives each clause one limit instead)"
+)
+
+
+def test_a_hanging_function_fails_in_seconds_each_call_timed_against_the_op():
+    """Without --timeout each call may take 1000 times what maskln's op takes on its case (timed
+    in the same child), at least 5 s: a hang fails its first two clauses after 5 s each, then
+    the rest are not run (it was two minutes: two clauses of 60 s)."""
+    started = time.monotonic()
+    result = grade_command(f"{SOLUTIONS / 'misbehaving.py'}:hangs", "--json")
+    seconds = time.monotonic() - started
+    assert result.exit_code == 1, result.stderr
+    first, second, *rest = json.loads(result.stdout)["clauses"]
+    for clause in (first, second):
+        assert clause["detail"].startswith(CALL_LIMIT), clause["detail"]
+        assert clause["detail"].endswith(CALL_LIMIT_WHY), clause["detail"]
+    assert "the specification's worked example" in second["detail"]
+    assert all(c["detail"].startswith("not run: the function crashed or hung") for c in rest)
+    assert seconds < 100  # a guard against a hang, not a speed test
+
+
+def test_a_hang_costs_a_class_seconds_and_an_explicit_timeout_means_the_clause(tmp_path):
+    (tmp_path / "a_hangs.py").write_text(HANGS)
+    (tmp_path / "b_correct.py").write_text(
+        "from tests.solutions.correct import masked_layer_normalization  # noqa: F401\n"
+    )
+    only = ("--only", "worked_example,values", "--jobs", "1", "--json")
+    for options, limit in [((), CALL_LIMIT), (("--timeout", "3"), "timed out after 3 s in")]:
+        result = run("grade", tmp_path, *only, *options)
+        assert result.returncode == 1, result.stderr
+        hangs, correct = (json.loads(line) for line in result.stdout.decode().splitlines())
+        assert correct["passed"]
+        assert [c["detail"][: len(limit)] for c in hangs["clauses"]] == [limit, limit]
