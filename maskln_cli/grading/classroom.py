@@ -282,12 +282,14 @@ class _Classroom:
             if not any(w.job is not None for w in self.workers):
                 break
             readable, _, _ = select.select([w.channel for w in self.workers], [], [], 1.0)
+            before = (len(self.done), len(self.workers))
             for worker in list(self.workers):
                 if worker.job is not None:
                     self.collect(worker, worker.channel in readable)
                 elif worker.channel in readable:  # idle: it ended, or speaks unasked
                     self.lose(worker, "its worker answered unasked")
-            self.check_files()  # before any report is given out: a changed file voids it
+            if (len(self.done), len(self.workers)) != before:  # an answer, or a worker lost
+                self.check_files()  # before any report is given out: a changed file voids it
             self.report_in_order()
 
     def collect(self, worker: _Worker, readable: bool) -> None:

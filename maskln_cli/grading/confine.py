@@ -12,6 +12,11 @@ does, it can reach no process of the grader, nor a neighbour's.
   - signals to any process outside the child's own (its pid, ``kill(0)``, its process group):
     ``kill``, ``tkill``, ``tgkill``, ``rt_sigqueueinfo``, ``rt_tgsigqueueinfo``,
     ``pidfd_send_signal``; probing with signal 0 stays allowed;
+  - changing another process: its resource limits (``prlimit64``: an ``RLIMIT_CPU`` of one
+    second kills it), its priority, CPUs or scheduling (``setpriority``, ``ioprio_set``, for a
+    whole user too; ``sched_setaffinity``, ``sched_setscheduler``, ``sched_setparam``,
+    ``sched_setattr``), its memory's placement (``migrate_pages``, ``move_pages``): each only
+    for itself;
   - the indirect ways to signal another process: making it the owner of a file descriptor
     (``fcntl`` ``F_SETOWN``, ``F_SETOWN_EX``; ``ioctl`` ``FIOSETOWN``, ``SIOCSPGRP``,
     ``TIOCSPGRP``: SIGIO, or any signal ``F_SETSIG`` names, goes to the owner), and a process
@@ -24,8 +29,8 @@ does, it can reach no process of the grader, nor a neighbour's.
 
 What it does not do: files (the child runs as the user, with the user's files; :mod:`.guard`
 and the class grader's checks see what changed), the network, ``/proc/<pid>/mem`` of a process
-that is dumpable (the grader's processes are not), renicing or moving the grader to other CPUs
-(it can slow the grader, not change a verdict).
+that is dumpable (the grader's processes are not), the machine's shared resources (CPU time,
+memory, processes, disk: a submission can slow its neighbours down, not change a verdict).
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ def argument(index: int) -> int:
 
 
 CLONE_PARENT = 0x00008000
+PRIO_USER, IOPRIO_WHO_USER = 2, 3
+PID_FIRST = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam",
+             "sched_setattr", "migrate_pages", "move_pages")  # fmt: skip
+"""System calls whose first argument is the process they change."""
 F_SETOWN, F_SETOWN_EX = 8, 15
 OWNER_IOCTLS = (0x8901, 0x8902, 0x5410)  # FIOSETOWN, SIOCSPGRP, TIOCSPGRP
 
@@ -76,6 +85,9 @@ SYSCALLS = {
             "rt_tgsigqueueinfo": 297, "pidfd_send_signal": 424, "ptrace": 101,
             "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
             "process_madvise": 440, "clone": 56, "clone3": 435, "fcntl": 72, "ioctl": 16,
+            "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
+            "sched_setparam": 142, "sched_setattr": 314, "migrate_pages": 256,
+            "move_pages": 279, "setpriority": 141, "ioprio_set": 251,
         },
     ),
     "aarch64": (
@@ -86,6 +98,9 @@ SYSCALLS = {
             "rt_tgsigqueueinfo": 240, "pidfd_send_signal": 424, "ptrace": 117,
             "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
             "process_madvise": 440, "clone": 220, "clone3": 435, "fcntl": 25, "ioctl": 29,
+            "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
+            "sched_setparam": 118, "sched_setattr": 274, "migrate_pages": 238,
+            "move_pages": 239, "setpriority": 140, "ioprio_set": 30,
         },
     ),
 }  # fmt: skip
@@ -145,7 +160,28 @@ def build_filter(machine: str, own: int) -> bytes | None:
     p.add(JUMP_EQUAL, nr["kill"], "kill", 0)
     for name in ("tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"):
         p.add(JUMP_EQUAL, nr[name], "own_process", 0)
+    for name in PID_FIRST:
+        p.add(JUMP_EQUAL, nr[name], "itself", 0)
+    p.add(JUMP_EQUAL, nr["setpriority"], "setpriority", 0)
+    p.add(JUMP_EQUAL, nr["ioprio_set"], "ioprio_set", 0)
     p.returns(ALLOW)
+    # prlimit64(pid, ...), sched_*(pid, ...), *_pages(pid, ...): 0 (itself) or its own pid.
+    p.label("itself")
+    p.load(argument(0))
+    p.add(JUMP_EQUAL, 0, "allow", 0)
+    p.add(JUMP_EQUAL, own, "allow", "refuse")
+    # setpriority(which, who, ...), ioprio_set(which, who, ...): not a whole user's processes;
+    # a process or a group: 0 or its own.
+    p.label("setpriority")
+    p.load(argument(0))
+    p.add(JUMP_EQUAL, PRIO_USER, "refuse", "who")
+    p.label("ioprio_set")
+    p.load(argument(0))
+    p.add(JUMP_EQUAL, IOPRIO_WHO_USER, "refuse", 0)
+    p.label("who")
+    p.load(argument(1))
+    p.add(JUMP_EQUAL, 0, "allow", 0)
+    p.add(JUMP_EQUAL, own, "allow", "refuse")
     # kill(pid, sig): its own pid, its own group (0 or -pid), or signal 0 (a probe).
     p.label("kill")
     p.load(argument(1))

@@ -95,7 +95,7 @@ def json_value(value: object) -> bytes:
 
 
 CONFINED = """
-import ctypes, fcntl, os, platform, signal, socket, sys
+import ctypes, fcntl, os, platform, resource, signal, socket, sys
 from maskln_cli.grading.confine import confine
 victim = int(sys.argv[1])
 missing = confine()
@@ -126,6 +126,11 @@ for what, attempt in [
     ("mem", lambda: open(f"/proc/{victim}/mem", "rb")),
     ("clone_parent", clone_parent),
     ("f_setown", owner),
+    ("prlimit", lambda: resource.prlimit(victim, resource.RLIMIT_CPU, (1, 1))),
+    ("setpriority", lambda: os.setpriority(os.PRIO_PROCESS, victim, 19)),
+    ("setpriority user", lambda: os.setpriority(os.PRIO_USER, os.getuid(), 19)),
+    ("affinity", lambda: os.sched_setaffinity(victim, {0})),
+    ("own limits", lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))),
     ("own group", lambda: os.killpg(os.getpid(), signal.SIGCONT)),
     ("probe", lambda: os.kill(victim, 0)),
 ]:
@@ -142,9 +147,10 @@ NOT_DUMPABLE = "import ctypes, time; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); tim
 
 @LINUX
 def test_a_confined_child_reaches_no_process_but_its_own():
-    """What a submission would use to reach a worker (not dumpable, same user): each refused;
-    its own process group it may signal, and probe any process. Run as root, too: the child has
-    no capability left."""
+    """What a submission would use to reach a worker (not dumpable, same user): each refused
+    (an RLIMIT_CPU of one second set on it would kill it); its own limits it may set, its own
+    process group signal, and any process probe. Run as root, too: the child has no capability
+    left."""
     with subprocess.Popen([sys.executable, "-c", NOT_DUMPABLE]) as victim:
         try:
             time.sleep(0.5)  # not dumpable by now
@@ -160,8 +166,9 @@ def test_a_confined_child_reaches_no_process_but_its_own():
     missing, _, tried = result.stdout.strip().partition(" ")
     assert missing == "[]"
     refused = ["kill", "kill -1", "killpg", "tgkill", "ptrace", "fd", "mem", "clone_parent",
-               "f_setown"]  # fmt: skip
-    expected = [f"{what}: PermissionError" for what in refused] + ["own group: done", "probe: done"]
+               "f_setown", "prlimit", "setpriority", "setpriority user", "affinity"]  # fmt: skip
+    allowed = ["own limits", "own group", "probe"]
+    expected = [f"{what}: PermissionError" for what in refused] + [f"{a}: done" for a in allowed]
     if platform.machine() != "x86_64":
         expected[3] = "tgkill: done"  # not tried
         expected[7] = "clone_parent: done"
