@@ -72,7 +72,7 @@ def grade(
         typer.Option(
             "--timeout",
             metavar="SECONDS",
-            help="Time limit of each clause. (default: each call may take 1000 times what"
+            help="Time limit of each clause. (default: each call may take 10000 times what"
             " maskln's op takes on its case, at least 5 s; a clause 60 s)",
             show_default=False,
         ),

@@ -23,9 +23,10 @@ What no submission can do (Linux; the threat model is ``docs/grading/sandbox.md`
   not dumpable).
 - **Plant code.** The files the first workers loaded (modules, bytecode, shared libraries) and
   the folders they import from are recorded before any submission runs, and checked after each
-  target and before each worker starts; each worker is sealed from the moment the class began
-  (:mod:`.guard`). When one changed, no later verdict can be trusted: the class grade stops
-  there, saying so (``problem``).
+  target and before each worker starts; a worker started later is sealed from the moment the
+  first ones were ready (:mod:`.guard`): it refuses to import a file changed since. When one
+  changed, no later verdict can be trusted: the class grade stops there, saying so
+  (``problem``).
 - **Change a neighbour's file.** The submissions' files (and every ``*.py`` beside them) are
   recorded before any submission runs, and checked after each target: a change stops the class
   grade the same way.
@@ -112,9 +113,11 @@ class _Job:
 class _Worker:
     """One worker process, its channel, and the job it grades."""
 
-    def __init__(self, sealed_at: int) -> None:
+    def __init__(self, sealed_at: int | None) -> None:
         self.channel, theirs = socket.socketpair()
-        env = {**os.environ, PARENT_ENV: str(os.getpid()), SEALED_ENV: str(sealed_at)}
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        if sealed_at is not None:
+            env[SEALED_ENV] = str(sealed_at)
         try:
             self.process = subprocess.Popen(
                 start_command("maskln_cli.grading.worker", str(theirs.fileno())),
@@ -260,7 +263,7 @@ class _Classroom:
     ) -> None:
         self.result, self.request, self.budget, self.jobs = result, request, budget, jobs
         self.on_report = on_report
-        self.sealed_at = time.time_ns()
+        self.sealed_at: int | None = None  # once the first workers are ready: no submission ran
         self.spare = children()  # this process's own, before the class: not ours to kill
         self.pending = collections.deque(_Job(i, t) for i, t in enumerate(result.targets))
         self.done: dict[int, GradeReport] = {}
@@ -363,9 +366,13 @@ class _Classroom:
                     worker.ready = messages[0]
                     waiting.remove(worker)
         self.record_grader_files(fresh)
+        if self.sealed_at is None:
+            self.sealed_at = time.time_ns()
 
     def record_grader_files(self, fresh: list[_Worker]) -> None:
-        """The first workers' files, recorded; a fresh worker's, checked against them."""
+        """The first workers' files, recorded (they sealed themselves when ready: what they
+        built or wrote before, their native kernels say, is theirs); a fresh worker's, checked
+        against them, and sealed from the moment the first ones were ready."""
         paths = []
         for worker in fresh:
             ready = worker.ready or {}
@@ -374,7 +381,7 @@ class _Classroom:
             self.grader_files = guard.Snapshot(paths)
             return
         new = [p for p in paths if p not in self.grader_files.identities]
-        changed = [p for p in new if _changed_since(p, self.sealed_at)]
+        changed = [p for p in new if _changed_since(p, self.sealed_at or 0)]
         if changed:
             self.result.problem = str(guard.Tampered(changed))
         self.grader_files.add(new)

@@ -4,11 +4,11 @@ a time, each in a child process of its own, forked from it
 
 Started by the class grader with ``python -I`` (:data:`~.child.BOOTSTRAP`: not dumpable before
 it imports anything, maskln_cli imported from the grader's own folder, nothing from the current
-folder), it imports everything it and its children use, seals itself from the moment the class
-began (:mod:`.guard`), and only then says it is ready, with the files it has loaded and the
-folders it imports from (the class grader checks them before it starts any other worker). It
-is never dumpable, and the children it forks never are: no process of the same user (that is
-not root) can open its descriptors or its memory, or ptrace it.
+folder), it imports everything it and its children use, seals itself (:mod:`.guard`; a worker
+started later, from the moment the first ones were ready), and only then says it is ready, with
+the files it has loaded and the folders it imports from (the class grader checks them before it
+starts any other worker). It is never dumpable, and the children it forks never are: no process
+of the same user (that is not root) can open its descriptors or its memory, or ptrace it.
 
 Protocol, over a Unix socket inherited from the class grader (its only channel: its stdin and
 stdout are /dev/null; ``/proc/<pid>/fd`` cannot open a socket): one JSON object per line each
@@ -36,7 +36,8 @@ from maskln_cli.errors import MasklnError
 
 PARENT_ENV = "_MASKLN_GRADE_PARENT"
 SEALED_ENV = "_MASKLN_GRADE_SEALED_AT"
-"""The moment the class began (``time.time_ns()``): the workers' seal."""
+"""For a worker started after the first ones: the moment they were ready, before any submission
+ran (``time.time_ns()``), its seal."""
 
 
 class Stopped(BaseException):
