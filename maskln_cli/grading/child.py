@@ -216,7 +216,7 @@ main = exec_main
 # --- serving the grader -----------------------------------------------------------------------
 
 
-def _search_path_after(target: str) -> None:
+def _search_path_last() -> None:
     """Where a target's own imports are found, after Python's and the installed packages: the
     folders of ``PYTHONPATH`` and the current folder, as ``python -m`` would, but last (the
     folder of a file target comes last too: :func:`~.targets.load_target`)."""
@@ -240,7 +240,7 @@ def serve(channel: int, memory: int) -> int:
     load = json.loads(requests.readline() or b"{}")
     try:
         target = str(load.get("target"))
-        _search_path_after(target)
+        _search_path_last()
         fn = targets.load_target(target)
         maskln = targets.is_maskln_target(target)
     except MasklnError as error:
