@@ -261,6 +261,10 @@ def _grade_class(
         if not json_output:
             with quiet_when_stdout_closes(code):
                 render_class(result, chosen, quiet=quiet)
+        elif result.problem is not None:  # why the JSON lines stop: on stderr, one line
+            from maskln_cli.cli.report import messages
+
+            messages.error(result.problem)
         if csv_path is not None:
             write_gradebook(csv_path, result)
     if code:

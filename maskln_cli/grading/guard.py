@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import marshal
 import os
 import site
 import sys
@@ -53,7 +55,7 @@ class _SealedFinder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None:
             return None
-        changed = [p for p in _spec_files(spec) if _changed(p)]
+        changed = [p for p in _spec_files(spec) if _changed(p) and not same_bytecode(p)]
         if changed:
             raise Tampered(changed)
         return None  # let the usual finders import it
@@ -145,7 +147,28 @@ def tampered() -> list[str]:
     not sealed."""
     if not _SEALED_AT:
         return []
-    return sorted({path for path in loaded_files() if _changed(path)})
+    return sorted({p for p in loaded_files() if _changed(p) and not same_bytecode(p)})
+
+
+def same_bytecode(path: str) -> bool:
+    """Whether ``path`` is a ``.pyc`` holding exactly the code its source compiles to: written
+    again by another process (Python itself, importing a module whose bytecode was missing or
+    stale, or pip), it changed, but nothing was planted in it. A planted ``.pyc`` (one Python
+    would run instead of its source: its header matching the source, or an unchecked hash) holds
+    other code."""
+    if not path.endswith(".pyc"):
+        return False
+    try:
+        source_path = importlib.util.source_from_cache(path)
+        with open(path, "rb") as cached:
+            data = cached.read()
+        with open(source_path, "rb") as source:
+            expected = compile(source.read(), source_path, "exec", dont_inherit=True)
+        return bool(
+            data[:4] == importlib.util.MAGIC_NUMBER and marshal.loads(data[16:]) == expected
+        )
+    except (OSError, ValueError, SyntaxError, EOFError, TypeError, NotImplementedError):
+        return False
 
 
 def check() -> None:
@@ -190,5 +213,15 @@ class Snapshot:
                 self.identities[path] = identity(path)
 
     def changed(self) -> list[str]:
-        """The paths that changed since they were recorded (or appeared, or went), sorted."""
-        return sorted(p for p, was in self.identities.items() if identity(p) != was)
+        """The paths that changed since they were recorded (or appeared, or went), sorted; a
+        ``.pyc`` written again with its source's very code is not (:func:`same_bytecode`)."""
+        changed = []
+        for path, was in self.identities.items():
+            now = identity(path)
+            if now == was:
+                continue
+            if same_bytecode(path):
+                self.identities[path] = now
+                continue
+            changed.append(path)
+        return sorted(changed)

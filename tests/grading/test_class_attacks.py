@@ -121,6 +121,7 @@ def test_a_forged_answer_written_into_a_new_worker_is_never_a_verdict(tmp_path):
     victim.write_text(WRONG)
     (folder / "a_attacker.py").write_text(attacker(FORGER, NOTES=str(notes), VICTIM=str(victim)))
     result = run("grade", folder, *ONLY, "--jobs", "1", "--json")
+    assert result.returncode == 1, result.stderr  # not 2: no file of the grader's changed
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
     by_target = {line["target"]: line for line in lines}
     assert sorted(by_target) == [str(folder / "a_attacker.py"), str(victim)], result.stderr
@@ -128,7 +129,6 @@ def test_a_forged_answer_written_into_a_new_worker_is_never_a_verdict(tmp_path):
     wrong = by_target[str(victim)]
     assert not wrong["passed"], f"a forged PASS: {sorted(p.name for p in notes.iterdir())}"
     assert wrong["root_cause"]["mistake"] == "unbiased_variance"
-    assert result.returncode == 1, result.stderr
 
 
 # --- a worker lost mid-class -----------------------------------------------------------------

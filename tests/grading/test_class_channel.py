@@ -173,3 +173,25 @@ def test_a_confined_child_reaches_no_process_but_its_own():
         expected[3] = "tgkill: done"  # not tried
         expected[7] = "clone_parent: done"
     assert tried.split("; ") == expected
+
+
+def test_bytecode_written_again_is_no_change_but_other_code_is(tmp_path):
+    """Python (in another process) writing a module's missing or stale bytecode again is not
+    tampering; a .pyc holding other code than its source's (one Python could run instead) is."""
+    import py_compile
+
+    from maskln_cli.grading import guard
+
+    source = tmp_path / "graded_helper.py"
+    source.write_text("VALUE = 1\n")
+    cached = py_compile.compile(str(source), doraise=True)
+    snapshot = guard.Snapshot([str(source), cached])
+    time.sleep(0.01)
+    os.unlink(cached)
+    py_compile.compile(str(source), doraise=True)  # a new file, the same code
+    assert snapshot.changed() == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("VALUE = 2  # the grader's verdicts, forged\n")
+    py_compile.compile(str(planted), cfile=cached, doraise=True)
+    assert snapshot.changed() == [cached]
+    assert not guard.same_bytecode(cached) and not guard.same_bytecode(str(source))
