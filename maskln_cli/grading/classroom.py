@@ -11,7 +11,7 @@ What no submission can do (Linux; the threat model is ``docs/grading/sandbox.md`
 - **Answer for a worker.** Each worker's only channel is a Unix socket this process created
   (``/proc/<pid>/fd`` cannot open a socket); each request carries a random nonce its answer must
   repeat, and an answer that does not, or comes unasked, is taken for a lost worker's.
-- **Reach a worker.** Workers are never dumpable, from their first instruction; their children
+- **Reach a worker.** Workers are not dumpable from their first line of Python; their children
   are forked, never dumpable either, and confined (:mod:`.confine`): no signal outside their
   own process group, no ptrace, no capability.
 - **Turn a lost worker into a verdict.** A worker that ends, hangs past its safety limit or
