@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.calls import (
     CAUGHT,
     GRAD_INPUTS,
     ClauseRun,
     Fn,
     Misbehaved,
+    Upstream,
     announce,
     checked_output,
     describe_exception,
@@ -51,6 +52,12 @@ def _probe_cases(seed: int, clause: str) -> list[Case]:
         cases.append(
             make_case(label, x, draws.mask(g, (2, 5)), draws.params(g, 8), 1e-5, dtype, g, True)
         )
+    cases += families.family_cases(
+        g,
+        grad=True,
+        families=(families.ONE_CHANNEL, families.CONSTANT, families.PRIME),
+        dtypes=(torch.float64,),
+    )
     return cases
 
 
@@ -97,22 +104,6 @@ Hook = Callable[[str, dict[str, torch.Tensor]], None]
 Inspect = Callable[[str, dict[str, torch.Tensor]], list[str]]
 
 
-class _Upstream(torch.autograd.Function):
-    """Hands the caller's own ``grad_out`` tensor to the backward of ``out`` (as
-    ``out.backward(grad_out)`` does), so a backward that writes into its incoming gradient is
-    seen; ``torch.autograd.grad(out, inputs, grad_out)`` would do it too, but imports sympy
-    (seconds) to check the shapes."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        ctx.grad_out = grad_out
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.grad_out, None
-
-
 def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     """Two calls, each on fresh inputs: a forward without grad; then a forward with x, scale
     and bias requiring grad, and its backward, given the caller's ``grad_out`` itself (an
@@ -133,7 +124,7 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     check("forward", t)
     if not out.requires_grad:
         raise Misbehaved("the output does not require grad although x, scale and bias do")
-    upstream = _Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
+    upstream = Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
     torch.autograd.grad(upstream, [t[n] for n in GRAD_INPUTS], allow_unused=True)
     check("backward", t)
 
