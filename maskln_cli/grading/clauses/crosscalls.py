@@ -406,7 +406,7 @@ def _effects_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             if not isinstance(changes, list):
                 raise Misbehaved("no record of torch's global state came back")
             if changes:
-                state = " (called with a default dtype of float64, deterministic algorithms on)"
+                state = " (called with a default dtype of float64, other print options)"
                 detail = f"{case.label}{state if where == 'unusual' else ''}: torch's global state"
                 detail += f" changed: {'; '.join(map(str, changes))}"
                 return Verdict(False, detail, [GLOBAL_STATE_CHANGED])

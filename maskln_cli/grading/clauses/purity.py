@@ -209,10 +209,39 @@ def _problems_judge(what: str) -> Judge:
                 return Verdict(False, f"{case.label}: no {what} report came back")
             if problems:
                 detail = f"{case.label}: {'; '.join(map(str, problems))}"
-                return Verdict(False, detail, reinitialized_diagnosis(run.meta.get(key, {})))
+                found = reinitialized_diagnosis(run.meta.get(key, {}))
+                return Verdict(False, detail, found or _problem_causes(problems))
         return PASSED
 
     return judge
+
+
+INPUT_MUTATED = Diagnosis(
+    "input_mutated",
+    "an input written in place (x.masked_fill_, x.sub_, valid.unsqueeze_, grad_out.mul_):"
+    " the caller's tensor changes, and every later use of it",
+    "work on new tensors: torch.where(valid[..., None], x, 0.0), x - mean; never a method"
+    " ending in _ on an input",
+    0.0,
+)
+RANDOM_STATE_CHANGED = Diagnosis(
+    "random_state_changed",
+    "the global random state changed by the call (torch.manual_seed, or a draw from the"
+    " global generator): every later random number of the caller changes",
+    "draw nothing and seed nothing: the op needs no randomness (a torch.Generator of your own,"
+    " if some helper must)",
+    0.0,
+)
+
+
+def _problem_causes(problems: list[Any]) -> list[Diagnosis] | None:
+    """The cause of a mutation or a changed random state, from the problems seen."""
+    words = " ".join(map(str, problems))
+    if "random state changed" in words:
+        return [RANDOM_STATE_CHANGED]
+    if "values changed" in words or "version counter" in words or "shape or strides" in words:
+        return [INPUT_MUTATED]
+    return None
 
 
 def reinitialized_diagnosis(facts: dict[str, Any]) -> list[Diagnosis] | None:
@@ -304,10 +333,18 @@ def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 if isinstance(name, str) and is_ready_made(name)
             ]
         if found:
-            return Verdict(
-                False, f"{case.label}: a ready-made normalization ran: {', '.join(found[:6])}"
-            )
+            detail = f"{case.label}: a ready-made normalization ran: {', '.join(found[:6])}"
+            return Verdict(False, detail, [READY_MADE])
     return PASSED
+
+
+READY_MADE = Diagnosis(
+    "ready_made_normalization",
+    "a ready-made normalization does the work (F.layer_norm, group_norm, batch_norm, rms_norm,"
+    " or maskln's own op): the exercise asks for raw tensor operations",
+    "compute the mean, the population variance and (x - mean) / sqrt(var + eps) yourself",
+    0.0,
+)
 
 
 RAW_OPS = make_clause(

@@ -38,6 +38,7 @@ from maskln_cli.grading.clauses.judging import (
     judge_outputs,
     value_mismatch,
 )
+from maskln_cli.op.mistakes import Diagnosis
 
 # signature ----------------------------------------------------------------------------------------
 
@@ -103,6 +104,16 @@ def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     declared = run.meta.get("declared", {}).get("eps")
     if not verdict.passed and isinstance(declared, str) and declared != repr(1e-5):
         verdict.detail = f"{verdict.detail} (the signature declares eps={declared[:40]})"
+        if not verdict.diagnosis and "without eps" in (verdict.detail or ""):
+            verdict.diagnosis = [
+                Diagnosis(
+                    "eps_default",
+                    f"eps defaults to {declared[:40]}, not 1e-05 (another library's default?):"
+                    " calls that leave eps out get another result",
+                    "declare eps: float = 1e-05",
+                    0.0,
+                )
+            ]
     return verdict
 
 
