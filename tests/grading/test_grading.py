@@ -257,6 +257,7 @@ FORMULA_MISTAKES = [
     "rms_norm",
     "padding_returns_bias",
     "padding_not_masked",
+    "mask_inverted",
 ]
 
 

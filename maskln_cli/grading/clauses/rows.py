@@ -7,7 +7,8 @@ mistakes no formula of the inputs gives (:func:`diagnose_rows`):
 - the valid rows are right, the invalid rows hold values nothing computes (uninitialized memory:
   an output from ``torch.empty_like`` written at the valid rows only): ``output_uninitialized``.
 
-An inverted mask is a formula (``mask_inverted`` in :data:`maskln_cli.op.mistakes.MISTAKES`).
+An inverted mask is a formula (``mask_inverted`` in :data:`maskln_cli.op.mistakes.MISTAKES`),
+named here too when the padding is poisoned (where formulas give NaN).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from maskln_cli.grading.clauses.cases import Case
-from maskln_cli.op.mistakes import Diagnosis, correct
+from maskln_cli.op.mistakes import MISTAKES, Diagnosis, correct
 
 STALE_MASK = Diagnosis(
     "stale_mask",
@@ -78,10 +79,12 @@ def diagnose_rows(case: Case, out: torch.Tensor, earlier: Sequence[Case] = ()) -
         return None
     if bool((as_valid | as_padding).all()):
         used = as_valid & ~as_padding
-        # Every row normalized is no mask at all, and the inverted mask is a formula: both
-        # are the catalogue's (padding_not_masked, mask_inverted).
-        if bool(used.all()) or bool((used == ~valid).all()) or bool((used == valid).all()):
+        # Every row normalized is no mask at all (the catalogue's padding_not_masked).
+        if bool(used.all()) or bool((used == valid).all()):
             return None
+        if bool((used == ~valid).all()):
+            inverted = MISTAKES["mask_inverted"]
+            return Diagnosis(inverted.name, inverted.description, inverted.fix, 0.0)
         return _with_earlier(used, valid, known, earlier)
     neither = ~(as_valid | as_padding)
     if bool(as_valid[valid].all()) and bool((~valid[neither]).all()):
