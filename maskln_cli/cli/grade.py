@@ -180,7 +180,7 @@ def grade(
         _check_gradebook(csv_path, listed)
     options = {
         **rules.grading_options(),
-        "seed": seed if seed is not None else rules.seed or 0,
+        "seed": seed if seed is not None else rules.seed or DEFAULT_SEED,
         "timeout": timeout if timeout is not None else rules.timeout or DEFAULT_TIMEOUT,
         "device": device,
     }
@@ -210,6 +210,8 @@ def _check_gradebook(path: str, targets: list[str]) -> None:
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds each clause may take, unless the rules or --timeout say otherwise."""
+DEFAULT_SEED = 0
+"""The seed of the cases, unless the rules or --seed say otherwise."""
 
 
 def class_folder(targets: list[str]) -> str | None:

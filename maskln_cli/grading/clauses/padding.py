@@ -324,8 +324,14 @@ def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             problem = _nonzero_invalid(out, case, what) or _prefixed(
                 case, value_mismatch(out, reference, case.x.dtype), what
             )
-            if problem is None and clean is not None:
-                mismatch = value_mismatch(out, clean, case.x.dtype)
+            if problem is None and clean is not None and clean.shape == out.shape:
+                # valid rows only: the clean call's own invalid rows are judged in that call
+                keep = ~case.invalid()
+                mismatch = value_mismatch(
+                    torch.where(keep, out.double(), 0.0),
+                    torch.where(keep, clean.double(), 0.0),
+                    case.x.dtype,
+                )
                 if mismatch is not None:
                     mismatch = mismatch.replace("the reference", "clean padding")
                     problem = f"{case.label}{what}: {mismatch}"

@@ -99,7 +99,11 @@ def _signature_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
 
 def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     verdict = judge_outputs(
-        cases, run, _signature_calls(cases), what=lambda call: f", {_STYLES[call.style]}"
+        cases,
+        run,
+        _signature_calls(cases),
+        diagnose=True,
+        what=lambda call: f", {_STYLES[call.style]}",
     )
     declared = run.meta.get("declared", {}).get("eps")
     if not verdict.passed and isinstance(declared, str) and declared != repr(1e-5):
