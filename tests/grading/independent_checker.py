@@ -364,18 +364,20 @@ def check_behaviour(fn: Fn, data: Data) -> None:
         for t in inputs:
             if t._backward_hooks or vars(t):
                 raise Wrong("a hook or an attribute left on an input")
-        # same bits twice, and on another thread count
-        fresh = tensors(x, valid, scale, bias, dtype)
-        first = fn(*fresh, 1e-5).detach().clone()
-        again = fn(*tensors(x, valid, scale, bias, dtype), 1e-5).detach().clone()
+        # the same bits call after call (rows long enough that the order of a sum shows), and
+        # on another thread count
+        wide = data.rows((48,), 96)
+        inputs = (wide, data.mask((48,)), *data.params(96))
+        first = fn(*tensors(*inputs, dtype), 1e-5).detach().clone()
         threads = torch.get_num_threads()
-        torch.set_num_threads(3)
-        try:
-            other = fn(*tensors(x, valid, scale, bias, dtype), 1e-5).detach().clone()
-        finally:
-            torch.set_num_threads(threads)
-        if not (torch.equal(first, again) and torch.equal(first, other)):
-            raise Wrong("the same inputs gave other bits")
+        for count in (threads,) * 7 + (3, 3):
+            torch.set_num_threads(count)
+            try:
+                again = fn(*tensors(*inputs, dtype), 1e-5).detach().clone()
+            finally:
+                torch.set_num_threads(threads)
+            if not torch.equal(first, again):
+                raise Wrong("the same inputs gave other bits")
         # results not shared between calls, nor with the inputs
         for mode in (torch.no_grad, torch.inference_mode):
             with mode():
