@@ -64,16 +64,34 @@ def grade(
             show_default=False,
         ),
     ] = None,
+    rules_option: Annotated[
+        str | None,
+        typer.Option(
+            "--rules",
+            metavar="RULES",
+            help="The rule set: a preset (specification: the required clauses; strict), or a"
+            " rules file (maskln-grade.toml, or a pyproject.toml's [tool.maskln.grade]). By"
+            " default maskln-grade.toml beside the submissions, or the nearest pyproject.toml's"
+            " table, else the specification. --strict, --with and --only add to it.",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[
-        int, typer.Option("--seed", metavar="SEED", help="Seed of the cases (deterministic).")
-    ] = 0,
+        int | None,
+        typer.Option(
+            "--seed",
+            metavar="SEED",
+            help="Seed of the cases (deterministic). (default: the rules', else 0)",
+            show_default=False,
+        ),
+    ] = None,
     timeout: Annotated[
         float | None,
         typer.Option(
             "--timeout",
             metavar="SECONDS",
-            help="Time limit of each clause. (default: each call may take 10000 times what"
-            " maskln's op takes on its case, at least 5 s; a clause 60 s)",
+            help="Time limit of each clause. (default: the rules', else each call may take"
+            " 10000 times what maskln's op takes on its case, at least 5 s; a clause 60 s)",
             show_default=False,
         ),
     ] = None,
@@ -89,7 +107,8 @@ def grade(
             "--jobs",
             "-j",
             metavar="N",
-            help="Submissions graded at once, each in its own processes. (default: the CPU count)",
+            help="Submissions graded at once, each in its own processes. (default: the rules',"
+            " else the CPU count)",
             show_default=False,
         ),
     ] = None,
@@ -140,14 +159,20 @@ def grade(
     """
     from maskln_cli.errors import MasklnError
     from maskln_cli.files.slices import parse_shard, shard_of
+    from maskln_cli.grading.rules import resolve_rules
     from maskln_cli.grading.selection import check_timeout, select
     from maskln_cli.grading.targets import expand_targets
 
-    chosen = select(only or (), strict, include or ())  # usage errors before torch is imported
+    # Usage errors (the rules file's too) before torch is imported.
+    select(only or (), strict, include or ())
     if timeout is not None:
         check_timeout(timeout)
     if jobs is not None and jobs < 1:
         raise MasklnError(f"--jobs: must be at least 1, got {jobs}")
+    rules = resolve_rules(rules_option, targets).with_command_line(
+        strict, include or (), only or ()
+    )
+    chosen = select(**rules.grading_options())
     listed = expand_targets(targets)
     slice_of = parse_shard(shard) if shard is not None else None
     whole_class = len(listed) > 1 or any(map(os.path.isdir, targets)) or slice_of or csv_path
@@ -156,17 +181,18 @@ def grade(
     if csv_path is not None:
         _check_gradebook(csv_path, listed)
     options = {
-        "strict": strict,
-        "only": list(only or ()),
-        "include": list(include or ()),
-        "seed": seed,
-        "timeout": timeout,
+        **rules.grading_options(),
+        "seed": seed if seed is not None else _or(rules.seed, DEFAULT_SEED),
+        "timeout": timeout if timeout is not None else _or(rules.timeout, DEFAULT_TIMEOUT),
         "device": device,
     }
+    jobs = jobs if jobs is not None else rules.jobs
     if whole_class:
-        _grade_class(listed, options, chosen, jobs, csv_path, json_output, quiet)
+        folder = class_folder(targets)
+        _grade_class(listed, options, chosen, jobs, csv_path, json_output, quiet, rules.name,
+                     folder)  # fmt: skip
     else:
-        _grade_one(listed[0], options, json_output, quiet)
+        _grade_one(listed[0], options, json_output, quiet, rules.name)
 
 
 def _check_gradebook(path: str, targets: list[str]) -> None:
@@ -184,7 +210,27 @@ def _check_gradebook(path: str, targets: list[str]) -> None:
     check_output_path(path, read_files=read)
 
 
-def _grade_one(target: str, options: dict, json_output: bool, quiet: bool) -> None:
+DEFAULT_TIMEOUT: float | None = None
+"""Seconds each clause may take, unless the rules or --timeout say otherwise: None, each call
+its own limit, from what maskln's op takes on its case (the grading library's default)."""
+DEFAULT_SEED = 0
+"""The seed of the cases, unless the rules or --seed say otherwise."""
+
+
+def _or(value: float | None, default: float | None) -> float | None:
+    return default if value is None else value
+
+
+def class_folder(targets: list[str]) -> str | None:
+    """The folder a class's rows are shown relative to: the one folder TARGET, else the folder
+    the file TARGETs share; None when they share none (or are modules)."""
+    from maskln_cli.grading.rules import graded_folder
+
+    folder = graded_folder(targets)
+    return str(folder) if folder is not None else None
+
+
+def _grade_one(target: str, options: dict, json_output: bool, quiet: bool, rules: str) -> None:
     """One TARGET: its report (or JSON document), the verdict's exit code."""
     from maskln_cli.cli.report.grade import clause_progress, prepare_rendering, render_grade
     from maskln_cli.cli.report.json_output import print_json
@@ -203,6 +249,7 @@ def _grade_one(target: str, options: dict, json_output: bool, quiet: bool) -> No
             contain_processes=True,  # this process does nothing else: detached processes come back
             progress=progress,
         )
+    result.rules = rules
     end_with_report(
         0 if result.passed else EXIT_MISMATCH,
         json_output,
@@ -219,9 +266,12 @@ def _grade_class(
     csv_path: str | None,
     json_output: bool,
     quiet: bool,
+    rules: str,
+    folder: str | None,
 ) -> None:
     """Several TARGETs: a row each (or a JSON line each, as each is graded), the gradebook, and
-    exit 1 when any fails, 130 when interrupted."""
+    exit 1 when any fails, 130 when interrupted. Each report says which ``rules`` graded it;
+    rows show paths relative to ``folder``."""
     from maskln_cli.cli.report.grade import (
         class_progress,
         prepare_rendering,
@@ -241,6 +291,7 @@ def _grade_class(
     printing = [json_output]  # off once stdout's reader has gone (| head)
 
     def on_report(report: GradeReport, graded: int, total: int) -> None:
+        report.rules = rules
         progress(graded, total)
         if printing[0]:
             try:
@@ -258,14 +309,16 @@ def _grade_class(
             code = EXIT_ERROR
         elif not result.passed:
             code = EXIT_MISMATCH
+        for report in result.reports:  # those not graded too (a worker that ended, ...)
+            report.rules = rules
         if not json_output:
             with quiet_when_stdout_closes(code):
-                render_class(result, chosen, quiet=quiet)
+                render_class(result, chosen, quiet=quiet, folder=folder, rules=rules)
         elif result.problem is not None:  # why the JSON lines stop: on stderr, one line
             from maskln_cli.cli.report import messages
 
             messages.error(result.problem)
         if csv_path is not None:
-            write_gradebook(csv_path, result)
+            write_gradebook(csv_path, result, folder=folder, rules=rules)
     if code:
         raise typer.Exit(code)

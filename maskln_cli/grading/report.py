@@ -84,7 +84,8 @@ class GradeReport:
     """The whole grade, as plain data: :meth:`to_dict` is ``maskln grade --json``.
 
     ``problem``: why the grade has no verdict at all (the submission tampered with the grader,
-    or could not be graded); such a report fails.
+    or could not be graded); such a report fails. ``rules``: the rule set that graded it
+    (:mod:`maskln_cli.grading.rules`), as shown.
     """
 
     target: str
@@ -95,6 +96,7 @@ class GradeReport:
     root_cause: RootCause | None = None
     problem: str | None = None
     included: list[str] = field(default_factory=list)
+    rules: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -133,6 +135,7 @@ class GradeReport:
             "target": self.target,
             "strict": self.strict,
             "included": list(self.included),
+            "rules": self.rules,
             "seed": self.seed,
             "device": self.device,
             "problem": self.problem,
@@ -154,6 +157,7 @@ class GradeReport:
             root_cause=RootCause(**cause) if isinstance(cause, dict) else None,
             problem=data.get("problem"),
             included=list(data.get("included") or []),
+            rules=data.get("rules") if isinstance(data.get("rules"), str) else None,
         )
 
     def verdict(self) -> str:
@@ -236,7 +240,8 @@ class GradeReport:
     def text(self) -> str:
         """The report as plain text (for :func:`~maskln_cli.grading.assert_conforms` and
         logs)."""
-        lines = [f"maskln grade {self.target} (seed {self.seed}, device {self.device})"]
+        rules = f", rules {self.rules}" if self.rules else ""
+        lines = [f"maskln grade {self.target} (seed {self.seed}, device {self.device}{rules})"]
         lines += self.root_cause_lines()
         width = max((len(c.name) for c in self.clauses), default=0)
         for c in self.clauses:

@@ -221,12 +221,54 @@ MISTAKES: dict[str, Mistake] = {
             "sanitize invalid x before the reductions and zero invalid outputs at the end",
             _padding_not_masked,
         ),
+        Mistake(
+            "mask_inverted",
+            "the mask read the other way round: valid rows zeroed and invalid ones normalized"
+            " (valid taken for a padding mask, as nn.MultiheadAttention's key_padding_mask is)",
+            "True in valid means a row to normalize: keep = valid[..., None], zero where ~keep",
+            lambda x, valid, scale, bias, eps: correct(x, ~valid, scale, bias, eps),
+        ),
     )
 }
 
 
 def _affine_reset(x, valid, scale, bias, eps):
     return correct(x, valid, torch.ones_like(scale), torch.zeros_like(bias), eps)
+
+
+def _unbiased_rescaled(x, valid, scale, bias, eps):
+    """Right but for C = 1, where every valid output is NaN (0 * NaN)."""
+    out = correct(x, valid, scale, bias, eps)
+    if x.shape[-1] == 1:
+        out = torch.where(valid.unsqueeze(-1), torch.nan, out)
+    return out
+
+
+def _eps_float32(x, valid, scale, bias, eps):
+    return correct(x, valid, scale, bias, float(torch.tensor(eps, dtype=torch.float32)))
+
+
+def _statistics_with_count(x, valid, scale, bias, eps, count):
+    x = _clean(x, valid)
+    mean = x.sum(dim=-1, keepdim=True) / count
+    var = (x - mean).square().sum(dim=-1, keepdim=True) / count
+    return _masked((x - mean) / torch.sqrt(var + eps) * scale + bias, valid)
+
+
+def _over_valid_rows(x, valid, scale, bias, eps):
+    count = valid.sum().clamp_min(1).to(x.dtype)
+    return _statistics_with_count(x, valid, scale, bias, eps, count)
+
+
+def _whole_tensor(x, valid, scale, bias, eps, padding_too=False):
+    clean = _clean(x, valid)
+    keep = valid.unsqueeze(-1).expand(x.shape)
+    values = clean.reshape(-1) if padding_too else clean[keep]
+    if values.numel() == 0:
+        return torch.zeros_like(clean)
+    mean = values.mean()
+    var = (values - mean).square().mean()
+    return _masked((clean - mean) / torch.sqrt(var + eps) * scale + bias, valid)
 
 
 MORE_MISTAKES: dict[str, Mistake] = {
@@ -238,6 +280,49 @@ MORE_MISTAKES: dict[str, Mistake] = {
             " fresh nn.LayerNorm's own parameters)",
             "use scale and bias as given: never create, reset or re-initialize them in the op",
             _affine_reset,
+        ),
+        Mistake(
+            "eps_squared",
+            "eps squared: (x - mean) / sqrt(var + eps**2), eps read as a standard deviation",
+            "add eps itself to the variance: (x - mean) / sqrt(var + eps)",
+            lambda x, valid, scale, bias, eps: correct(x, valid, scale, bias, eps**2),
+        ),
+        Mistake(
+            "eps_float32",
+            "eps held as a float32 tensor (torch.tensor(eps) in the default dtype): float64"
+            " results lose precision where eps matters",
+            "keep eps a Python float, or make it torch.tensor(eps, dtype=x.dtype)",
+            _eps_float32,
+        ),
+        Mistake(
+            "unbiased_rescaled",
+            "the unbiased variance rescaled by (C - 1) / C: right for C > 1, but at C = 1"
+            " x.var() divides by C - 1 = 0, and 0 * NaN is NaN",
+            "compute the population variance directly: ((x - mean)**2).mean(-1), or"
+            " x.var(-1, unbiased=False)",
+            _unbiased_rescaled,
+        ),
+        Mistake(
+            "statistics_over_valid_rows",
+            "mean and variance divided by the number of valid positions instead of C (a masked"
+            " mean over the sequence, not over the channels)",
+            "average over the C channels of each row: x.mean(-1) and ((x - mean)**2).mean(-1);"
+            " the mask only says which rows are zeroed",
+            _over_valid_rows,
+        ),
+        Mistake(
+            "statistics_over_whole_tensor",
+            "one mean and one variance for the whole tensor (every valid element), as batch"
+            " norm has, instead of one per row",
+            "reduce over the last axis only, keepdim=True: x.mean(-1, keepdim=True)",
+            _whole_tensor,
+        ),
+        Mistake(
+            "statistics_over_whole_tensor_padded",
+            "one mean and one variance for the whole tensor, padding's zeros included, instead"
+            " of one per row",
+            "reduce over the last axis only, keepdim=True: x.mean(-1, keepdim=True)",
+            lambda x, valid, scale, bias, eps: _whole_tensor(x, valid, scale, bias, eps, True),
         ),
     )
 }

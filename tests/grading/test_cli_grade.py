@@ -83,8 +83,8 @@ def test_json_document():
     assert result.exit_code == 1
     document = json.loads(result.stdout)
     assert set(document) == {
-        "passed", "target", "strict", "included", "seed", "device", "problem", "root_cause",
-        "failed", "clauses", "diagnosis",
+        "passed", "target", "strict", "included", "rules", "seed", "device", "problem",
+        "root_cause", "failed", "clauses", "diagnosis",
     }  # fmt: skip
     assert document["passed"] is False and document["target"] == str(EXAMPLE)
     assert document["failed"] == ["sanitized_gradients"] and document["problem"] is None
@@ -236,11 +236,13 @@ def test_the_command_defaults_are_the_librarys():
     """cli.py spells the defaults out (importing grading would import torch for --help)."""
     import typer.main
 
+    from maskln_cli.cli import grade as command
     from maskln_cli.cli.app import app
 
     params = {p.name: p.default for p in typer.main.get_command(app).commands["grade"].params}
-    assert params["seed"] == grading.DEFAULT_SEED
-    assert params["timeout"] == grading.DEFAULT_TIMEOUT
+    # --seed and --timeout default to the rules' (issue 32), else to these
+    assert params["seed"] is None and command.DEFAULT_SEED == grading.DEFAULT_SEED
+    assert params["timeout"] is None and command.DEFAULT_TIMEOUT == grading.DEFAULT_TIMEOUT
     assert params["device"] == "cpu" and params["strict"] is False
 
 

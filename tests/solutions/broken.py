@@ -382,6 +382,62 @@ def seeds_the_generator(x, valid, scale, bias, eps=1e-05):
     return correct(x, valid, scale, bias, eps)
 
 
+# deterministic ------------------------------------------------------------------------------------
+
+
+def sums_by_thread_count(x, valid, scale, bias, eps=1e-05):
+    """deterministic: sums the channels in torch.get_num_threads() partial sums "one per
+    core", added in order: another thread count rounds otherwise."""
+    keep = valid.unsqueeze(-1)
+    xc = torch.where(keep, x, 0.0)
+    chunks = xc.tensor_split(max(1, torch.get_num_threads()), dim=-1)
+    total = torch.zeros_like(xc[..., :1])
+    for chunk in chunks:
+        total = total + chunk.sum(-1, keepdim=True)
+    mean = total / x.shape[-1]
+    centered = xc - mean
+    var = (centered * centered).mean(-1, keepdim=True)
+    return _finish(centered / torch.sqrt(var + eps) * scale + bias, x, valid)
+
+
+# no_shared_results --------------------------------------------------------------------------------
+
+_OUTPUT: dict = {}
+
+
+def reuses_one_output(x, valid, scale, bias, eps=1e-05):
+    """no_shared_results: without grad, one output tensor per shape, reused by every call."""
+    y = correct(x, valid, scale, bias, eps)
+    if y.requires_grad:
+        return y
+    key = (tuple(x.shape), x.stride(), x.dtype)
+    if key not in _OUTPUT:
+        _OUTPUT[key] = torch.empty_like(x)
+    return _OUTPUT[key].copy_(y)
+
+
+# no_global_effects --------------------------------------------------------------------------------
+
+
+def leaves_anomaly_mode_on(x, valid, scale, bias, eps=1e-05):
+    """no_global_effects: turns on autograd's anomaly detection, "to debug", and leaves it on."""
+    torch.autograd.set_detect_anomaly(True)
+    return correct(x, valid, scale, bias, eps)
+
+
+# no_hooks_left ------------------------------------------------------------------------------------
+
+
+def hooks_the_input(x, valid, scale, bias, eps=1e-05):
+    """no_hooks_left: registers a hook on x (it zeroes the padding's gradient), which stays on
+    the caller's x."""
+    if x.requires_grad:
+        x.register_hook(
+            lambda grad: None if grad is None else torch.where(valid.unsqueeze(-1), grad, 0.0)
+        )
+    return correct(x, valid, scale, bias, eps)
+
+
 # two_pass -----------------------------------------------------------------------------------------
 
 

@@ -83,3 +83,8 @@ def padding_not_masked(x, valid, scale, bias, eps=1e-05):
     mean = x.mean(dim=-1, keepdim=True)
     variance = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
     return (x - mean) / torch.sqrt(variance + eps) * scale + bias
+
+
+def mask_inverted(x, valid, scale, bias, eps=1e-05):
+    padding = valid  # valid read as a padding mask (True = padding)
+    return _masked(_normalized(x, ~padding, eps) * scale + bias, ~padding)

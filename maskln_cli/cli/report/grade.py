@@ -50,9 +50,10 @@ def render_grade(report: GradeReport, quiet: bool = False) -> None:
 
     console = consoles.stdout_console()
     if not quiet:
+        rules = f", rules {safe(report.rules)}" if report.rules else ""
         console.print(
             f"[bold]maskln grade[/] {safe(report.target)}  [dim](seed {report.seed},"
-            f" device {safe(report.device)})[/]",
+            f" device {safe(report.device)}{rules})[/]",
             soft_wrap=True,
         )
         console.print()

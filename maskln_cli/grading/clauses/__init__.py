@@ -38,6 +38,7 @@ import warnings
 
 from maskln_cli.grading.clauses import (
     accuracy,
+    crosscalls,
     dtypes_layouts,
     gradients,
     half,
@@ -58,6 +59,7 @@ from maskln_cli.grading.clauses.recorders import (
     is_maskln_function,
     is_ready_made,
 )
+from maskln_cli.grading.clauses.state import preserved_state
 from maskln_cli.op.mistakes import Diagnosis
 
 # The names the rest of maskln imports from here; the others come from the module defining them.
@@ -100,6 +102,10 @@ CLAUSES = {
         purity.NO_MUTATION,
         purity.RAW_OPS,
         purity.NO_REINIT,
+        crosscalls.DETERMINISTIC,
+        crosscalls.NO_SHARED_RESULTS,
+        crosscalls.NO_GLOBAL_EFFECTS,
+        crosscalls.NO_HOOKS_LEFT,
         accuracy.TWO_PASS,
         padding.POSITIVE_ZERO,
         dtypes_layouts.OUTPUT_LAYOUT,
@@ -131,7 +137,10 @@ def run_clause(
     cases = clause.build(seed) if cases is None else cases
     token = GRADING_MASKLN.set(is_maskln_function(fn) if maskln is None else maskln)
     try:
-        with warnings.catch_warnings():
+        # torch's global state as it was after each clause, whatever the function did to it
+        # (no_global_effects judges that): the clauses after it, and a process grading in
+        # process, are not changed by it.
+        with warnings.catch_warnings(), preserved_state():
             # The function's warnings are not verdicts (and under -W error would become
             # exceptions that fail a correct function).
             warnings.simplefilter("ignore")

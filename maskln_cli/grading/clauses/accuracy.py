@@ -13,6 +13,7 @@ from maskln_cli.grading.clauses import draws
 from maskln_cli.grading.clauses.calls import Call, ClauseRun, one_call_each
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
 from maskln_cli.grading.clauses.clause import Judge, each_call_judge, make_clause
+from maskln_cli.grading.clauses.families import OFFSET
 from maskln_cli.grading.clauses.judging import (
     Verdict,
     diagnose_failures,
@@ -42,7 +43,11 @@ def _offset_cases(seed: int, clause: str, data: Sequence[tuple[float, float, int
         x = offset + spread * noise
         valid = draws.mask(g, OFFSET_ROWS, fraction=0.9)
         label = describe_inputs(x, torch.float32, 1e-5, f"rows {offset:g} ± {spread:g}")
-        cases.append(make_case(label, x, valid, draws.params(g, channels), 1e-5, torch.float32))
+        cases.append(
+            make_case(
+                label, x, valid, draws.params(g, channels), 1e-5, torch.float32, family=OFFSET
+            )
+        )
     return cases
 
 
@@ -85,14 +90,13 @@ def _accuracy_judge(factor: float, diagnose: bool) -> Judge:
 
 
 def _accuracy_diagnosis(case: Case, out: torch.Tensor, every: bool) -> list[Diagnosis] | None:
-    """The known mistakes a failing output matches (``every``); else only a one-pass variance,
-    when it matches: a correct kernel less accurate than F.layer_norm (offset_accuracy) matches
-    no mistake, and saying so would suggest one."""
+    """The known mistakes a failing output matches (``every``: "none" too); else only those
+    that match: a correct kernel less accurate than F.layer_norm (offset_accuracy) matches no
+    mistake, and saying so would suggest one."""
     found = diagnose_failures([(case, out)])
     if every:
         return found
-    one_pass = [d for d in found or [] if d.mistake == "one_pass_variance"]
-    return one_pass or None
+    return found or None
 
 
 TWO_PASS = make_clause(

@@ -150,12 +150,32 @@ def perform(
         if tuple(out.shape) != tuple(t["x"].shape):
             raise Misbehaved(f"returned shape {list(out.shape)} for x {list(t['x'].shape)}")
         leaves = [t[name] for name in call.requires]
-        grads = torch.autograd.grad(weighted_sum(out, t), leaves, allow_unused=True)
+        if "grad_out" in case.views:  # the upstream gradient in its own layout, as it is
+            upstream = Upstream.apply(out, t["grad_out"]).sum()
+        else:
+            upstream = weighted_sum(out, t)
+        grads = torch.autograd.grad(upstream, leaves, allow_unused=True)
         for name, grad in zip(call.requires, grads, strict=True):
             if grad is None:
                 raise Misbehaved(f"no gradient reached {name}: it is not used differentiably")
             tensors[f"grad_{name}"] = export_tensor(grad)
     return tensors, meta
+
+
+class Upstream(torch.autograd.Function):
+    """Hands the caller's own ``grad_out`` tensor, in its own layout, to the backward of ``out``
+    (as ``out.backward(grad_out)`` does): a backward that writes into its incoming gradient,
+    or assumes it contiguous, is seen. (``torch.autograd.grad(out, inputs, grad_out)`` would
+    do it too, but imports sympy, seconds, to check the shapes.)"""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        ctx.grad_out = grad_out
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.grad_out, None
 
 
 def weighted_sum(out: torch.Tensor, t: dict[str, Any]) -> torch.Tensor:

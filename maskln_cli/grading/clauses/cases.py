@@ -1,6 +1,7 @@
 """The cases of the clauses: a call's inputs (:class:`Case`), kept so that the grader's child
 process and the grader build the same tensors, in the same layouts, and described in words
-for a verdict. Their random data comes from :mod:`.draws`.
+for a verdict, led by the family of data they belong to (:mod:`.families`). Their random data
+comes from :mod:`.draws`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ class Case:
     input its layout, so that the child and the parent build the same tensors, on any device.
 
     ``views[name]`` is a tuple of ``("permute", dims)``, ``("step", dim, step)`` or
-    ``("expand", sizes)``. ``clean_x``, when set, is ``x`` with ordinary numbers in its
-    invalid rows instead of the NaN, inf and 1e30 of ``x``.
+    ``("expand", sizes)``, for ``x``, ``valid``, ``scale``, ``bias`` and ``grad_out`` (the
+    upstream gradient, given to the function's backward as it is, in its own layout).
+    ``clean_x``, when set, is ``x`` with ordinary numbers in its invalid rows instead of the
+    NaN, inf and 1e30 of ``x``. ``family``: the family of data the case belongs to, which its
+    label names first.
     """
 
     label: str
@@ -33,6 +37,7 @@ class Case:
     views: dict[str, tuple[tuple[Any, ...], ...]] = field(default_factory=dict)
     clean_x: torch.Tensor | None = None
     directions: dict[str, torch.Tensor] | None = None
+    family: str = ""
 
     def inputs(self, device: str | torch.device = "cpu", clean: bool = False) -> dict[str, Any]:
         """Fresh tensors (a call may mutate them) on ``device``, in their layouts."""
@@ -49,7 +54,10 @@ class Case:
                 tensor = apply_view(tensor, view)
             tensors[name] = tensor
         if self.grad_out is not None:
-            tensors["grad_out"] = self.grad_out.clone().to(device)
+            grad_out = self.grad_out.clone().to(device)
+            for view in self.views.get("grad_out", ()):
+                grad_out = apply_view(grad_out, view)
+            tensors["grad_out"] = grad_out
         return tensors
 
     def invalid(self) -> torch.Tensor:
@@ -76,6 +84,20 @@ def apply_view(tensor: torch.Tensor, view: tuple[Any, ...]) -> torch.Tensor:
     raise ValueError(f"unknown view {kind!r}")
 
 
+RANDOM = "random rows"
+"""The family of most cases (:mod:`.families` has the others)."""
+
+
+def labelled(family: str, label: str) -> str:
+    """A case's label, led by its family.
+
+    Example:
+        >>> labelled("constant rows", "x [2, 5, 8] float64, eps 1e-05, contiguous")
+        '[constant rows] x [2, 5, 8] float64, eps 1e-05, contiguous'
+    """
+    return f"[{family}] {label}"
+
+
 def make_case(
     label: str,
     x: torch.Tensor,
@@ -85,16 +107,19 @@ def make_case(
     dtype: torch.dtype,
     g: torch.Generator | None = None,
     grad: bool = False,
+    family: str = RANDOM,
 ) -> Case:
-    """A case from float64 data, in ``dtype``; with ``g`` and ``grad``, a random upstream
-    gradient (finite everywhere, in invalid rows too)."""
+    """A case from float64 data, in ``dtype``, of a ``family`` (which leads its label); with
+    ``g`` and ``grad``, a random upstream gradient (finite everywhere, in invalid rows
+    too)."""
     scale, bias = params
     grad_out = None
     if grad:
         assert g is not None
         grad_out = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
     return Case(
-        label=label,
+        label=labelled(family, label),
+        family=family,
         x=x.to(dtype),
         valid=valid,
         scale=scale.to(dtype),

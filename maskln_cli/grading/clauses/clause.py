@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from maskln_cli.grading.clauses.calls import Call, ClauseRun, Fn, one_call_each, run_calls
 from maskln_cli.grading.clauses.cases import Case
+from maskln_cli.grading.clauses.causes import explain_exception
 from maskln_cli.grading.clauses.judging import PASSED, Verdict, failure_detail, judge_outputs
 
 LEVELS = ("required", "strict", "optional")
@@ -55,7 +56,7 @@ def calls_run(calls: Callable[[list[Case]], list[Call]]) -> Run:
 
 def outputs_judge(
     calls: Callable[[list[Case]], list[Call]],
-    diagnose: bool = False,
+    diagnose: bool = True,
     what: Callable[[Call], str] = lambda call: "",
 ) -> Judge:
     def judge(cases: list[Case], run: ClauseRun) -> Verdict:
@@ -96,5 +97,26 @@ def make_clause(
     if run is None or judge is None:
         assert calls is not None
     return Clause(
-        name, level, summary, build, run or calls_run(calls), judge or outputs_judge(calls)
+        name,
+        level,
+        summary,
+        build,
+        run or calls_run(calls),
+        with_exception_causes(judge or outputs_judge(calls)),
     )
+
+
+def with_exception_causes(judge: Judge) -> Judge:
+    """``judge``, whose failures that no known mistake explains are explained by the words of
+    the exception they show, when torch's message says what happened (a broadcasting or
+    dtype error, .view on a strided tensor: :mod:`.causes`)."""
+
+    def judged(cases: list[Case], run: ClauseRun) -> Verdict:
+        verdict = judge(cases, run)
+        if not verdict.passed and not verdict.diagnosis:
+            found = explain_exception(verdict.detail)
+            if found is not None:
+                verdict.diagnosis = [found]
+        return verdict
+
+    return judged

@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.assumed import dtype_allowed
 from maskln_cli.grading.clauses.calls import Call, ClauseRun, one_call_each
 from maskln_cli.grading.clauses.cases import (
@@ -38,7 +38,18 @@ def _dtypes_cases(seed: int) -> list[Case]:
         # shows: float32 arithmetic errs by ~1e-7, float64 by ~1e-15.
         x = draws.rows(g, (3, 5), 24, spreads=(1e4, 3e3), offset=1.0)
         label = describe_inputs(x, dtype, 1e-5, "rows of std 1e4")
-        cases.append(make_case(label, x, draws.mask(g, (3, 5)), draws.params(g, 24), 1e-5, dtype))
+        cases.append(
+            make_case(
+                label,
+                x,
+                draws.mask(g, (3, 5)),
+                draws.params(g, 24),
+                1e-5,
+                dtype,
+                family=families.WIDE,
+            )
+        )
+    cases += families.family_cases(g, (3, 5), families=(families.ONE_CHANNEL, families.PRIME))
     return cases
 
 
@@ -110,7 +121,7 @@ def _precision_problem(out: torch.Tensor, reference: torch.Tensor) -> str | None
 DTYPES = make_clause(
     "dtypes",
     "required",
-    "the output has x's dtype and device; float64 is computed in float64",
+    "the output has x's dtype and device; float64 is computed in float64 (C = 1 and a prime C too)",
     _dtypes_cases,
     calls=one_call_each,
     judge=each_call_judge(_dtype_verdict),
@@ -130,17 +141,40 @@ def _strided_cases(seed: int) -> list[Case]:
         ("x channels-strided", (b, c, n), (("permute", (0, 2, 1)),)),
     ]
     cases = []
-    for (what, base_shape, x_views), dtype in itertools.product(
-        layouts, (torch.float64, torch.float32)
-    ):
+    shapes = [
+        (families.LAYOUT, what, base_shape, x_views, dtype, c)
+        for (what, base_shape, x_views), dtype in itertools.product(
+            layouts, (torch.float64, torch.float32)
+        )
+    ]
+    shapes += [
+        (
+            families.ONE_CHANNEL,
+            "x permuted",
+            (n, b, 1),
+            (("permute", (1, 0, 2)),),
+            torch.float32,
+            1,
+        ),
+        (
+            families.PRIME,
+            "x channels-strided",
+            (b, 7, n),
+            (("permute", (0, 2, 1)),),
+            torch.float64,
+            7,
+        ),
+    ]
+    for family, what, base_shape, x_views, dtype, c in shapes:
         x = draws.rows(g, base_shape[:-1], base_shape[-1])
         valid_base = draws.mask(g, (n, b))  # transposed below: non-contiguous
         scale, bias = draws.params(g, 2 * c)  # every second element below: non-contiguous
+        eps = families.eps_for(family, dtype)
         label = (
-            f"x [{b}, {n}, {c}] {dtype_name(dtype)}, eps 1e-05, {what};"
+            f"x [{b}, {n}, {c}] {dtype_name(dtype)}, eps {eps:g}, {what};"
             " valid, scale and bias non-contiguous"
         )
-        case = make_case(label, x, valid_base, (scale, bias), 1e-5, dtype)
+        case = make_case(label, x, valid_base, (scale, bias), eps, dtype, family=family)
         case.views = {
             "x": x_views,
             "valid": (("permute", (1, 0)),),
@@ -155,7 +189,7 @@ STRIDED_INPUTS = make_clause(
     "strided_inputs",
     "required",
     "permuted, stepped-slice, expanded and channels-strided x; non-contiguous valid,"
-    " scale and bias",
+    " scale and bias; C = 1 and a prime C too",
     _strided_cases,
     calls=one_call_each,
 )
@@ -171,6 +205,8 @@ def _layout_cases(seed: int) -> list[Case]:
         ("x permuted", (4, 3, 5, 6), (("permute", (2, 0, 1, 3)),)),
         ("x channels-strided", (3, 6, 5), (("permute", (0, 2, 1)),)),
         ("x channels-last", (2, 6, 3, 4), (("permute", (0, 2, 3, 1)),)),
+        ("x channels-last, a prime C", (2, 7, 3, 4), (("permute", (0, 2, 3, 1)),)),
+        ("x permuted, C = 1", (5, 3, 1), (("permute", (1, 0, 2)),)),
     ]
     cases = []
     for what, base_shape, views in layouts:
@@ -180,7 +216,13 @@ def _layout_cases(seed: int) -> list[Case]:
         dtype = torch.float32
         label = describe_inputs(logical, dtype, 1e-5, f"{what}, strides {list(logical.stride())}")
         case = make_case(
-            label, x, draws.mask(g, logical.shape[:-1]), draws.params(g, channels), 1e-5, dtype
+            label,
+            x,
+            draws.mask(g, logical.shape[:-1]),
+            draws.params(g, channels),
+            1e-5,
+            dtype,
+            family=families.LAYOUT,
         )
         case.views = {"x": views}
         cases.append(case)

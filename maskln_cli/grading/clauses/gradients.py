@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.assumed import reference_formula
 from maskln_cli.grading.clauses.calls import (
     CAUGHT,
@@ -24,14 +24,23 @@ from maskln_cli.grading.clauses.calls import (
     invoke,
     weighted_sum,
 )
-from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
+from maskln_cli.grading.clauses.cases import RANDOM, Case, describe_inputs, make_case
+from maskln_cli.grading.clauses.causes import (
+    BACKWARD_FROM_SAVED,
+    NAN_AT_ZERO_VARIANCE,
+    gradgradcheck_words,
+    second_order_cause,
+)
 from maskln_cli.grading.clauses.clause import make_clause
 from maskln_cli.grading.clauses.judging import (
     PASSED,
     Verdict,
+    diagnose_failures,
     failure_detail,
     grad_mismatch,
+    gradient_causes,
     judge_gradients,
+    judge_outputs,
     value_mismatch,
 )
 
@@ -53,32 +62,65 @@ def _gradient_cases(seed: int) -> list[Case]:
                 label, x, draws.mask(g, (2, 5)), draws.params(g, channels), eps, dtype, g, True
             )
         )
+    cases += families.family_cases(g, grad=True)
+    for dtype, eps in GRADIENT_EPS:
+        x = families.eps_rows(g, (2, 5), 8, eps)
+        label = describe_inputs(x, dtype, eps, "row variances 0.01, 1 and 100 times eps")
+        cases.append(
+            make_case(
+                label,
+                x,
+                draws.mask(g, (2, 5)),
+                draws.params(g, 8),
+                eps,
+                dtype,
+                g,
+                True,
+                family=families.EPS,
+            )
+        )
+    for layout, dtype in itertools.product(
+        families.UPSTREAM_LAYOUTS, (torch.float64, torch.float32)
+    ):
+        cases.append(families.upstream_case(g, (3, 4, 6), layout, dtype))
     return cases
 
 
+GRADIENT_EPS = (
+    (torch.float64, 1e-12),
+    (torch.float64, 1e-8),
+    (torch.float64, 10.0),
+    (torch.float32, 1e-8),
+    (torch.float32, 10.0),
+)
+
+
 def _gradient_calls(cases: list[Case]) -> list[Call]:
+    """Random cases with each subset of inputs requiring grad; the other families with x,
+    scale and bias requiring grad."""
     return [
         Call(f"{i}.{'+'.join(subset)}", i, requires=subset, backward=True)
-        for i in range(len(cases))
-        for subset in SUBSETS
+        for i, case in enumerate(cases)
+        for subset in (SUBSETS if case.family == RANDOM else [GRAD_INPUTS])
     ]
 
 
 def _gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
-    for call in _gradient_calls(cases):
-        case = cases[call.case]
-        what = f", {', '.join(call.requires)} requiring grad"
-        problem = failure_detail(case, call, run, what) or judge_gradients(case, call, run, what)
-        if problem is not None:
-            return Verdict(False, problem)
-    return PASSED
+    return judge_outputs(
+        cases,
+        run,
+        _gradient_calls(cases),
+        diagnose=True,
+        what=lambda call: f", {', '.join(call.requires)} requiring grad",
+    )
 
 
 GRADIENTS = make_clause(
     "gradients",
     "required",
     "dx, dscale, dbias against autograd through the float64 reference, for each subset"
-    " of inputs requiring grad",
+    " of inputs requiring grad; constant rows, exact zeros, C = 1, a prime C, eps from 1e-12"
+    " to 10, and upstream gradients transposed, stepped and expanded",
     _gradient_cases,
     calls=_gradient_calls,
     judge=_gradients_judge,
@@ -88,20 +130,47 @@ GRADIENTS = make_clause(
 # second_order -------------------------------------------------------------------------------------
 
 
+SECOND_ORDER_FAMILIES = (
+    (families.ONE_CHANNEL, 1),
+    (families.PRIME, 7),
+    (families.CONSTANT, 5),
+    (families.ZEROS, 6),
+)
+"""The families whose second-order products are checked besides the random case's (which
+gradgradcheck checks too): (family, C)."""
+
+
 def _second_order_cases(seed: int) -> list[Case]:
     g = draws.generator(seed, "second_order")
-    x = draws.rows(g, (2, 3), 4)
-    label = describe_inputs(x, torch.float64, 0.1)
-    case = make_case(
-        label, x, draws.mask(g, (2, 3)), draws.params(g, 4), 0.1, torch.float64, g, grad=True
-    )
-    # Directions of the second-order products: d/d(inputs) of <first-order grads, direction>.
-    case.directions = {
-        "x": torch.randn(x.shape, generator=g, dtype=torch.float64),
-        "scale": torch.randn(4, generator=g, dtype=torch.float64),
-        "bias": torch.randn(4, generator=g, dtype=torch.float64),
-    }
-    return [case]
+    shapes = [(RANDOM, 4), *SECOND_ORDER_FAMILIES]
+    cases = []
+    for family, channels in shapes:
+        if family == families.CONSTANT:
+            x = families.constant_rows(g, (2, 3), channels)
+        elif family == families.ZEROS:
+            x = families.zero_holding_rows(g, (2, 3), channels)
+        else:
+            x = draws.rows(g, (2, 3), channels)
+        label = describe_inputs(x, torch.float64, 0.1)
+        case = make_case(
+            label,
+            x,
+            draws.mask(g, (2, 3)),
+            draws.params(g, channels),
+            0.1,
+            torch.float64,
+            g,
+            grad=True,
+            family=family,
+        )
+        # Directions of the second-order products: d/d(inputs) of <first-order grads, direction>.
+        case.directions = {
+            "x": torch.randn(x.shape, generator=g, dtype=torch.float64),
+            "scale": torch.randn(channels, generator=g, dtype=torch.float64),
+            "bias": torch.randn(channels, generator=g, dtype=torch.float64),
+        }
+        cases.append(case)
+    return cases
 
 
 def _second_order_products(fn: Fn, case: Case, device: str) -> dict[str, torch.Tensor]:
@@ -114,15 +183,48 @@ def _second_order_products(fn: Fn, case: Case, device: str) -> dict[str, torch.T
     pairs = zip(GRAD_INPUTS, grads, strict=True)
     total = sum((grad * directions[name].to(grad.device)).sum() for name, grad in pairs)
     if not isinstance(total, torch.Tensor) or not total.requires_grad:
+        marked = once_differentiable_nodes(out)
+        if marked:
+            raise Misbehaved(
+                "the first-order gradients are not differentiable: the backward of"
+                f" {marked[0]} is marked @once_differentiable"
+            )
         raise Misbehaved("the first-order gradients are not differentiable")
     second = torch.autograd.grad(total, leaves, allow_unused=True)
-    return {
+    products = {
         f"second_{n}": export_tensor(s if s is not None else torch.zeros_like(leaf))
         for n, s, leaf in zip(GRAD_INPUTS, second, leaves, strict=True)
     }
+    first = {f"grad_{n}": export_tensor(g) for n, g in zip(GRAD_INPUTS, grads, strict=True)}
+    return {"out": export_tensor(out), **first, **products}
+
+
+def once_differentiable_nodes(out: torch.Tensor, limit: int = 10_000) -> list[str]:
+    """The custom autograd Functions in ``out``'s graph whose backward is wrapped by
+    ``@once_differentiable`` (a wrapper torch defines in its own autograd/function.py)."""
+    found: list[str] = []
+    stack, seen = [out.grad_fn], set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        forward_cls = getattr(node, "_forward_cls", None)
+        backward = getattr(forward_cls, "backward", None)
+        code = getattr(backward, "__code__", None)
+        if (
+            code is not None
+            and code.co_name == "wrapper"
+            and hasattr(backward, "__wrapped__")
+            and code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py")
+        ):
+            found.append(getattr(forward_cls, "__name__", "a custom Function"))
+        stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
+    return found
 
 
 def _second_order_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
+    """gradgradcheck on the first (random) case; second-order products on every case."""
     run = ClauseRun()
     case = cases[0]
     t = case.inputs(device)
@@ -137,11 +239,13 @@ def _second_order_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
         run.meta["gradgradcheck"] = {"passed": True}
     except CAUGHT as error:
         run.meta["gradgradcheck"] = {"passed": False, "error": describe_exception(error)}
-    try:
-        products = _second_order_products(fn, case, device)
-        run.tensors.update({f"0.{name}": t for name, t in products.items()})
-    except CAUGHT as error:
-        run.errors["0"] = describe_exception(error)
+    for i, each in enumerate(cases):
+        announce(f"{each.label}, second-order products")
+        try:
+            products = _second_order_products(fn, each, device)
+            run.tensors.update({f"{i}.{name}": t for name, t in products.items()})
+        except CAUGHT as error:
+            run.errors[str(i)] = describe_exception(error)
     return run
 
 
@@ -149,21 +253,50 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     case = cases[0]
     check = run.meta.get("gradgradcheck", {})
     if check.get("passed") is not True:
-        return Verdict(False, f"{case.label}: gradgradcheck failed: {check.get('error')}")
-    if "0" in run.errors:
-        return Verdict(False, f"{case.label}: {run.errors['0']}")
-    expected = _second_order_products(reference_formula(), case, "cpu")
-    for name, reference in expected.items():
-        mismatch = grad_mismatch(run.tensor("0", name), reference, torch.float64)
-        if mismatch is not None:
-            return Verdict(False, f"{case.label}: second-order product {name} {mismatch}")
+        error = check.get("error")
+        detail = f"{case.label}: gradgradcheck failed: {gradgradcheck_words(error)}"
+        # Taking the products themselves says more than a Jacobian mismatch, when it raises.
+        return Verdict(False, detail, [second_order_cause(run.errors.get("0") or error)])
+    for i, each in enumerate(cases):
+        if str(i) in run.errors:
+            error = run.errors[str(i)]
+            return Verdict(False, f"{each.label}: {error}", [second_order_cause(error)])
+        first_order = _first_order_problem(each, str(i), run)
+        if first_order is not None:
+            return first_order
+        expected = _second_order_products(reference_formula(), each, "cpu")
+        for name, reference in expected.items():
+            if not name.startswith("second_"):
+                continue
+            actual = run.tensor(str(i), name)
+            mismatch = grad_mismatch(actual, reference, torch.float64)
+            if mismatch is not None:
+                detail = f"{each.label}: second-order product {name} {mismatch}"
+                nonfinite = bool((~actual.isfinite() & reference.isfinite()).any())
+                cause = NAN_AT_ZERO_VARIANCE if nonfinite else BACKWARD_FROM_SAVED
+                return Verdict(False, detail, [cause.diagnosis()])
     return PASSED
+
+
+def _first_order_problem(case: Case, key: str, run: ClauseRun) -> Verdict | None:
+    """A failure of the forward or the first derivatives (which the values and gradients
+    clauses judge): the second derivatives cannot be right, and their causes are those."""
+    out = run.tensor(key, "out")
+    mismatch = value_mismatch(out, case.reference(), torch.float64)
+    if mismatch is not None:
+        return Verdict(False, f"{case.label}: {mismatch}", diagnose_failures([(case, out)]) or None)
+    call = Call(key, 0, requires=GRAD_INPUTS, backward=True)
+    problem = judge_gradients(case, call, run)
+    if problem is not None:
+        return Verdict(False, problem, gradient_causes(case, call, run))
+    return None
 
 
 SECOND_ORDER = make_clause(
     "second_order",
     "strict",
-    "gradgradcheck passes in float64, and second-order products are right",
+    "gradgradcheck passes in float64, and second-order products are right, at C = 1, a prime"
+    " C, on constant rows and exact zeros too",
     _second_order_cases,
     run=_second_order_run,
     judge=_second_order_judge,
@@ -177,22 +310,27 @@ def _flags_cases(seed: int) -> list[Case]:
     g = draws.generator(seed, "grad_flags")
     x = draws.rows(g, (2, 5), 8)
     label = describe_inputs(x, torch.float32, 1e-5)
-    return [make_case(label, x, draws.mask(g, (2, 5)), draws.params(g, 8), 1e-5, torch.float32)]
+    cases = [make_case(label, x, draws.mask(g, (2, 5)), draws.params(g, 8), 1e-5, torch.float32)]
+    return cases + families.family_cases(
+        g, families=(families.ONE_CHANNEL, families.PRIME), dtypes=(torch.float64,)
+    )
 
 
 def _flags_calls(cases: list[Case]) -> list[Call]:
-    calls = [Call("none", 0)]
-    calls += [Call("+".join(s), 0, requires=s) for s in SUBSETS]
-    calls += [
-        Call("no_grad", 0, requires=GRAD_INPUTS, mode="no_grad"),
-        Call("inference", 0, requires=GRAD_INPUTS, mode="inference"),
-    ]
+    calls = []
+    for i in range(len(cases)):
+        calls.append(Call(f"{i}.none", i))
+        calls += [Call(f"{i}.{'+'.join(s)}", i, requires=s) for s in SUBSETS]
+        calls += [
+            Call(f"{i}.no_grad", i, requires=GRAD_INPUTS, mode="no_grad"),
+            Call(f"{i}.inference", i, requires=GRAD_INPUTS, mode="inference"),
+        ]
     return calls
 
 
 def _flags_judge(cases: list[Case], run: ClauseRun) -> Verdict:
-    case = cases[0]
     for call in _flags_calls(cases):
+        case = cases[call.case]
         where = {
             "grad": f"{', '.join(call.requires) or 'no input'} requiring grad",
             "no_grad": "under torch.no_grad()",
@@ -207,9 +345,11 @@ def _flags_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             says = "requires" if got else "does not require"
             return Verdict(False, f"{case.label}, {where}: the output {says} grad")
         if call.mode != "grad":
-            mismatch = value_mismatch(run.tensor(call.key, "out"), case.reference(), case.x.dtype)
+            out = run.tensor(call.key, "out")
+            mismatch = value_mismatch(out, case.reference(), case.x.dtype)
             if mismatch is not None:
-                return Verdict(False, f"{case.label}, {where}: {mismatch}")
+                found = diagnose_failures([(case, out)], order=cases)
+                return Verdict(False, f"{case.label}, {where}: {mismatch}", found)
     return PASSED
 
 

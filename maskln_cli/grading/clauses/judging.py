@@ -15,11 +15,20 @@ import torch
 from maskln_cli.grading.clauses.assumed import reference_formula, tolerance_dtype
 from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun
 from maskln_cli.grading.clauses.cases import Case
+from maskln_cli.grading.clauses.causes import (
+    GRADIENT_LOST_AT_ZERO_VARIANCE,
+    NAN_AT_ZERO_VARIANCE,
+    STATISTICS_DETACHED,
+    UPSTREAM_READ_AS_CONTIGUOUS,
+    family_cause,
+)
+from maskln_cli.grading.clauses.rows import diagnose_rows
 from maskln_cli.op.mistakes import (
     LOWER_PRECISION,
     MISTAKES,
     MORE_MISTAKES,
     Diagnosis,
+    correct,
     diagnose_output,
     diagnose_precision,
 )
@@ -111,7 +120,8 @@ def first_mismatch(
     actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
 ) -> str | None:
     """Where ``actual`` is furthest beyond ``atol + rtol * |expected|`` (NaN is beyond
-    everything), in words; None when every element is within."""
+    everything but a NaN expected, as an assumed mistake's formula may give; an infinity
+    matches the same infinity), in words; None when every element is within."""
     if tuple(actual.shape) != tuple(expected.shape):
         return f"shape {list(actual.shape)}, the reference's {list(expected.shape)}"
     if actual.numel() == 0:
@@ -120,6 +130,7 @@ def first_mismatch(
     allowed = atol + rtol * e.abs()
     error = (a - e).abs()
     bad = ~(error <= allowed)  # NaN compares False
+    bad &= ~(a.isnan() & e.isnan()) & ~(a.isinf() & (a == e))
     if not bad.any():
         return None
     excess = torch.where(bad, (error - allowed).nan_to_num(math.inf), -math.inf)
@@ -153,7 +164,7 @@ def grad_mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     """Where a gradient of a ``dtype`` case is beyond its tolerance (:data:`GRAD_TOLERANCE`)."""
     dtype = tolerance_dtype(dtype)
     tolerance = GRAD_TOLERANCE.get(dtype, GRAD_TOLERANCE[torch.float32])
-    largest = float(expected.abs().max()) if expected.numel() else 0.0
+    largest = float(expected.abs().nan_to_num(0.0, 0.0, 0.0).max()) if expected.numel() else 0.0
     return first_mismatch(actual, expected, tolerance, tolerance * max(1.0, largest))
 
 
@@ -175,10 +186,26 @@ def reference_gradients(case: Case, requires: Sequence[str] = GRAD_INPUTS) -> di
     leaves = {name: t[name].detach().double().requires_grad_() for name in GRAD_INPUTS}
     out = reference_formula()(leaves["x"], t["valid"], leaves["scale"], leaves["bias"], case.eps)
     assert case.grad_out is not None
-    weighted = (out * case.grad_out.double()).sum()
+    weighted = (out * t["grad_out"].double()).sum()
     grads = torch.autograd.grad(weighted, list(leaves.values()))
     found = dict(zip(GRAD_INPUTS, grads, strict=True))
     return {f"grad_{name}": found[name] for name in requires}
+
+
+def diagnose_call(
+    case: Case, call: Call, run: ClauseRun, order: Sequence[Case] = ()
+) -> list[Diagnosis] | None:
+    """The diagnosis of a failing call from its output, when the output is wrong (a gradient
+    clause's failure often comes from a wrong forward); None when it is right, or absent. On
+    poisoned padding only the rows are read (formulas evaluated on NaN give NaN)."""
+    out = run.tensors.get(f"{call.key}.out")
+    if out is None or value_mismatch(out, case.reference(), case.x.dtype) is None:
+        return None
+    if case.clean_x is not None:
+        earlier = list(order[: _position(order, case)])
+        by_rows = diagnose_rows(case, out, earlier)
+        return [by_rows] if by_rows is not None else None
+    return diagnose_failures([(case, out)], order=order)
 
 
 def failure_detail(case: Case, call: Call, run: ClauseRun, what: str = "") -> str | None:
@@ -195,11 +222,17 @@ def judge_outputs(
     diagnose: bool = False,
     what: Callable[[Call], str] = lambda call: "",
 ) -> Verdict:
-    """Every call's output against the reference, and its gradients when it made them."""
+    """Every call's output against the reference, and its gradients when it made them. The
+    diagnosis weighs the failing outputs against the right ones of calls made alike (same
+    grad mode and style): a formula wrong where the function was right is not its mistake."""
     failing: list[tuple[Case, torch.Tensor]] = []
+    right: list[tuple[Case, tuple[str, bool, str]]] = []
+    wrong_kinds: set[tuple[str, bool, str]] = set()
     first: str | None = None
+    first_gradient: tuple[Case, Call] | None = None
     for call in calls:
         case = cases[call.case]
+        kind = (call.mode, bool(call.requires), call.style)
         problem = failure_detail(case, call, run, what(call))
         if problem is None:
             dtype = case.x.dtype
@@ -208,13 +241,23 @@ def judge_outputs(
             if mismatch is not None:
                 problem = f"{case.label}{what(call)}: {mismatch}"
                 failing.append((case, out))
-            elif call.backward:
-                problem = judge_gradients(case, call, run, what(call))
+                wrong_kinds.add(kind)
+            else:
+                right.append((case, kind))
+                if call.backward:
+                    problem = judge_gradients(case, call, run, what(call))
+                    if problem is not None and first is None:
+                        first_gradient = (case, call)
         if problem is not None and first is None:
             first = problem
     if first is None:
         return PASSED
-    return Verdict(False, first, diagnose_failures(failing) if diagnose else None)
+    if not diagnose:
+        return Verdict(False, first)
+    if not failing and first_gradient is not None:  # the outputs are right, a gradient is not
+        return Verdict(False, first, gradient_causes(*first_gradient, run))
+    passing = list({id(c): c for c, kind in right if kind in wrong_kinds}.values())
+    return Verdict(False, first, diagnose_failures(failing, passing=passing, order=cases))
 
 
 def judge_gradients(case: Case, call: Call, run: ClauseRun, what: str = "") -> str | None:
@@ -231,14 +274,24 @@ CATALOGUE = {**MISTAKES, **MORE_MISTAKES}
 
 
 def diagnose_failures(
-    failing: list[tuple[Case, torch.Tensor]], limit: int = 8
+    failing: list[tuple[Case, torch.Tensor]],
+    limit: int = 8,
+    passing: Sequence[Case] = (),
+    order: Sequence[Case] = (),
 ) -> list[Diagnosis] | None:
     """The known mistakes that explain the most of the first ``limit`` failing cases (one
     output per case), best first; None when no output could be diagnosed (wrong shapes).
     Several wrong formulas agree on degenerate rows (C = 1, a variance of 1), so one case
     alone can be ambiguous where a few are not. A dtype mistake (an output in another dtype,
     or computed in a lower precision) comes first; formulas are then matched at that
-    precision."""
+    precision. When no formula matches, the rows say whether another mask was used or the
+    invalid rows were never written (:mod:`.rows`; ``order``: the clause's cases in the order
+    they were called, whose masks a cache may hold).
+
+    ``passing``: cases on which the function was right (called as the failing ones were). A
+    formula that is wrong on one of them is not what the function does: it matched the
+    failures by coincidence (an unbiased variance is NaN at C = 1, as a solution wrong only
+    there is), and is dropped."""
     matches: dict[str, list[Diagnosis]] = {}
     seen: set[int] = set()
     diagnosed = 0
@@ -263,12 +316,119 @@ def diagnose_failures(
             max(precision, case.x.dtype, key=lambda d: -d.itemsize),
             mistakes=CATALOGUE,
         )
+        found = [d for d in found if not refuted(d.mistake, passing)]
+        if not found:
+            earlier = list(order[: _position(order, case)])
+            by_rows = diagnose_rows(case, out, earlier)
+            found = [by_rows] if by_rows is not None else []
         diagnosed += 1
         for diagnosis in found:
             matches.setdefault(diagnosis.mistake, []).append(diagnosis)
     if not matches:
-        return [] if diagnosed else None
+        if not diagnosed:
+            return None
+        shown = [case for case, _ in failing]
+        by_family = family_cause({c.family for c in shown}, {c.eps for c in shown})
+        return [by_family] if by_family is not None else []
     most = max(len(found) for found in matches.values())
     best = [found for found in matches.values() if len(found) == most]
     best.sort(key=lambda found: sum(d.distance for d in found) / len(found))
     return [found[0] for found in best]
+
+
+def _position(order: Sequence[Case], case: Case) -> int:
+    return next((i for i, each in enumerate(order) if each is case), 0)
+
+
+REFUTING_CASES = 24
+"""How many passing cases a formula is tried on before it is kept."""
+
+
+def refuted(mistake: str, passing: Sequence[Case]) -> bool:
+    """Whether the formula of ``mistake`` is wrong on a case the function got right (beyond
+    that case's tolerance): then the function does not make that mistake."""
+    formula = CATALOGUE.get(mistake)
+    if formula is None:
+        return False
+    for case in list(passing)[:REFUTING_CASES]:
+        t = case.inputs()
+        if not t["x"].numel():
+            continue
+        args = (t["x"].double(), t["valid"], t["scale"].double(), t["bias"].double(), case.eps)
+        with torch.no_grad():
+            wrong, right = formula.formula(*args), correct(*args)
+        if first_mismatch(wrong, right, *_tolerances(case.x.dtype)) is not None:
+            return True
+    return False
+
+
+def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    tolerance = VALUE_TOLERANCE.get(dtype, VALUE_TOLERANCE[torch.float32])
+    return tolerance, tolerance
+
+
+def _detached_statistics(detach_mean: bool, detach_var: bool):
+    """The op with its mean and/or variance cut from the graph: right values, other
+    gradients."""
+
+    def formula(x, valid, scale, bias, eps):
+        keep = valid.unsqueeze(-1)
+        clean = torch.where(keep, x, 0.0)
+        mean = clean.mean(-1, keepdim=True)
+        mean = mean.detach() if detach_mean else mean
+        var = (clean - mean).square().mean(-1, keepdim=True)
+        var = var.detach() if detach_var else var
+        return torch.where(keep, (clean - mean) / torch.sqrt(var + eps) * scale + bias, 0.0)
+
+    return formula
+
+
+GRADIENT_MATCH = {torch.float64: 1e-7, torch.float32: 1e-3}
+"""How close a gradient must be to a mistake's to match it (relative L2), by dtype."""
+
+
+def gradient_causes(case: Case, call: Call, run: ClauseRun) -> list[Diagnosis] | None:
+    """Why a call's gradients are wrong when its output is right: NaN, or a gradient of 0,
+    on rows of zero variance; the upstream gradient read as contiguous (a case whose upstream
+    gradient is strided); statistics cut from the graph. None: no known cause."""
+    if "x" not in call.requires or f"{call.key}.grad_x" not in run.tensors:
+        return None
+    t = case.inputs()
+    actual = run.tensors[f"{call.key}.grad_x"].double()
+    reference = reference_gradients(case, ("x",))["grad_x"]
+    if tuple(actual.shape) != tuple(reference.shape):
+        return None
+    x = torch.where(t["valid"][..., None], t["x"].double(), 0.0)
+    flat = (x == x[..., :1]).all(-1) & t["valid"]  # valid rows of zero variance
+    rows = flat[..., None].expand(x.shape)
+    leaked = ~actual.isfinite() & reference.isfinite()
+    if bool((leaked & rows).any()):
+        return [NAN_AT_ZERO_VARIANCE.diagnosis()]
+    lost = rows & (actual == 0) & (reference.abs() > 0)
+    if bool(lost.any()) and bool((actual[rows] == 0).all()):
+        return [GRADIENT_LOST_AT_ZERO_VARIANCE.diagnosis()]
+    if "grad_out" in case.views:
+        return [UPSTREAM_READ_AS_CONTIGUOUS.diagnosis()]
+    found = _detached_match(case, actual, reference)
+    if not found:
+        by_family = family_cause({case.family}, {case.eps})
+        found = [by_family] if by_family is not None else []
+    return found or None
+
+
+def _detached_match(case: Case, actual: torch.Tensor, reference: torch.Tensor) -> list[Diagnosis]:
+    t = case.inputs()
+    to_truth = relative_rms_error(actual, reference)
+    limit = GRADIENT_MATCH.get(case.x.dtype, GRADIENT_MATCH[torch.float32])
+    found = []
+    for name, description, fix, (mean, var) in STATISTICS_DETACHED:
+        leaf = t["x"].detach().double().requires_grad_()
+        with torch.enable_grad():
+            out = _detached_statistics(mean, var)(
+                leaf, t["valid"], t["scale"].double(), t["bias"].double(), case.eps
+            )
+            (grad,) = torch.autograd.grad((out * t["grad_out"].double()).sum(), leaf)
+        distance = relative_rms_error(actual, grad)
+        if distance <= limit and 10 * distance <= to_truth:
+            found.append(Diagnosis(name, description, fix, distance))
+    return sorted(found, key=lambda d: d.distance)[:1]

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.calls import (
     GRAD_INPUTS,
     MODE_WORDS,
@@ -20,16 +20,24 @@ from maskln_cli.grading.clauses.calls import (
     one_call_each,
 )
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
+from maskln_cli.grading.clauses.causes import NAN_AT_ZERO_VARIANCE
 from maskln_cli.grading.clauses.clause import each_call_judge, make_clause
 from maskln_cli.grading.clauses.judging import (
     PASSED,
     Verdict,
+    diagnose_call,
     diagnose_failures,
     failure_detail,
     format_pair,
+    gradient_causes,
     judge_gradients,
     reference_gradients,
     value_mismatch,
+)
+from maskln_cli.grading.clauses.rows import (
+    UNINITIALIZED,
+    diagnose_rows,
+    sign_of_multiplied_zeros,
 )
 from maskln_cli.op.mistakes import NEGATIVE_ZERO, Diagnosis, diagnose_nan_gradient
 
@@ -49,7 +57,25 @@ def _leading_cases(seed: int) -> list[Case]:
         valid_shape = "a 0-d valid" if not leading else f"valid {list(leading)}"
         label = f"{describe_inputs(x, dtype, 1e-5)}, {valid_shape}"
         cases.append(make_case(label, x, valid, draws.params(g, 6), 1e-5, dtype, g, grad=True))
+    for family, leading, channels, dtype in LEADING_FAMILIES:
+        x = draws.rows(g, leading, channels)
+        valid = draws.mask(g, leading) if leading else torch.tensor(True)
+        valid_shape = "a 0-d valid" if not leading else f"valid {list(leading)}"
+        eps = families.eps_for(family, dtype)
+        label = f"{describe_inputs(x, dtype, eps)}, {valid_shape}"
+        params = draws.params(g, channels)
+        cases.append(make_case(label, x, valid, params, eps, dtype, g, grad=True, family=family))
     return cases
+
+
+LEADING_FAMILIES = (
+    (families.ONE_CHANNEL, (), 1, torch.float64),
+    (families.ONE_CHANNEL, (2, 3, 2), 1, torch.float32),
+    (families.PRIME, (2, 3, 2, 2), 7, torch.float64),
+    (families.PRIME, (), 13, torch.float32),
+)
+"""(family, leading shape, C, dtype) of the cases besides random rows: C = 1 and a prime C,
+with a 0-d valid and with several leading axes."""
 
 
 def _leading_calls(cases: list[Case]) -> list[Call]:
@@ -65,7 +91,7 @@ LEADING_AXES = make_clause(
     "leading_axes",
     "required",
     "0, 1, 2 and 4 leading axes (x [C] with a 0-d valid), and zero-size inputs,"
-    " values and gradients",
+    " values and gradients; C = 1 and a prime C among them",
     _leading_cases,
     calls=_leading_calls,
 )
@@ -96,6 +122,7 @@ def _invalid_cases(seed: int) -> list[Case]:
     x = draws.rows(g, (), 8)
     label = f"{describe_inputs(x, torch.float64, 1e-5)}, a 0-d valid False, bias nonzero"
     cases.append(make_case(label, x, torch.tensor(False), draws.params(g, 8), 1e-5, torch.float64))
+    cases += families.family_cases(g, (2, 6))
     return cases
 
 
@@ -135,7 +162,8 @@ def _nonzero_invalid(out: torch.Tensor, case: Case, what: str = "") -> str | Non
 INVALID_ROWS_ZERO = make_clause(
     "invalid_rows_zero",
     "required",
-    "invalid rows are zero although bias is not",
+    "invalid rows are zero although bias is not; constant rows, exact zeros, C = 1 and a"
+    " prime C too",
     _invalid_cases,
     calls=one_call_each,
     judge=_invalid_judge,
@@ -176,32 +204,67 @@ _FAMILIES = (
 )
 
 
+_DATA_FAMILIES = (
+    (families.CONSTANT, torch.float64, 8),
+    (families.ZEROS, torch.float32, 8),
+    (families.ONE_CHANNEL, torch.float64, 1),
+    (families.ONE_CHANNEL, torch.float32, 1),
+    (families.PRIME, torch.float32, 13),
+)
+"""(family, dtype, C) of the poisoned cases drawn from the data families."""
+
+
 def _poisoned_cases(seed: int, clause: str, grad: bool) -> list[Case]:
-    """Random masks of [3, 6] rows, and the shape families (:data:`_FAMILIES`), with NaN,
-    ±inf and 1e30 in every invalid row; a 0-d valid False with 1e30 throughout too (its
-    square overflows float32)."""
+    """Random masks of [3, 6] rows, the shape families (:data:`_FAMILIES`) and the data
+    families (:data:`_DATA_FAMILIES`), with NaN, ±inf and 1e30 in every invalid row; a 0-d
+    valid False with 1e30 throughout too (its square overflows float32)."""
     g = draws.generator(seed, clause)
     cases = []
     shapes = [
-        ("", (3, 6), "random", dtype, channels)
+        (families.POISONED, "", (3, 6), "random", dtype, channels)
         for dtype, channels in itertools.product((torch.float64, torch.float32), (8, 3))
     ]
-    shapes += [(f", {what}", leading, kind, dtype, 8) for what, leading, kind, dtype in _FAMILIES]
-    for what, leading, kind, dtype, channels in shapes:
-        x = draws.rows(g, leading, channels)
+    shapes += [
+        (families.POISONED, f", {what}", leading, kind, dtype, 8)
+        for what, leading, kind, dtype in _FAMILIES
+    ]
+    shapes += [
+        (family, "", (3, 6), "random", dtype, channels)
+        for family, dtype, channels in _DATA_FAMILIES
+    ]
+    for family, what, leading, kind, dtype, channels in shapes:
+        if family == families.CONSTANT:
+            x = families.constant_rows(g, leading, channels)
+        elif family == families.ZEROS:
+            x = families.zero_holding_rows(g, leading, channels)
+        else:
+            x = draws.rows(g, leading, channels)
         if kind == "random":
             valid = draws.mask(g, leading)
         else:
             valid = torch.full(leading, kind == "all", dtype=torch.bool)
-        label = f"{describe_inputs(x, dtype, 1e-5)}{what}, {POISON_LABEL}"
-        case = make_case(label, x, valid, draws.params(g, channels), 1e-5, dtype, g, grad=grad)
+        eps = families.eps_for(family, dtype)
+        label = f"{describe_inputs(x, dtype, eps)}{what}, {POISON_LABEL}"
+        case = make_case(
+            label, x, valid, draws.params(g, channels), eps, dtype, g, grad=grad, family=family
+        )
         case.clean_x = case.x
         case.x = _poison(case.x, valid, g)
         cases.append(case)
     x = draws.rows(g, (), 8)
     label = f"{describe_inputs(x, torch.float32, 1e-5)}, a 0-d valid False, 1e30 throughout"
     params = draws.params(g, 8)
-    case = make_case(label, x, torch.tensor(False), params, 1e-5, torch.float32, g, grad)
+    case = make_case(
+        label,
+        x,
+        torch.tensor(False),
+        params,
+        1e-5,
+        torch.float32,
+        g,
+        grad,
+        family=families.POISONED,
+    )
     case.clean_x = case.x
     case.x = torch.full_like(case.x, 1e30)
     cases.append(case)
@@ -249,20 +312,38 @@ def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             out = run.tensor(call.key, "out")
             nonfinite = _nonfinite(out, reference, case.invalid())
             if nonfinite is not None:
-                diagnosis = _nan_diagnosis("the output", out, clean, reference, t)
                 detail = f"{case.label}{what}: {nonfinite}"
-                return Verdict(False, detail, [diagnosis] if diagnosis else [])
+                # A mask not this call's, or rows never written, before the padding's NaN (no
+                # formula: evaluated on the poisoned x, many give NaN there too).
+                by_rows = diagnose_rows(case, out, cases[:i])
+                found = [by_rows] if by_rows is not None else []
+                if not found:
+                    diagnosis = _nan_diagnosis("the output", out, clean, reference, t)
+                    found = [diagnosis] if diagnosis else []
+                return Verdict(False, detail, found)
             problem = _nonzero_invalid(out, case, what) or _prefixed(
                 case, value_mismatch(out, reference, case.x.dtype), what
             )
-            if problem is None and clean is not None:
-                mismatch = value_mismatch(out, clean, case.x.dtype)
+            if problem is None and clean is not None and clean.shape == out.shape:
+                # valid rows only: the clean call's own invalid rows are judged in that call
+                keep = ~case.invalid()
+                mismatch = value_mismatch(
+                    torch.where(keep, out.double(), 0.0),
+                    torch.where(keep, clean.double(), 0.0),
+                    case.x.dtype,
+                )
                 if mismatch is not None:
                     mismatch = mismatch.replace("the reference", "clean padding")
                     problem = f"{case.label}{what}: {mismatch}"
             if problem is not None:
-                return Verdict(False, problem)
+                return Verdict(False, problem, _known_mistakes(case, out, cases))
     return PASSED
+
+
+def _known_mistakes(case: Case, out: torch.Tensor, order: list[Case]) -> list[Diagnosis]:
+    """The known mistakes a wrong output matches (formulas, another mask, rows never
+    written), or none."""
+    return diagnose_failures([(case, out)], order=order) or []
 
 
 def _nan_diagnosis(
@@ -279,6 +360,12 @@ def _nan_diagnosis(
     leaked = ~actual.isfinite() & reference.isfinite()
     if clean is None or tuple(clean.shape) != tuple(actual.shape):
         return None
+    if tuple(actual.shape) == tuple(t["x"].shape):
+        keep = t["valid"][..., None]
+        x = torch.where(keep, t["x"], 0.0)
+        flat = ((x == x[..., :1]).all(-1, keepdim=True) & keep).expand(x.shape)
+        if (leaked & flat).any():  # in a valid row of zero variance: not the padding's
+            return NAN_AT_ZERO_VARIANCE.diagnosis()
     if (leaked & ~clean.isfinite()).any():
         return Diagnosis(
             NAN_WITHOUT_PADDING,
@@ -321,7 +408,8 @@ SANITIZED_PADDING = make_clause(
     "sanitized_padding",
     "required",
     "NaN, ±inf and 1e30 in invalid rows of x change nothing, in every shape family (a 0-d"
-    " valid, one row, every row invalid or valid, zero-size) and grad mode",
+    " valid, one row, every row invalid or valid, zero-size), on constant rows, exact zeros,"
+    " C = 1 and a prime C, and in every grad mode",
     lambda seed: _poisoned_cases(seed, "sanitized_padding", grad=False),
     calls=_sanitized_padding_calls,
     judge=_sanitized_padding_judge,
@@ -356,15 +444,15 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             return Verdict(False, problem)
         t = case.inputs()
         expected = reference_gradients(case)
+        from_output = diagnose_call(case, call, run, cases)  # a wrong forward explains more
         for name, reference in expected.items():
             grad = run.tensor(call.key, name)
             nonfinite = _nonfinite(grad, reference, case.invalid(), name)
             if nonfinite is not None:
                 clean = run.tensors.get(f"{call.key}.clean.{name}")
                 diagnosis = _nan_diagnosis(name, grad, clean, reference, t)
-                return Verdict(
-                    False, f"{case.label}: {nonfinite}", [diagnosis] if diagnosis else []
-                )
+                found = from_output or ([diagnosis] if diagnosis else [])
+                return Verdict(False, f"{case.label}: {nonfinite}", found)
         dx, expected_dx = run.tensor(call.key, "grad_x"), expected["grad_x"]
         if tuple(dx.shape) == tuple(case.x.shape):
             leaked = case.invalid() & (dx.double() != expected_dx)
@@ -372,11 +460,13 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 index = tuple(int(i) for i in leaked.nonzero()[0])
                 pair = format_pair(dx[index], expected_dx[index], dx.dtype)
                 return Verdict(
-                    False, f"{case.label}: grad_x at {list(index)} (an invalid row) {pair}"
+                    False,
+                    f"{case.label}: grad_x at {list(index)} (an invalid row) {pair}",
+                    from_output,
                 )
         problem = judge_gradients(case, call, run)
         if problem is not None:
-            return Verdict(False, problem)
+            return Verdict(False, problem, from_output or gradient_causes(case, call, run))
     return PASSED
 
 
@@ -397,13 +487,15 @@ SANITIZED_GRADIENTS = make_clause(
 def _positive_zero_cases(seed: int) -> list[Case]:
     g = draws.generator(seed, "positive_zero")
     cases = []
-    for dtype in (torch.float64, torch.float32):
-        x = -draws.rows(g, (3, 6), 8).abs()  # negative rows and negative bias: -0.0 if multiplied
+    shapes = [(families.RANDOM, dtype, 8) for dtype in (torch.float64, torch.float32)]
+    shapes += [(families.ONE_CHANNEL, torch.float32, 1), (families.PRIME, torch.float64, 7)]
+    for family, dtype, channels in shapes:
+        # negative rows and negative bias: -0.0 if multiplied
+        x = -draws.rows(g, (3, 6), channels).abs()
         label = f"{describe_inputs(x, dtype, 1e-5)}, bias negative"
         valid = draws.mask(g, (3, 6))
-        cases.append(
-            make_case(label, x, valid, draws.params(g, 8, negative_bias=True), 1e-5, dtype)
-        )
+        params = draws.params(g, channels, negative_bias=True)
+        cases.append(make_case(label, x, valid, params, 1e-5, dtype, family=family))
     return cases
 
 
@@ -414,9 +506,11 @@ def _positive_zero_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | 
     negative_zero = case.invalid() & (out == 0) & torch.signbit(out)
     if negative_zero.any():
         index = [int(i) for i in negative_zero.nonzero()[0]]
+        detail = f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0"
+        if not sign_of_multiplied_zeros(case, out):  # not where a multiplication puts them
+            return Verdict(False, detail, [UNINITIALIZED])
         mistake = NEGATIVE_ZERO
         diagnosis = Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
-        detail = f"{case.label}: at {index} (an invalid row) gave -0.0, not +0.0"
         return Verdict(False, detail, [diagnosis])
     return None
 

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.calls import (
     CAUGHT,
     GRAD_INPUTS,
     ClauseRun,
     Fn,
     Misbehaved,
+    Upstream,
     announce,
     checked_output,
     describe_exception,
@@ -51,6 +52,12 @@ def _probe_cases(seed: int, clause: str) -> list[Case]:
         cases.append(
             make_case(label, x, draws.mask(g, (2, 5)), draws.params(g, 8), 1e-5, dtype, g, True)
         )
+    cases += families.family_cases(
+        g,
+        grad=True,
+        families=(families.ONE_CHANNEL, families.CONSTANT, families.PRIME),
+        dtypes=(torch.float64,),
+    )
     return cases
 
 
@@ -97,22 +104,6 @@ Hook = Callable[[str, dict[str, torch.Tensor]], None]
 Inspect = Callable[[str, dict[str, torch.Tensor]], list[str]]
 
 
-class _Upstream(torch.autograd.Function):
-    """Hands the caller's own ``grad_out`` tensor to the backward of ``out`` (as
-    ``out.backward(grad_out)`` does), so a backward that writes into its incoming gradient is
-    seen; ``torch.autograd.grad(out, inputs, grad_out)`` would do it too, but imports sympy
-    (seconds) to check the shapes."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        ctx.grad_out = grad_out
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.grad_out, None
-
-
 def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     """Two calls, each on fresh inputs: a forward without grad; then a forward with x, scale
     and bias requiring grad, and its backward, given the caller's ``grad_out`` itself (an
@@ -133,7 +124,7 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     check("forward", t)
     if not out.requires_grad:
         raise Misbehaved("the output does not require grad although x, scale and bias do")
-    upstream = _Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
+    upstream = Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
     torch.autograd.grad(upstream, [t[n] for n in GRAD_INPUTS], allow_unused=True)
     check("backward", t)
 
@@ -218,10 +209,39 @@ def _problems_judge(what: str) -> Judge:
                 return Verdict(False, f"{case.label}: no {what} report came back")
             if problems:
                 detail = f"{case.label}: {'; '.join(map(str, problems))}"
-                return Verdict(False, detail, reinitialized_diagnosis(run.meta.get(key, {})))
+                found = reinitialized_diagnosis(run.meta.get(key, {}))
+                return Verdict(False, detail, found or _problem_causes(problems))
         return PASSED
 
     return judge
+
+
+INPUT_MUTATED = Diagnosis(
+    "input_mutated",
+    "an input written in place (x.masked_fill_, x.sub_, valid.unsqueeze_, grad_out.mul_):"
+    " the caller's tensor changes, and every later use of it",
+    "work on new tensors: torch.where(valid[..., None], x, 0.0), x - mean; never a method"
+    " ending in _ on an input",
+    0.0,
+)
+RANDOM_STATE_CHANGED = Diagnosis(
+    "random_state_changed",
+    "the global random state changed by the call (torch.manual_seed, or a draw from the"
+    " global generator): every later random number of the caller changes",
+    "draw nothing and seed nothing: the op needs no randomness (a torch.Generator of your own,"
+    " if some helper must)",
+    0.0,
+)
+
+
+def _problem_causes(problems: list[Any]) -> list[Diagnosis] | None:
+    """The cause of a mutation or a changed random state, from the problems seen."""
+    words = " ".join(map(str, problems))
+    if "random state changed" in words:
+        return [RANDOM_STATE_CHANGED]
+    if "values changed" in words or "version counter" in words or "shape or strides" in words:
+        return [INPUT_MUTATED]
+    return None
 
 
 def reinitialized_diagnosis(facts: dict[str, Any]) -> list[Diagnosis] | None:
@@ -313,10 +333,18 @@ def _raw_ops_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 if isinstance(name, str) and is_ready_made(name)
             ]
         if found:
-            return Verdict(
-                False, f"{case.label}: a ready-made normalization ran: {', '.join(found[:6])}"
-            )
+            detail = f"{case.label}: a ready-made normalization ran: {', '.join(found[:6])}"
+            return Verdict(False, detail, [READY_MADE])
     return PASSED
+
+
+READY_MADE = Diagnosis(
+    "ready_made_normalization",
+    "a ready-made normalization does the work (F.layer_norm, group_norm, batch_norm, rms_norm,"
+    " or maskln's own op): the exercise asks for raw tensor operations",
+    "compute the mean, the population variance and (x - mean) / sqrt(var + eps) yourself",
+    0.0,
+)
 
 
 RAW_OPS = make_clause(

@@ -9,32 +9,42 @@ from __future__ import annotations
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
 from maskln_cli.grading.clauses.clause import make_clause, outputs_judge
 from maskln_cli.grading.clauses.values import VALUE_SPREADS
 
 LARGE_SHAPES = (
-    ((4,), 8192, torch.float32),
-    ((6,), 4095, torch.float32),
-    ((5,), 1000, torch.float64),
-    ((2, 2100), 20, torch.float32),
-    ((4100,), 7, torch.float64),
+    ((4,), 8192, torch.float32, families.WIDE),
+    ((6,), 4095, torch.float32, families.WIDE),
+    ((5,), 1000, torch.float64, families.WIDE),
+    ((2, 2100), 20, torch.float32, families.WIDE),
+    ((4100,), 7, torch.float64, families.WIDE),
+    ((3,), 2039, torch.float64, families.PRIME),
+    ((2048,), 1, torch.float32, families.ONE_CHANNEL),
+    ((8,), 1024, torch.float32, families.CONSTANT),
 )
-"""(leading shape, C, dtype) of each case: 8,192, 4,095 and 1,000 channels; 4,200 and 4,100
-rows (past 1,024 and 4,096)."""
+"""(leading shape, C, dtype, family) of each case: 8,192, 4,095 and 1,000 channels; 4,200 and
+4,100 rows (past 1,024 and 4,096); a prime C of 2,039; 2,048 rows of one channel; wide
+constant rows."""
 
 
 def _large_cases(seed: int) -> list[Case]:
     g = draws.generator(seed, "large_shapes")
     cases = []
-    for leading, channels, dtype in LARGE_SHAPES:
-        x = draws.rows(g, leading, channels, spreads=VALUE_SPREADS, offset=2.0)
-        label = describe_inputs(x, dtype, 1e-5, "row variances 1e-8 to 4")
+    for leading, channels, dtype, family in LARGE_SHAPES:
+        if family == families.CONSTANT:
+            x, eps, words = families.constant_rows(g, leading, channels), 0.1, "constant rows"
+        else:
+            x = draws.rows(g, leading, channels, spreads=VALUE_SPREADS, offset=2.0)
+            eps, words = families.eps_for(family, dtype), "row variances 1e-8 to 4"
+        label = describe_inputs(x, dtype, eps, words)
         valid = draws.mask(g, leading)
         cases.append(
-            make_case(label, x, valid, draws.params(g, channels), 1e-5, dtype, g, grad=True)
+            make_case(
+                label, x, valid, draws.params(g, channels), eps, dtype, g, grad=True, family=family
+            )
         )
     return cases
 
@@ -55,7 +65,8 @@ def _large_words(call: Call) -> str:
 LARGE_SHAPES_CLAUSE = make_clause(
     "large_shapes",
     "required",
-    "realistic sizes, values and gradients: C of 8,192, 4,095 and 1,000; 4,200 and 4,100 rows",
+    "realistic sizes, values and gradients: C of 8,192, 4,095, 2,039 (prime) and 1,000; 4,200"
+    " and 4,100 rows; 2,048 rows of C = 1; wide constant rows",
     _large_cases,
     calls=_large_calls,
     judge=outputs_judge(_large_calls, diagnose=True, what=_large_words),

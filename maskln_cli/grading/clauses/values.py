@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from maskln_cli.grading.clauses import draws
+from maskln_cli.grading.clauses import draws, families
 from maskln_cli.grading.clauses.assumed import assumed, dtype_allowed
 from maskln_cli.grading.clauses.calls import (
     GRAD_INPUTS,
@@ -20,7 +20,13 @@ from maskln_cli.grading.clauses.calls import (
     Fn,
     run_calls,
 )
-from maskln_cli.grading.clauses.cases import Case, describe_inputs, dtype_name, make_case
+from maskln_cli.grading.clauses.cases import (
+    Case,
+    describe_inputs,
+    dtype_name,
+    labelled,
+    make_case,
+)
 from maskln_cli.grading.clauses.clause import make_clause, outputs_judge
 from maskln_cli.grading.clauses.judging import (
     EXACT,
@@ -32,6 +38,7 @@ from maskln_cli.grading.clauses.judging import (
     judge_outputs,
     value_mismatch,
 )
+from maskln_cli.op.mistakes import Diagnosis
 
 # signature ----------------------------------------------------------------------------------------
 
@@ -53,16 +60,32 @@ def _signature_cases(seed: int) -> list[Case]:
     default = make_case(
         describe_inputs(x, torch.float64, 1e-5), x, valid, params, 1e-5, torch.float64
     )
-    return [given, default]
+    cases = [given, default]
+    for family, channels in ((families.ONE_CHANNEL, 1), (families.PRIME, 7)):
+        x = draws.rows(g, (2, 6), channels, spreads=(3e-3, 5e-3))
+        label = describe_inputs(x, torch.float64, 1e-5)
+        params = draws.params(g, channels)
+        cases.append(
+            make_case(label, x, draws.mask(g, (2, 6)), params, 1e-5, torch.float64, family=family)
+        )
+    return cases
 
 
 def _signature_calls(cases: list[Case]) -> list[Call]:
-    return [
+    """eps given (case 0) and left out (case 1, and the C = 1 and prime C cases), each called
+    positionally and by keyword."""
+    calls = [
         Call("positional", 0, style="positional"),
         Call("keyword", 0, style="keyword"),
         Call("positional_default", 1, style="positional_default"),
         Call("keyword_default", 1, style="keyword_default"),
     ]
+    for i in range(2, len(cases)):
+        calls += [
+            Call(f"{i}.positional_default", i, style="positional_default"),
+            Call(f"{i}.keyword", i, style="keyword"),
+        ]
+    return calls
 
 
 def _signature_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
@@ -76,11 +99,25 @@ def _signature_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
 
 def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
     verdict = judge_outputs(
-        cases, run, _signature_calls(cases), what=lambda call: f", {_STYLES[call.style]}"
+        cases,
+        run,
+        _signature_calls(cases),
+        diagnose=True,
+        what=lambda call: f", {_STYLES[call.style]}",
     )
     declared = run.meta.get("declared", {}).get("eps")
     if not verdict.passed and isinstance(declared, str) and declared != repr(1e-5):
         verdict.detail = f"{verdict.detail} (the signature declares eps={declared[:40]})"
+        if not verdict.diagnosis and "without eps" in (verdict.detail or ""):
+            verdict.diagnosis = [
+                Diagnosis(
+                    "eps_default",
+                    f"eps defaults to {declared[:40]}, not 1e-05 (another library's default?):"
+                    " calls that leave eps out get another result",
+                    "declare eps: float = 1e-05",
+                    0.0,
+                )
+            ]
     return verdict
 
 
@@ -104,8 +141,8 @@ def _worked_cases(seed: int) -> list[Case]:
     valid = torch.tensor([[True, False]], dtype=torch.bool)
     scale = torch.tensor([2.0, -1.0], dtype=torch.float64)
     bias = torch.tensor([0.5, 1.0], dtype=torch.float64)
-    label = "the specification's worked example (x [1, 2, 2] float64, eps 3)"
-    return [Case(label, x, valid, scale, bias, 3.0)]
+    label = labelled(families.WORKED, "x [1, 2, 2] float64, eps 3, every argument named")
+    return [Case(label, x, valid, scale, bias, 3.0, family=families.WORKED)]
 
 
 # As the specification writes it: x, scale and bias require grad; every argument is named.
@@ -178,6 +215,21 @@ def _values_cases(seed: int) -> list[Case]:
         cases.append(
             make_case(label, x, draws.mask(g, leading), draws.params(g, channels), 1e-5, dtype)
         )
+    cases += families.family_cases(g)
+    for dtype, eps in itertools.product((torch.float64, torch.float32), families.EPS_RANGE):
+        x = families.eps_rows(g, (2, 6), 16, eps)
+        label = describe_inputs(x, dtype, eps, "row variances 0.01, 1 and 100 times eps")
+        cases.append(
+            make_case(
+                label,
+                x,
+                draws.mask(g, (2, 6)),
+                draws.params(g, 16),
+                eps,
+                dtype,
+                family=families.EPS,
+            )
+        )
     return cases
 
 
@@ -207,8 +259,9 @@ VALUES = make_clause(
     "values",
     "required",
     "random cases against the float64 reference: float32 and float64, C from 1 to 257"
-    " (9, 17, 33, ...: not multiples of 8), 993 rows, eps 1e-5, 0.1 and 3, rows of"
-    " small variance; with and without grad, under torch.no_grad() and torch.inference_mode()",
+    " (9, 17, 33, ...: not multiples of 8), 993 rows, rows of small variance; constant rows,"
+    " exact zeros, C = 1, a prime C, eps from 1e-12 to 10; with and without grad, under"
+    " torch.no_grad() and torch.inference_mode()",
     _values_cases,
     calls=_values_calls,
     judge=outputs_judge(_values_calls, diagnose=True, what=_grad_words),

@@ -1,0 +1,12 @@
+"""Wrong: torch's default variance, the unbiased one (divides by C - 1)."""
+
+import torch
+
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    keep = valid.unsqueeze(-1)
+    xc = torch.where(keep, x, 0.0)
+    mean = xc.mean(-1, keepdim=True)
+    var = xc.var(-1, keepdim=True)
+    y = (xc - mean) / torch.sqrt(var + eps) * scale + bias
+    return torch.where(keep, y, 0.0)

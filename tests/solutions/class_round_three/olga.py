@@ -1,0 +1,12 @@
+"""Wrong: the output zeroed by multiplying by the mask: -0.0 where bias is negative."""
+
+import torch
+
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    keep = valid.unsqueeze(-1)
+    xc = torch.where(keep, x, 0.0)
+    mean = xc.mean(-1, keepdim=True)
+    var = (xc - mean).square().mean(-1, keepdim=True)
+    y = (xc - mean) / torch.sqrt(var + eps) * scale + bias
+    return y * keep

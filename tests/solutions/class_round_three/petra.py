@@ -1,0 +1,12 @@
+"""Wrong: returns float32 always (the dtype hard-coded)."""
+
+import torch
+
+
+def masked_layer_normalization(x, valid, scale, bias, eps=1e-05):
+    keep = valid.unsqueeze(-1)
+    xc = torch.where(keep, x, 0.0)
+    mean = xc.mean(-1, keepdim=True)
+    var = ((xc - mean) ** 2).mean(-1, keepdim=True)
+    y = (xc - mean) / torch.sqrt(var + eps) * scale + bias
+    return torch.where(keep, y, 0.0).to(torch.float32)
