@@ -170,7 +170,13 @@ def grade_killing_workers(
 
 
 def row(output: str, name: str) -> str:
-    return next(line for line in output.splitlines() if name in line)
+    """The submission's row of the class table with the lines folded under it (its causes)."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if name in line)
+    end = start + 1
+    while end < len(lines) and lines[end].startswith("    "):
+        end += 1
+    return "\n".join(lines[start:end])
 
 
 def test_a_worker_lost_mid_class_never_turns_into_a_verdict(tmp_path):
