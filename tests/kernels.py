@@ -193,6 +193,38 @@ def with_eps(eps: float) -> Kernel:
     return kernel
 
 
+def _sequential_sum_in(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A row sum accumulated element by element in ``dtype`` (a half accumulator), returned in
+    the rows' own dtype."""
+
+    def row_sum(rows: torch.Tensor) -> torch.Tensor:
+        return _sequential_sum(rows.to(dtype)).to(rows.dtype)
+
+    return row_sum
+
+
+def accumulate_in(dtype: torch.dtype) -> Kernel:
+    """WRONG: two passes whose row sums (mean, variance) are accumulated in ``dtype`` element
+    by element, the rest in x's dtype: a half accumulator."""
+
+    def kernel(x, valid, scale, bias):
+        return _two_passes(x, valid, scale, bias, _sequential_sum_in(dtype))
+
+    kernel.__doc__ = f"row sums accumulated in {dtype}"
+    return kernel
+
+
+def backward_of(forward: Kernel, backward: Kernel) -> Kernel:
+    """``forward``'s values with ``backward``'s gradients: a kernel whose backward pass is
+    written apart from its forward (wrong when they disagree)."""
+
+    def kernel(x, valid, scale, bias):
+        wrong = backward(x, valid, scale, bias)
+        return forward(x, valid, scale, bias).detach() + (wrong - wrong.detach())
+
+    return kernel
+
+
 def scaled_output(x, valid, scale, bias):
     """WRONG: F.layer_norm's output times (1 + 1e-5)."""
     return torch_layer_norm(x, valid, scale, bias) * (1 + 1e-5)

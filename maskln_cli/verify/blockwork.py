@@ -61,7 +61,7 @@ class Measured:
     """What a block gives its chunk: each row tensor's figures, and its shares of the sums."""
 
     figures: dict[str, BlockFigures]
-    fit: FitSums
+    fits: dict[str, FitSums]
     sums: SumShare | None = None
 
 
@@ -86,8 +86,9 @@ class BlockWork:
                 live.get("grad_scale"), live.get("grad_bias"),
             )]  # fmt: skip
         self.dtypes = list(dict.fromkeys(judged))
-        # Only out in budget mode is regressed for a systematic error (see .systematic).
-        self.fits = "out" in live and streaming.mode == "budget"
+        # out and grad_x, in budget mode, are regressed for a systematic error (see
+        # .systematic; grad_scale and grad_bias are, once summed).
+        self.fits = {n for n in ROW_TENSORS if n in live} if streaming.mode == "budget" else set()
 
     def yardsticks(
         self, x: torch.Tensor, valid: torch.Tensor, grad_out: torch.Tensor | None
@@ -126,7 +127,7 @@ class BlockWork:
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
         figures: dict[str, BlockFigures] = {}
-        fit = FitSums()
+        fits: dict[str, FitSums] = {}
         for name in ROW_TENSORS:
             checked = self.live.get(name)
             if checked is None:
@@ -157,9 +158,11 @@ class BlockWork:
             if measured is None:
                 return None
             figures[name] = measured
-            if name == "out" and self.fits:
+            if name in self.fits:
                 assert rstd is not None
-                fit = self.fit(actual, reference, valid, keep, rstd.reshape(-1), x64, checked)
+                fits[name] = self.fit(
+                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked
+                )
         sums = None
         if dy64 is not None:
             sums = SumShare(truth["grad_scale"], truth["grad_bias"])
@@ -175,7 +178,7 @@ class BlockWork:
                         )  # fmt: skip
                     rows = budget.judged_in(streaming.precisions[dtype])
                     sums.budgets[dtype] = rows.share_of_sums(dy64)
-        return Measured(figures, fit, sums)
+        return Measured(figures, fits, sums)
 
     def fit(
         self,
@@ -187,8 +190,9 @@ class BlockWork:
         x64: torch.Tensor,
         checked: Checked,
     ) -> FitSums:
-        """The systematic-error regressions of out on rows that are valid (and kept by
-        ``--valid``), from their truth's rstd and x (float64)."""
+        """The systematic-error regressions of out or grad_x (``checked``) on rows that are
+        valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
+        on ``xhat * scale``, grad_x's on the true grad_x."""
         import math
 
         problem = self.problem
@@ -197,7 +201,7 @@ class BlockWork:
             return FitSums()
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
         error = actual.double() - reference
-        z = reference - problem.bias  # xhat * scale, in float64
+        z = reference - problem.bias if checked.name == "out" else reference
         precision = self.streaming.precisions[checked.judge or self.streaming.judge]
         e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
         offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's

@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 COARSER = {
     "float64": (("float32",), ("float16", "bfloat16")),
-    "float32": (("float16", "bfloat16"),),
+    "float32": (("bfloat16", "float16"),),
 }
-"""Dtypes whose values a tensor stored in the key's dtype may all be, finer first."""
+"""Dtypes whose values a tensor stored in the key's dtype may all be, finer first (of two
+alike, the one with fewer significant bits first: a bfloat16 value is a float16 too, within
+float16's range)."""
 CHUNK_ELEMENTS = 1 << 22
 MATCH = 1e-4
 """A result matches another module's reference within this relative L2 distance (or three

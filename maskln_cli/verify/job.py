@@ -35,12 +35,13 @@ from maskln_cli.verify.explain import Explainer
 from maskln_cli.verify.measure import StreamingPass
 from maskln_cli.verify.options import (
     ROW_TENSORS,
+    TENSORS,
     VerifyOptions,
     check_options,
     parse_check,
     parse_result_keys,
 )
-from maskln_cli.verify.plan import Plan
+from maskln_cli.verify.plan import Checked, Plan
 
 YARDSTICK_RAISES = True
 """Whether the yardstick's error raises a budget where it exceeds the model (always, in use;
@@ -151,15 +152,18 @@ class _Job:
         comparing = {c.name: c for c in plan.checked if c.comparison is not None}
         live = {n: c for n, c in comparing.items() if c.comparison.comparable}  # type: ignore[union-attr]
         self.measuring.run(live, progress)
-        explainer = Explainer(plan, self.measuring.poisoned, self.measuring.fit, self.mask)
-        tensors = []
-        for checked in plan.checked:
+        explainer = Explainer(plan, self.measuring.poisoned, self.measuring.fits, self.mask)
+        # Explained in the order out, grad_x, grad_scale, grad_bias (an earlier tensor's
+        # explanation is tried first on later ones), reported in the plan's.
+        for checked in sorted(plan.checked, key=lambda c: TENSORS.index(c.name)):
             if checked.comparison is not None:
                 checked.outcome = checked.comparison.result(compared=checked.name in live)
                 if self.mask is not None and checked.name in live and checked.name in ROW_TENSORS:
                     count_left_out(checked.outcome, self.mask.left_out)
                 explainer.describe(checked)
-            tensors.append(checked.outcome)
+            elif checked.outcome is not None and checked.outcome.problems:
+                checked.outcome.explanation = checked.outcome.problems[0]
+        tensors = [checked.outcome for checked in plan.checked]
         if self.mask is not None:
             mask = self.mask
             compared = ", ".join(n for n in ROW_TENSORS if n in live) or "nothing"
@@ -170,6 +174,19 @@ class _Job:
                 f" {mask.rows:,} rows of {compared}"
             )
         tensors += plan.unchecked()
+        context = plan.context()
+        not_checked = self._not_checked(live) + explainer.not_checked
+        if not_checked:
+            context["not_checked"] = not_checked
         return ComparisonReport(
-            "verify", plan.result.name, plan.problem.source, tensors, plan.notes, plan.context()
+            "verify", plan.result.name, plan.problem.source, tensors, plan.notes, context
         )
+
+    def _not_checked(self, live: dict[str, Checked]) -> list[str]:
+        """What no comparison of these tensors can show, in words (for the verdict line)."""
+        if self.plan.problem.channels == 1 and ("out" in live or "grad_x" in live):
+            return [
+                "C = 1: out is the bias alone (every normalized value is 0), so no"
+                " normalization mistake can show"
+            ]
+        return []
