@@ -264,7 +264,7 @@ def run(kernel: Kernel, inputs: Tensors, dtype: torch.dtype | None = None) -> Te
     """``kernel`` on ``inputs`` (as stored) in ``dtype`` (default: x's): out, and with a
     ``grad_out`` the three gradients of ``sum(out * grad_out)``, each in ``dtype``."""
     dtype = dtype or inputs["x"].dtype
-    x, scale, bias = (inputs[k].to(dtype).requires_grad_() for k in ("x", "scale", "bias"))
+    x, scale, bias = (inputs[k].detach().to(dtype).requires_grad_() for k in ("x", "scale", "bias"))
     out = kernel(x, inputs["valid"], scale, bias)
     result = {"out": out.detach()}
     if "grad_out" in inputs:

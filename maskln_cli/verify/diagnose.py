@@ -118,11 +118,13 @@ def diagnose_rows(
     truth: torch.Tensor,
     noise: float,
     candidates: dict[str, Mistake] | None = None,
+    systematic: bool = False,
 ) -> Diagnosis | None:
     """The mistake out or grad_x (``name``) on ``sample`` matches best: among ``candidates``
     first (an earlier tensor's explanation, tried alone: one formula, not the catalogue),
-    then the catalogue's formulas, then the rounding of a coarser dtype. ``truth`` is the
-    sample's float64 truth, ``noise`` PyTorch's relative distance from it in ``judge``."""
+    then the catalogue's formulas, then the rounding of a coarser dtype (unless the tensor's
+    error is ``systematic``: rounding is not). ``truth`` is the sample's float64 truth,
+    ``noise`` PyTorch's relative distance from it in ``judge``."""
     from maskln_cli.op import mistakes as catalogue
 
     problem = sample.problem
@@ -141,7 +143,7 @@ def diagnose_rows(
             )  # fmt: skip
         if found:
             return found[0]
-    return precision_diagnosis(name, sample, truth)
+    return None if systematic else precision_diagnosis(name, sample, truth)
 
 
 def precision_diagnosis(name: str, sample: Sample, truth: torch.Tensor) -> Diagnosis | None:

@@ -236,6 +236,10 @@ class Explainer:
             diagnosis = _eps_may_be_ours(diagnosis, self.problem.eps)
         outcome.diagnosis = [diagnosis.to_dict()] if diagnosis is not None else []
         phrase = phrase_of(diagnosis) if diagnosis is not None else None
+        if phrase is None and found is not None:  # no name for it: the systematic error
+            phrase = found.sentence()
+            if _replace_generic(outcome.problems, phrase):
+                found = None  # said in place of the generic words
         specific = self._specific(checked)
         if specific:
             for text in specific:
@@ -244,7 +248,7 @@ class Explainer:
             phrase = specific[0]
         elif phrase is not None and not _replace_generic(outcome.problems, phrase):
             sentence = found.sentence() if found is not None else None
-            if sentence in outcome.problems:  # the systematic error, and what it is
+            if sentence in outcome.problems and sentence != phrase:  # the error, and what it is
                 outcome.problems[outcome.problems.index(sentence)] += f"; {phrase}"
         outcome.explanation = phrase or _one_level(outcome.problems[0])
         if diagnosis is not None and self.explained is None:
@@ -284,7 +288,7 @@ class Explainer:
                 )
             candidates = earlier.candidates if earlier is not None else None
             found_here = diagnose.diagnose_rows(
-                checked.name, sample, judge, truth, noise, candidates
+                checked.name, sample, judge, truth, noise, candidates, found is not None
             )
             if found_here is not None:
                 return found_here

@@ -199,7 +199,7 @@ def _grid() -> Table:
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
+    grid.add_column(overflow="fold")  # a long path wraps on a terminal, never cut
     return grid
 
 
