@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from maskln_cli.op.mistakes import Diagnosis, Mistake
     from maskln_cli.verify.systematic import Finding
 
-DIAGNOSIS_ELEMENTS = 1 << 19
+DIAGNOSIS_ELEMENTS = 1 << 17
 """At most this many elements of failing rows are re-read for a diagnosis: enough to tell the
 formulas apart many times over (each is judged by a relative L2 distance over all of them), few
 enough that a failing verify costs little more than a passing one (benchmark figure 16)."""
@@ -53,22 +53,15 @@ class Sample:
 
     def reference(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The truth (float64) and PyTorch's result in ``dtype`` for ``name`` on these rows."""
-        import torch
-
-        from maskln_cli.op.api import masked_layer_normalization
+        from maskln_cli.verify.blockwork import float64_truth
         from maskln_cli.verify.budget import yardstick
 
         problem = self.problem
         channels = problem.channels
         rows, valid = self.x.reshape(-1, channels), self.valid.reshape(-1)
         upstream = self.grad_out.reshape(-1, channels) if name == "grad_x" else None
-        leaf = rows.double().requires_grad_()
-        with torch.enable_grad():
-            out = masked_layer_normalization(leaf, valid, problem.scale, problem.bias, problem.eps)
-            if upstream is not None:
-                (truth,) = torch.autograd.grad(out, leaf, upstream.double())
-            else:
-                truth = out.detach()
+        dy64 = upstream.double() if upstream is not None else None
+        truth = float64_truth(problem, rows.double(), valid, dy64)[0][name]
         guess = yardstick(rows, valid, problem.scale, problem.bias, problem.eps, dtype, upstream)
         value = guess.out if upstream is None else guess.grad_x
         assert value is not None
@@ -119,25 +112,27 @@ def diagnose_rows(
     noise: float,
     candidates: dict[str, Mistake] | None = None,
     systematic: bool = False,
+    catalogue: bool = True,
 ) -> Diagnosis | None:
     """The mistake out or grad_x (``name``) on ``sample`` matches best: among ``candidates``
     first (an earlier tensor's explanation, tried alone: one formula, not the catalogue),
     then the catalogue's formulas, then the rounding of a coarser dtype (unless the tensor's
-    error is ``systematic``: rounding is not). ``truth`` is the sample's float64 truth,
-    ``noise`` PyTorch's relative distance from it in ``judge``."""
-    from maskln_cli.op import mistakes as catalogue
+    error is ``systematic``: rounding is not; without ``catalogue``, its formulas are not
+    tried). ``truth`` is the sample's float64 truth, ``noise`` PyTorch's relative distance
+    from it in ``judge``."""
+    from maskln_cli.op import mistakes as formulas
 
     problem = sample.problem
     args = (sample.x, sample.valid, problem.scale, problem.bias)
-    tries = ([candidates] if candidates else []) + [None]
+    tries = ([candidates] if candidates else []) + ([None] if catalogue else [])
     for mistakes in tries:
         if name == "out":
-            found = catalogue.diagnose_output(
+            found = formulas.diagnose_output(
                 sample.actual, *args, problem.eps, judge, noise=noise, mistakes=mistakes
             )
         else:
             assert sample.grad_out is not None
-            found = catalogue.diagnose_gradient(
+            found = formulas.diagnose_gradient(
                 sample.actual, *args, sample.grad_out, problem.eps, judge, noise=noise,
                 mistakes=mistakes,
             )  # fmt: skip

@@ -80,6 +80,9 @@ class Explainer:
         self.mask = mask
         self.sampled: tuple[Sample, float] | None = None  # out's diagnosed rows, and noise
         self.explained: _Explained | None = None  # the first explanation of RESULT's tensors
+        # Whether out's failing rows matched none of the catalogue's formulas: grad_x's then
+        # skip them (a backward pass is written from the forward's formula).
+        self.no_formula = False
         self.not_checked: list[str] = []  # what the systematic test could not see, in words
         self.torch = torch
 
@@ -288,8 +291,11 @@ class Explainer:
                 )
             candidates = earlier.candidates if earlier is not None else None
             found_here = diagnose.diagnose_rows(
-                checked.name, sample, judge, truth, noise, candidates, found is not None
-            )
+                checked.name, sample, judge, truth, noise, candidates, found is not None,
+                catalogue=not self.no_formula,
+            )  # fmt: skip
+            if checked.name == "out":
+                self.no_formula = found_here is None or found_here.mistake.startswith("rounding")
             if found_here is not None:
                 return found_here
         elif nonfinite and problem.grad_out is not None and checked.name not in ROW_TENSORS:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from maskln_cli.compare.files import threads_for
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.files.problem import GRADIENT_KEYS, Progress
+from maskln_cli.op.threads import one_thread
 from maskln_cli.verify.allowance import Allowance
 from maskln_cli.verify.blockwork import Measured, SumShare, float64_truth
 from maskln_cli.verify.options import ROW_TENSORS
@@ -85,7 +86,8 @@ class StreamingPass:
             measured = self._measure_chunks(group)
             for (start, stop), blocks in zip(group, measured, strict=True):
                 if blocks is None:  # a block holds NaN or inf: the chunk compared whole
-                    self._chunk(start, stop, live, sums)
+                    with one_thread():
+                        self._chunk(start, stop, live, sums)
                 else:
                     self._merge_chunk(start, stop, live, blocks, sums)
                 if progress:
