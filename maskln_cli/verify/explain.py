@@ -138,6 +138,8 @@ class Explainer:
         if checked.name == "out":
             scale, bias = (float(t.square().mean().sqrt()) for t in (problem.scale, problem.bias))
         finding = systematic.pooled(fit, precision, problem.eps, scale, bias, problem.channels)
+        if finding is not None and finding.unit == "rows":
+            finding.of = self.valid_rows  # more than its rows when a sample was regressed
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding

@@ -142,7 +142,7 @@ class StreamingPass:
                 guess, _ = leave_out(guess, reference, keep)
                 invalid = invalid & keep
             rows = budget_in(checked.judge or self.judge)
-            if name in self.work.fits:
+            if name in self.work.fits and self.work.fitted(start):
                 rstd = rows.rstd.reshape(-1)
                 fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked)
                 self.fits.setdefault(name, FitSums()).add(fit)

@@ -226,6 +226,7 @@ class Finding:
     model: str = "factor"
     unit: str = "rows"  # what was regressed: "rows" (out, grad_x) or "elements" (the sums)
     limit: float | None = None
+    of: int | None = None  # the valid rows, when only a sample of them was regressed
 
     @property
     def systematic(self) -> bool:
@@ -237,6 +238,8 @@ class Finding:
     def sentence(self) -> str:
         """``all 922 valid rows scaled by 1 - 4.5e-06 ± 2e-09: systematic, not rounding``"""
         what = f"all {self.rows:,} valid rows" if self.unit == "rows" else f"all {self.rows:,}"
+        if self.of is not None and self.of > self.rows:
+            what = f"all {self.rows:,} valid rows sampled (of {self.of:,})"
         if self.unit != "rows":
             what += " elements" if self.rows != 1 else " element"
         parts = []
@@ -302,13 +305,15 @@ def pooled(
         shift_spread = math.sqrt(max(0.0, sums.vgg / sums.v - shift**2))
     ratio = bias_size / scale_size if scale_size > 0 else math.inf
     gate = systematic_gate(precision, sums.we2 / sums.w, ratio)
-    model, eps_found, eps_at_most, left = "factor", None, None, None
-    if sums.kept:
-        model, eps_found, eps_at_most, left = explain_factors(torch.cat(sums.kept), eps, channels)
-    factor_spread = math.sqrt(max(0.0, sums.wff / sums.w - factor**2)) if left is None else left
     few = sums.rows < MIN_ROWS
     # What one row of a correct kernel may err by: the gate of few rows and of sums.
     one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
+    model, eps_found, eps_at_most, left = "factor", None, None, None
+    # The models only matter to a factor beyond the other thresholds (a passing run's is not).
+    beyond = abs(factor) > (one_row if few else max(SYSTEMATIC_Z * factor_error, gate))
+    if sums.kept and (beyond or ALWAYS_REPORT):
+        model, eps_found, eps_at_most, left = explain_factors(torch.cat(sums.kept), eps, channels)
+    factor_spread = math.sqrt(max(0.0, sums.wff / sums.w - factor**2)) if left is None else left
     limit = one_row if few else None
     if few:  # no credible standard error
         threshold = max(one_row, factor_spread / AGREEMENT)

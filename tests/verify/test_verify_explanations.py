@@ -203,3 +203,19 @@ def test_one_channel_says_no_normalization_mistake_can_show(tmp_path):
     assert document["passed"]
     assert "not checked: C = 1: out is the bias alone" in quiet
     assert "no normalization mistake can show" in quiet
+
+
+def test_a_large_input_is_tested_on_a_sample_of_its_rows(tmp_path, monkeypatch):
+    """Above FIT_ROWS rows a sample of blocks is regressed (a third of a passing verify's time
+    went to regressing every row): the mistake is still found, and the words say so."""
+    monkeypatch.setattr("maskln_cli.verify.blockwork.FIT_ROWS", 512)
+    inputs = generate_inputs((4096, 256), "float32", 5, invalid=0.3, grad=True)
+    result = kernels.run(kernels.eps_outside, inputs)
+    _, tensors, _ = judge(tmp_path, inputs, result)
+    found = tensors["grad_x"]["systematic"]
+    valid = int(inputs["valid"].sum())
+    assert 256 <= found["rows"] < valid / 2 and found["of"] == valid
+    assert [d["mistake"] for d in tensors["grad_x"]["diagnosis"]] == ["eps_outside_sqrt"]
+    assert tensors["grad_x"]["problems"][0].startswith(
+        f"all {found['rows']:,} valid rows sampled (of {valid:,}) scaled by 1 - 5e-06 ± "
+    )
