@@ -173,7 +173,7 @@ class BlockWork:
             if name in self.fits and self.fitted(start):
                 assert rstd is not None
                 fits[name] = self.fit(
-                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked
+                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64
                 )
         sums = None
         if dy64 is not None:
@@ -205,14 +205,19 @@ class BlockWork:
         rstd: torch.Tensor,
         x64: torch.Tensor,
         checked: Checked,
+        dy64: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
-        on ``xhat * scale``, grad_x's on the true grad_x."""
+        on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``)."""
         import math
 
         problem = self.problem
         rows = valid if keep is None else valid & keep
+        if checked.name == "grad_x":
+            if problem.channels < GRAD_X_CHANNELS or dy64 is None:
+                return FitSums()
+            rows = rows & _grad_x_resolved(reference, dy64, problem.scale, rstd)
         if not bool(rows.any()):
             return FitSums()
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
@@ -222,7 +227,29 @@ class BlockWork:
         e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
         offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         second_order = offset.mul_(e0).square_()
-        return fit_rows(error, z, rstd, problem.eps, second_order, rows)
+        sums = fit_rows(error, z, rstd, problem.eps, second_order, rows)
+        if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
+            sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
+        return sums
+
+
+GRAD_X_CHANNELS = 4
+"""grad_x is regressed from this many channels: with 2 a normalized row is +-1 whatever x, and
+grad_x is all but 0 (with 3, two of its degrees of freedom are gone)."""
+CANCELLED = 0.1
+"""A row's true grad_x is regressed on only when its energy is at least this share of its
+terms' (``rstd * scale * dy``): where they cancel, rounding relative to it is unbounded (an
+upstream gradient of ones through a LayerNorm of unit scale gives a grad_x of 0 exactly, and
+rounding noise either side: regressed, a factor of -1)."""
+
+
+def _grad_x_resolved(
+    truth: torch.Tensor, dy64: torch.Tensor, scale: torch.Tensor, rstd: torch.Tensor
+) -> torch.Tensor:
+    """The rows whose true grad_x is not the near-cancellation of its terms (see
+    :data:`CANCELLED`)."""
+    terms = (dy64 * scale).square_().sum(dim=1).mul_(rstd.square())
+    return truth.square().sum(dim=1) >= terms.mul_(CANCELLED)
 
 
 def float64_truth(

@@ -117,9 +117,9 @@ def diagnose_rows(
     """The mistake out or grad_x (``name``) on ``sample`` matches best: among ``candidates``
     first (an earlier tensor's explanation, tried alone: one formula, not the catalogue),
     then the catalogue's formulas, then the rounding of a coarser dtype (unless the tensor's
-    error is ``systematic``: rounding is not; without ``catalogue``, its formulas are not
-    tried). ``truth`` is the sample's float64 truth, ``noise`` PyTorch's relative distance
-    from it in ``judge``."""
+    error is ``systematic``, which rounding is not, or an earlier tensor's was a formula's:
+    the caller says so; without ``catalogue``, its formulas are not tried). ``truth`` is the
+    sample's float64 truth, ``noise`` PyTorch's relative distance from it in ``judge``."""
     from maskln_cli.op import mistakes as formulas
 
     problem = sample.problem

@@ -54,6 +54,21 @@ class _Explained:
     diagnosis: Diagnosis
     candidates: dict[str, Mistake]
     factor: float | None
+    finding: Finding | None = None
+
+    def same_eps(self, found: Finding) -> bool:
+        """Whether ``found``'s eps is this explanation's: two values within 20 %, a value
+        within a bound, or two bounds (eps too small to resolve, on two tensors' rows)."""
+        earlier = self.finding
+        if self.diagnosis.mistake != "eps_mismatch" or earlier is None:
+            return False
+        mine, theirs = (earlier.eps, earlier.eps_at_most), (found.eps, found.eps_at_most)
+        if mine[0] is not None and theirs[0] is not None:
+            return abs(mine[0] - theirs[0]) <= 0.2 * max(mine[0], theirs[0])
+        if mine[1] is not None and theirs[1] is not None:
+            return True
+        value, bound = (mine[0], theirs[1]) if mine[0] is not None else (theirs[0], mine[1])
+        return value is not None and bound is not None and value <= bound
 
 
 class Explainer:
@@ -83,6 +98,9 @@ class Explainer:
         # Whether out's failing rows matched none of the catalogue's formulas: grad_x's then
         # skip them (a backward pass is written from the forward's formula).
         self.no_formula = False
+        # Whether an earlier tensor was explained by a formula's mistake: a later one's errors
+        # are then not called a coarser dtype's rounding (its size may match by chance).
+        self.formula_said = False
         self.not_checked: list[str] = []  # what the systematic test could not see, in words
         self.torch = torch
 
@@ -240,6 +258,8 @@ class Explainer:
         if diagnosis is not None and self.problem.eps_source == "default":
             diagnosis = _eps_may_be_ours(diagnosis, self.problem.eps)
         outcome.diagnosis = [diagnosis.to_dict()] if diagnosis is not None else []
+        if diagnosis is not None and not diagnosis.mistake.startswith("rounding_"):
+            self.formula_said = True
         phrase = phrase_of(diagnosis) if diagnosis is not None else None
         if phrase is None and found is not None:  # no name for it: the systematic error
             phrase = found.sentence()
@@ -262,7 +282,7 @@ class Explainer:
             candidates = candidate_of(diagnosis, found)
             if candidates:
                 factor = found.factor if found is not None else None
-                self.explained = _Explained(diagnosis, candidates, factor)
+                self.explained = _Explained(diagnosis, candidates, factor, found)
 
     def _diagnose(self, checked: Checked, found: Finding | None) -> Diagnosis | None:
         """The one diagnosis of a failing tensor (None: none found)."""
@@ -272,12 +292,14 @@ class Explainer:
         outcome, comparison = checked.outcome, checked.comparison
         assert outcome is not None and comparison is not None
         problem = self.problem
+        earlier = self.explained
         if found is not None and found.model == "eps":
+            if earlier is not None and earlier.same_eps(found):
+                return earlier.diagnosis  # one eps for RESULT, as the first tensor gave it
             return diagnose.eps_diagnosis(found, problem.eps, self._eps_origin())
         if found is not None and found.model in systematic.MISTAKE_FACTORS:
             return diagnose.mistake_diagnosis(found.model)
         nonfinite = bool(outcome.nan_where_finite or outcome.inf_where_finite)
-        earlier = self.explained
         if checked.name in ROW_TENSORS and comparison.failing_rows:
             sample = diagnose.take_sample(
                 problem, self.result, checked.key, comparison.failing_rows, self.mask
@@ -293,8 +315,8 @@ class Explainer:
                 )
             candidates = earlier.candidates if earlier is not None else None
             found_here = diagnose.diagnose_rows(
-                checked.name, sample, judge, truth, noise, candidates, found is not None,
-                catalogue=not self.no_formula,
+                checked.name, sample, judge, truth, noise, candidates,
+                found is not None or self.formula_said, catalogue=not self.no_formula,
             )  # fmt: skip
             if checked.name == "out":
                 self.no_formula = found_here is None or found_here.mistake.startswith("rounding")

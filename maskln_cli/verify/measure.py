@@ -144,7 +144,7 @@ class StreamingPass:
             rows = budget_in(checked.judge or self.judge)
             if name in self.work.fits and self.work.fitted(start):
                 rstd = rows.rstd.reshape(-1)
-                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked)
+                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked, dy64)
                 self.fits.setdefault(name, FitSums()).add(fit)
             if self.mode == "budget":
                 model = rows.out() if name == "out" else rows.grad_x(dy64)  # type: ignore[arg-type]
@@ -267,7 +267,10 @@ class StreamingPass:
                 pieces = self.allowance.from_model(comparison, model, guess, total, None)
                 # grad_bias sums grad_out alone: no row statistic's rounding reaches it.
                 second = budget.second_order if name == "grad_scale" else 0.0
-                self.fits[name] = fit_elements(actual.double() - total, total, second)
+                squares = budget.scale_squares if name == "grad_scale" else budget.bias_squares
+                self.fits[name] = fit_elements(
+                    actual.double() - total, total, second, squares.sqrt()
+                )
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}
             comparison.update(actual, total, yardstick=guess, **pieces)

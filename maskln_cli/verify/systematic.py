@@ -167,10 +167,17 @@ def fit_rows(
     return sums
 
 
-def fit_elements(error: torch.Tensor, truth: torch.Tensor, second_order: float = 0.0) -> FitSums:
+def fit_elements(
+    error: torch.Tensor,
+    truth: torch.Tensor,
+    second_order: float = 0.0,
+    terms: torch.Tensor | None = None,
+) -> FitSums:
     """The sums of a sum over rows (grad_scale, grad_bias: ``[C]``, float64), each element a
     regression of its own: ``error_c ~ f * truth_c``, weighted by ``truth_c**2``. Elements
-    that are not finite, or whose truth is 0, are left out; there is no shift.
+    that are not finite, whose truth is 0, or (given ``terms``, the norm of the terms each
+    sums) whose truth is the near-cancellation of its terms, below :data:`CANCELLED` of them,
+    are left out (their rounding, relative to them, is unbounded); there is no shift.
 
     Example:
         >>> import torch
@@ -181,6 +188,8 @@ def fit_elements(error: torch.Tensor, truth: torch.Tensor, second_order: float =
     """
     sums = FitSums()
     usable = truth.isfinite() & error.isfinite() & (truth != 0)
+    if terms is not None:
+        usable &= truth.abs() >= CANCELLED * terms
     if not bool(usable.any()):
         return sums
     t, e = truth[usable], error[usable]
@@ -191,6 +200,10 @@ def fit_elements(error: torch.Tensor, truth: torch.Tensor, second_order: float =
     sums.we2 = second_order * sums.w
     return sums
 
+
+CANCELLED = 0.1
+"""A sum's element is regressed on only when its truth is at least this share of the norm of
+the terms it sums (a random-sign sum's is about 1)."""
 
 Factor = Callable[[torch.Tensor, float, int], torch.Tensor]
 """A row's factor ``k - 1`` from its ``S = var + eps`` (float64), eps and C."""

@@ -219,3 +219,36 @@ def test_a_large_input_is_tested_on_a_sample_of_its_rows(tmp_path, monkeypatch):
     assert tensors["grad_x"]["problems"][0].startswith(
         f"all {found['rows']:,} valid rows sampled (of {valid:,}) scaled by 1 - 5e-06 ± "
     )
+
+
+@pytest.mark.parametrize("channels", [2, 4, 16])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_correct_kernels_pass_with_few_rows_of_few_channels(tmp_path, channels, dtype):
+    """The few-rows test has no standard error to lean on: correct kernels (F.layer_norm,
+    forward and backward, in float32 or float16) on 6 valid rows of 2 to 16 channels pass,
+    over ten seeds (grad_x at C = 2 is all but 0, its rounding unbounded relative to it: not
+    regressed)."""
+    from maskln_cli.verify.job import verify_file
+
+    for seed in range(10):
+        inputs = generate_inputs((8, channels), "float32", seed, invalid=0.0, grad=True)
+        inputs["valid"][6:] = False
+        result = kernels.run(kernels.torch_layer_norm, inputs, getattr(torch, dtype))
+        result = kernels.zero_padding(result, inputs["valid"])
+        source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
+        target = write(tmp_path / "result.safetensors", result)
+        report = verify_file(str(source), str(target))
+        assert report.passed, (seed, [t.problems for t in report.tensors])
+
+
+def test_a_grad_x_that_is_zero_by_cancellation_is_not_regressed(tmp_path):
+    """An upstream gradient of ones through a LayerNorm of unit scale: grad_x is 0 exactly,
+    the kernel's and the reference's both rounding noise about it (a model's last LayerNorm
+    under `.sum().backward()`). Regressed, one noise on the other gives a factor of -1."""
+    inputs = generate_inputs((2, 6, 32), "float32", 0, invalid=0.5, grad=True)
+    inputs["scale"] = torch.ones(32)
+    inputs["grad_out"] = torch.ones(2, 6, 32)
+    result = kernels.zero_padding(kernels.run(kernels.torch_layer_norm, inputs), inputs["valid"])
+    document, tensors, _ = judge(tmp_path, inputs, result)
+    assert document["passed"], tensors["grad_x"]["problems"]
+    assert "systematic" not in tensors["grad_x"]

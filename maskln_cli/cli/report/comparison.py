@@ -211,7 +211,10 @@ def _tensor_block(tensor: TensorComparison, report: ComparisonReport) -> object:
     for problem in tensor.problems:
         grid.add_row("  problem", f"[red]{safe(problem)}[/]")
     for found in tensor.diagnosis:
-        if any(str(found["description"]) in problem for problem in tensor.problems):
+        said = " ".join(tensor.problems)
+        if str(found["fix"]) in said:
+            continue  # the problem line says what it is and what to do
+        if str(found["description"]) in said:
             grid.add_row("  fix", safe(str(found["fix"])))  # the problem line says what it is
         else:
             grid.add_row(
