@@ -116,7 +116,9 @@ class Explainer:
         if outcome.numel is None:  # values not compared
             outcome.explanation = _one_level(outcome.problems[0]) if outcome.problems else None
             return
-        words = self._words(checked.name, outcome, comparison)
+        words = words_of(
+            checked.name, outcome, comparison, self.mode, self.problem.rows, self.valid_rows
+        )
         if self.verify.strict and outcome.negative_zeros:
             words.append(
                 f"-0.0 at {outcome.negative_zeros:,} padded positions (+0.0 expected; --strict)"
@@ -161,91 +163,6 @@ class Explainer:
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding
-
-    def _words(self, name: str, outcome: TensorComparison, comparison: Comparison) -> list[str]:
-        """What is wrong with a tensor, in words: non-finite values, the padding, the valid
-        rows (all of them or some, uniformly or not), or the elements of a sum."""
-        words: list[str] = []
-        numel = outcome.numel or 0
-        allowed = "budget" if self.mode == "budget" else "tolerance"
-        invalid_total = self.problem.rows - self.valid_rows
-        bad_invalid = outcome.mismatched_invalid_rows or 0
-        bad_valid = (outcome.mismatched_rows or 0) - bad_invalid
-        nonfinite = (outcome.nan_where_finite or 0) + (outcome.inf_where_finite or 0)
-        # Non-finite values confined to the padding say what is wrong there on their own.
-        padding_said = (
-            nonfinite > 0
-            and nonfinite == comparison.nonfinite_in_invalid_rows
-            and comparison.beyond_in_invalid_rows == 0
-        )
-        where = ""
-        if padding_said:
-            where = (
-                f", all in the {invalid_total:,} invalid rows"
-                if bad_invalid == invalid_total
-                else f", all in invalid rows ({bad_invalid:,} of {invalid_total:,})"
-            ) + ": padding not zeroed"
-        for kind, count in (("NaN", outcome.nan_where_finite), ("inf", outcome.inf_where_finite)):
-            if count:
-                words.append(
-                    f"{kind} where the reference is finite at {count:,} of {numel:,}"
-                    f" elements{where}"
-                )
-        reference_nan = (outcome.nan_mismatched or 0) - (outcome.nan_where_finite or 0)
-        if reference_nan:
-            words.append(
-                f"a number where the reference is NaN at {reference_nan:,} elements (a valid"
-                " row of x holding NaN or inf gives NaN)"
-            )
-        ratio = outcome.budget_ratio or 0.0
-        worst = f" (worst {times(ratio)} what is allowed)" if 1 < ratio < math.inf else ""
-        if name not in ROW_TENSORS:
-            if comparison.beyond:
-                words.append(
-                    f"{comparison.beyond:,} of {numel:,} elements beyond the {allowed}{worst}"
-                )
-            return words
-        if bad_invalid and not padding_said:
-            if not bad_valid:
-                scope = (
-                    f"the {invalid_total:,} invalid rows"
-                    if bad_invalid == invalid_total
-                    else f"invalid rows ({bad_invalid:,} of {invalid_total:,})"
-                )
-                words.append(f"only {scope} differ: padding not zeroed")
-            else:
-                words.append(f"{bad_invalid:,} of {invalid_total:,} invalid rows not zeroed")
-        beyond_valid = comparison.beyond - comparison.beyond_in_invalid_rows
-        if bad_valid and beyond_valid:
-            errors = outcome.row_rel_error
-            uniform = self._uniform(outcome, comparison)
-            if bad_valid == self.valid_rows and errors is not None:
-                shape = f"uniform: {GENERIC}" if uniform else "varying from row to row"
-                words.append(
-                    f"all {self.valid_rows:,} valid rows off; relative error"
-                    f" {errors.mean:.2g} ± {errors.std:.1g}, {shape}"
-                )
-            else:
-                text = (
-                    f"{beyond_valid:,} elements in {bad_valid:,} of {self.valid_rows:,} valid"
-                    f" rows beyond the {allowed}{worst}"
-                )
-                if uniform and errors is not None:
-                    text += (
-                        f"; yet every valid row is off by about the same (relative error"
-                        f" {errors.mean:.2g} ± {errors.std:.1g} in all {errors.rows:,}):"
-                        f" {GENERIC}"
-                    )
-                words.append(text)
-        return words
-
-    def _uniform(self, outcome: TensorComparison, comparison: Comparison) -> bool:
-        """Every valid row off by about the same relative error, well above rounding."""
-        errors = outcome.row_rel_error
-        if errors is None or errors.rows < 2 or errors.rows < self.valid_rows or errors.mean <= 0:
-            return False
-        noise = comparison.yardstick_row_error_sum / errors.rows
-        return errors.std <= UNIFORM_SPREAD * errors.mean and errors.mean >= 3 * noise
 
     # --- one explanation --------------------------------------------------------------------
 
@@ -380,6 +297,98 @@ class Explainer:
     def _eps_origin(self) -> str:
         source = self.problem.eps_source
         return "the default" if source == "default" else f"from {source}"
+
+
+def words_of(
+    name: str,
+    outcome: TensorComparison,
+    comparison: Comparison,
+    mode: str,
+    rows: int,
+    valid_rows: int,
+) -> list[str]:
+    """What is wrong with a tensor, in words: non-finite values, the padding, the valid
+    rows (all of them or some, uniformly or not), or the elements of a sum (``mode``: the
+    tolerance's; ``rows`` and ``valid_rows``: INPUT's)."""
+    words: list[str] = []
+    numel = outcome.numel or 0
+    allowed = "budget" if mode == "budget" else "tolerance"
+    invalid_total = rows - valid_rows
+    bad_invalid = outcome.mismatched_invalid_rows or 0
+    bad_valid = (outcome.mismatched_rows or 0) - bad_invalid
+    nonfinite = (outcome.nan_where_finite or 0) + (outcome.inf_where_finite or 0)
+    # Non-finite values confined to the padding say what is wrong there on their own.
+    padding_said = (
+        nonfinite > 0
+        and nonfinite == comparison.nonfinite_in_invalid_rows
+        and comparison.beyond_in_invalid_rows == 0
+    )
+    where = ""
+    if padding_said:
+        where = (
+            f", all in the {invalid_total:,} invalid rows"
+            if bad_invalid == invalid_total
+            else f", all in invalid rows ({bad_invalid:,} of {invalid_total:,})"
+        ) + ": padding not zeroed"
+    for kind, count in (("NaN", outcome.nan_where_finite), ("inf", outcome.inf_where_finite)):
+        if count:
+            words.append(
+                f"{kind} where the reference is finite at {count:,} of {numel:,} elements{where}"
+            )
+    reference_nan = (outcome.nan_mismatched or 0) - (outcome.nan_where_finite or 0)
+    if reference_nan:
+        words.append(
+            f"a number where the reference is NaN at {reference_nan:,} elements (a valid"
+            " row of x holding NaN or inf gives NaN)"
+        )
+    ratio = outcome.budget_ratio or 0.0
+    worst = f" (worst {times(ratio)} what is allowed)" if 1 < ratio < math.inf else ""
+    if name not in ROW_TENSORS:
+        if comparison.beyond:
+            words.append(f"{comparison.beyond:,} of {numel:,} elements beyond the {allowed}{worst}")
+        return words
+    if bad_invalid and not padding_said:
+        if not bad_valid:
+            scope = (
+                f"the {invalid_total:,} invalid rows"
+                if bad_invalid == invalid_total
+                else f"invalid rows ({bad_invalid:,} of {invalid_total:,})"
+            )
+            words.append(f"only {scope} differ: padding not zeroed")
+        else:
+            words.append(f"{bad_invalid:,} of {invalid_total:,} invalid rows not zeroed")
+    beyond_valid = comparison.beyond - comparison.beyond_in_invalid_rows
+    if bad_valid and beyond_valid:
+        errors = outcome.row_rel_error
+        uniform = _uniform(outcome, comparison, valid_rows)
+        if bad_valid == valid_rows and errors is not None:
+            shape = f"uniform: {GENERIC}" if uniform else "varying from row to row"
+            words.append(
+                f"all {valid_rows:,} valid rows off; relative error"
+                f" {errors.mean:.2g} ± {errors.std:.1g}, {shape}"
+            )
+        else:
+            text = (
+                f"{beyond_valid:,} elements in {bad_valid:,} of {valid_rows:,} valid"
+                f" rows beyond the {allowed}{worst}"
+            )
+            if uniform and errors is not None:
+                text += (
+                    f"; yet every valid row is off by about the same (relative error"
+                    f" {errors.mean:.2g} ± {errors.std:.1g} in all {errors.rows:,}):"
+                    f" {GENERIC}"
+                )
+            words.append(text)
+    return words
+
+
+def _uniform(outcome: TensorComparison, comparison: Comparison, valid_rows: int) -> bool:
+    """Every valid row off by about the same relative error, well above rounding."""
+    errors = outcome.row_rel_error
+    if errors is None or errors.rows < 2 or errors.rows < valid_rows or errors.mean <= 0:
+        return False
+    noise = comparison.yardstick_row_error_sum / errors.rows
+    return errors.std <= UNIFORM_SPREAD * errors.mean and errors.mean >= 3 * noise
 
 
 def phrase_of(diagnosis: Diagnosis) -> str:
