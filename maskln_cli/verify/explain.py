@@ -139,10 +139,13 @@ class Explainer:
         if not outcome.passed:
             self._explain(checked, found)
         elif finding is not None and finding.limit is not None and found is None:
+            rows = f"{finding.rows:,} valid {'row' if finding.rows == 1 else 'rows'}"
             self.not_checked.append(
-                f"{checked.name}: with {finding.rows:,} valid"
-                f" {'row' if finding.rows == 1 else 'rows'}, a systematic error below"
-                f" {finding.limit:.1g} (relative) cannot be told from rounding"
+                f"{checked.name}: with {rows}, a systematic error below {finding.limit:.1g}"
+                " (relative) cannot be told from rounding"
+                if math.isfinite(finding.limit)
+                else f"{checked.name}: with {rows} of {self.problem.channels} channels, a"
+                " systematic error cannot be told from rounding"
             )
 
     def _systematic(self, checked: Checked) -> Finding | None:
