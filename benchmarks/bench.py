@@ -45,6 +45,12 @@ max of the per-repetition ratios. "peer" is
 16. ``maskln_cli.testing.assert_close`` judging a passing ``out`` (the peer's float32 output)
     on [8192, 1024] float32 / a float64 reference by ``F.layer_norm`` and
     ``torch.testing.assert_close(out, reference, check_dtype=False)``: wall time, in process.
+17. ``maskln verify in res`` of a failing result / of a passing one, on ``[2048, 768]`` with
+    gradients (``generate --invalid 0.3 --poison --grad``; passing: ``maskln normalize``'s),
+    one row per kind of failure (kernels of tests/kernels.py): eps outside the sqrt (within
+    the budget: the systematic test alone), an unbiased variance (failing rows: the
+    catalogue's diagnosis), row sums accumulated in float16 (a coarser dtype's rounding) and
+    the NaN-leaking one-liner (NaN in the gradients: the general comparison path): wall time.
 
 Figures 1, 2 and 13 run on the bench shapes plus issue 21's extra float32 shapes, among them
 two tiny calls ([4096, 16], [8, 16, 64]) whose target is per-call overhead. ``--threads``
@@ -102,10 +108,10 @@ MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
 GROUPS = {
     "core": (1, 2, 9, 13, 14),
     "memory": (3, 4),
-    "cli": (5, 6, 7, 8, 10, 11, 12, 15),
+    "cli": (5, 6, 7, 8, 10, 11, 12, 15, 17),
     "testing": (16,),
 }
-FIGURES = 16
+FIGURES = 17
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 HUGE_SHAPE = "2097152,128"  # a 1 GiB x (figure 15)
@@ -913,6 +919,68 @@ def figure_15(settings: Settings, report: Report, workdir: Path) -> None:
         path.unlink()
 
 
+FAILING_SHAPE = "2048,768"
+FAILING = {
+    "eps outside the sqrt": "eps outside sqrt",
+    "unbiased variance": "unbiased variance",
+    "row sums in float16": "float16 accumulation",
+    "NaN-leaking one-liner": "NaN-leaking one-liner",
+}
+"""Figure 17's failing results: a label, and the kernel of tests/kernels.py that makes it."""
+
+
+def write_failing_results(source: Path, workdir: Path) -> dict[str, Path]:
+    """Each kernel of :data:`FAILING` run on ``source`` (out and its three gradients, by
+    autograd through its own ops), written beside it."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(ROOT))
+    from tests import kernels
+
+    every = {
+        **kernels.WRONG,
+        "float16 accumulation": kernels.accumulate_in(torch.float16),
+    }
+    inputs = load_file(str(source))
+    written = {}
+    for label, name in FAILING.items():
+        target = workdir / f"failing_{len(written)}.safetensors"
+        result = kernels.run(every[name], inputs)
+        save_file({k: v.contiguous() for k, v in result.items()}, str(target))
+        written[label] = target
+    return written
+
+
+def figure_17(settings: Settings, report: Report, workdir: Path) -> None:
+    """``maskln verify`` of a failing result / of a passing one, ``[2048, 768]`` with
+    gradients: what a diagnosis costs."""
+    figure = "17 verify failing / passing"
+    source, passing = gradient_input(workdir, FAILING_SHAPE, "failing")
+    progress.print(f"  {figure}: writing the failing results")
+    failing = write_failing_results(source, workdir)
+    settle_writes()
+    passed = [MASKLN, "verify", str(source), str(passing), "--quiet"]
+    medians = []
+    for label, result in failing.items():
+        progress.print(f"  {figure}: {label}")
+        failed = [MASKLN, "verify", str(source), str(result), "--quiet"]
+        fails, passes = interleaved(
+            lambda failed=failed: run_measured(failed, exit_codes=(1,)).wall_s,
+            lambda: run_measured(passed).wall_s,
+            settings.small_reps,
+            warmup=settings.cli_warmup,
+        )
+        values = ratios(fails, passes)
+        case = f"[{FAILING_SHAPE.replace(',', ', ')}] + grad_out, {label}: wall"
+        report.rows.append(Row(figure, case, values, "<= 1.50", statistics.median(values) <= 1.5))
+        medians.append(f"{label} {statistics.median(fails):.2f} s")
+    report.notes.append(
+        f"17: medians: passing {statistics.median(passes):.2f} s; failing: {', '.join(medians)}"
+    )
+    for path in (source, passing, *failing.values()):
+        path.unlink()
+
+
 # A correct solution, as docs/guides/grading.md says: every clause passes, strict too.
 GRADE_CORRECT = {
     "maskln's op": ["maskln_cli:masked_layer_normalization", "--strict"],
@@ -1116,6 +1184,7 @@ def main() -> None:
             14: lambda: figure_14(settings, report),
             15: lambda: figure_15(settings, report, Path(tmp)),
             16: lambda: figure_16(settings, report),
+            17: lambda: figure_17(settings, report, Path(tmp)),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")

@@ -24,8 +24,11 @@ visible at all.
 ``--systematic`` calibrates the systematic-error test (maskln_cli/verify/systematic.py) instead:
 for C from 1 to 65,536 and each seed, correct kernels (sequential, pairwise, Welford, Kahan,
 blocked, F.layer_norm, and F.layer_norm in bfloat16 and float16, which accumulate in float32)
-and the mistakes a budget hides at wide rows (eps 1e-6 or 3e-5 for 1e-5, out times 1 + 1e-5);
-it prints the FAIL counts by C: 0 for every correct kernel, all for every mistake from C = 64.
+and the mistakes a budget hides at wide rows (eps 1e-6 or 3e-5 for 1e-5, out times 1 + 1e-5),
+each with its gradients (autograd through its own ops); it prints the FAIL counts by C for each
+tensor: 0 for every correct kernel, all for every mistake from C = 64 in out, grad_x and
+grad_scale; and the greatest pooled factor of 6 valid rows over the few-rows limit (below 1:
+a correct kernel passes with fewer than 8 valid rows).
 """
 
 from __future__ import annotations
@@ -153,28 +156,75 @@ SYSTEMATIC_CHANNELS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 SYSTEMATIC_ELEMENTS = 1 << 19
 """Elements of x per (C, seed): rows of C channels, 16 rows at least."""
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+TENSORS = ("out", "grad_x", "grad_scale", "grad_bias")
+SYSTEMATIC_IN = ("out", "grad_x", "grad_scale")
+"""The tensors the hidden mistakes make systematic (grad_bias sums grad_out alone)."""
 
 
 def systematic_data(channels: int, seed: int) -> kernels.Tensors:
-    """N(0, 1) rows of ``channels`` (30 % padding, poisoned), no upstream gradient."""
+    """N(0, 1) rows of ``channels`` (30 % padding, poisoned), with an upstream gradient."""
     from maskln_cli.jobs.generate import generate_inputs
 
     rows = max(16, SYSTEMATIC_ELEMENTS // channels)
-    return generate_inputs((rows, channels), "float32", seed, invalid=0.3, poison=True)
+    return generate_inputs((rows, channels), "float32", seed, invalid=0.3, poison=True, grad=True)
 
 
 def systematic_run(kernel: kernels.Kernel, inputs: kernels.Tensors, dtype: torch.dtype):
-    """out of ``kernel`` in ``dtype`` (half kernels: F.layer_norm, which accumulates in
-    float32), the padding zeroed."""
-    with torch.no_grad():
-        x, scale, bias = (inputs[k].to(dtype) for k in ("x", "scale", "bias"))
-        out = kernel(x, inputs["valid"], scale, bias)
-    return kernels.zero_padding({"out": out}, inputs["valid"])
+    """out and the gradients of ``kernel`` in ``dtype`` (autograd through its own ops; half
+    kernels: F.layer_norm, which accumulates in float32), the padding zeroed."""
+    return kernels.zero_padding(kernels.run(kernel, inputs, dtype), inputs["valid"])
+
+
+FEW_ROWS = 6
+"""The valid rows of the few-rows calibration: groups of this many consecutive rows."""
+
+
+def single_rows(inputs: kernels.Tensors, result: kernels.Tensors, dtype: torch.dtype) -> float:
+    """What a dump of FEW_ROWS valid rows would show: over groups of that many valid rows of
+    out and grad_x (grad_x from C = 4, its rows that are no cancellation, as verify regresses
+    them), the greatest pooled factor (their errors regressed on the truth, pooled with the
+    same weights; 0 unless every row's factor has its sign) over the few-rows limit (twice the
+    gate, or systematic.FEW_ROWS_ULPS): below 1 passes with fewer than 8 valid rows."""
+    from maskln_cli.verify.blockwork import CANCELLED, GRAD_X_CHANNELS
+    from maskln_cli.verify.budget import Precision
+    from maskln_cli.verify.systematic import FEW_ROWS_CHANNELS, FEW_ROWS_ULPS, systematic_gate
+
+    as_float64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    truth = kernels.run(kernels.two_pass, as_float64)
+    valid, channels = inputs["valid"], inputs["x"].shape[-1]
+    if channels < FEW_ROWS_CHANNELS:  # not tested (the verdict says so)
+        return 0.0
+    precision = Precision.of(dtype, torch.float32, torch.float32, torch.float32)
+    ratio = float(inputs["bias"].square().mean().sqrt() / inputs["scale"].square().mean().sqrt())
+    x = as_float64["x"][valid]
+    rstd = (x.var(-1, unbiased=False) + kernels.EPS).rsqrt()
+    worst = 0.0
+    for name in ("out", "grad_x") if channels >= GRAD_X_CHANNELS else ("out",):
+        bias = as_float64["bias"] if name == "out" else 0.0
+        gate = systematic_gate(precision, 0.0, ratio if name == "out" else 0.0)
+        limit = max(2 * gate, FEW_ROWS_ULPS * channels**0.5 * precision.reduce)
+        z = truth[name][valid] - bias
+        error = result[name].double()[valid] - truth[name][valid]
+        keep = torch.ones(len(z), dtype=torch.bool)
+        if name == "grad_x":  # as verify: rows whose grad_x is not a cancellation
+            terms = (as_float64["grad_out"][valid] * as_float64["scale"]).square().sum(-1)
+            keep = z.square().sum(-1) >= CANCELLED * terms * rstd.square()
+        z, error = z[keep], error[keep]
+        centered = z - z.mean(-1, keepdim=True)
+        weights = centered.square().sum(-1)
+        factors = (centered * error).sum(-1) / weights
+        for start in range(0, len(factors) - FEW_ROWS + 1, FEW_ROWS):
+            f, w = factors[start : start + FEW_ROWS], weights[start : start + FEW_ROWS]
+            pooled = float((w * f).sum() / w.sum())
+            if bool((f * pooled > 0).all()):
+                worst = max(worst, abs(pooled) / limit)
+    return worst
 
 
 def systematic_main(seeds: int) -> None:
-    """Correct kernels never fail, at any C; the mistakes that hide in the budget at wide rows
-    fail at every C >= 64 (issue 23, 5). Prints a Markdown table of verdicts by C."""
+    """Correct kernels never fail, at any C, in any tensor; the mistakes that hide in the budget
+    at wide rows fail at every C >= 64 (issue 23, 5), in out, grad_x and grad_scale (issue 33,
+    2). Prints a Markdown table of verdicts by C per tensor, and the single-row margins."""
     contenders = [(f"{name}", kernel, torch.float32, False) for name, kernel in
                   kernels.SYSTEMATIC_CORRECT.items()]  # fmt: skip
     contenders += [
@@ -183,47 +233,64 @@ def systematic_main(seeds: int) -> None:
     ]
     contenders += [(name, k, torch.float32, True) for name, k in kernels.SYSTEMATIC_WRONG.items()]
     systematic.ALWAYS_REPORT = True  # every pooled factor, and its score
-    table: dict[tuple[str, int], list[tuple[bool, dict | None, float]]] = {}
+    # (kernel, C) -> runs of {tensor: (passed, score, budget ratio)}, and single-row shares
+    table: dict[tuple[str, int], list[dict[str, tuple[bool, float, float]]]] = {}
+    rows_share: dict[tuple[str, int], float] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         for channels in SYSTEMATIC_CHANNELS:
             for seed in range(seeds):
                 inputs = systematic_data(channels, seed)
-                for name, kernel, dtype, _ in contenders:
+                for name, kernel, dtype, wrong in contenders:
                     if channels > 4096 and name in ("sequential", "Welford", "Kahan") and seed:
                         continue  # element-by-element loops in Python: one seed is enough
                     result = systematic_run(kernel, inputs, dtype)
                     report = _verify(inputs, result, folder)
-                    out = report.tensors[0]
-                    table.setdefault((name, channels), []).append(
-                        (report.passed, out.systematic, out.budget_ratio or 0.0)
-                    )
-                    found = out.systematic or {}
+                    run = {
+                        t.name: (t.passed, (t.systematic or {}).get("score", 0.0),
+                                 t.budget_ratio or 0.0)
+                        for t in report.tensors
+                    }  # fmt: skip
+                    table.setdefault((name, channels), []).append(run)
+                    if not wrong:
+                        share = single_rows(inputs, result, dtype)
+                        key = (name, channels)
+                        rows_share[key] = max(rows_share.get(key, 0.0), share)
                     print(
                         f"C {channels:>6} seed {seed} {name:>24}:"
-                        f" {'PASS' if report.passed else 'FAIL'} budget {out.budget_ratio:.3g}"
-                        f" factor {found.get('factor', 0):+.2g}"
-                        f" ± {found.get('factor_error', 0):.1g} score {found.get('score', 0):.2g}"
-                        f" eps {found.get('eps')}",
+                        f" {'PASS' if report.passed else 'FAIL'} scores "
+                        + " ".join(f"{n} {run[n][1]:.2g}" for n in TENSORS),
                         file=sys.stderr,
                     )
     print("FAIL count / runs by C; `*`: some failed within the budget (the systematic test")
     print("alone fails them); then the systematic score (> 1: systematic), the greatest of a")
-    print("correct kernel's runs, the smallest of a mistake's\n")
+    print("correct kernel's runs, the smallest of a mistake's (grad_bias: not made wrong)")
+    for tensor in TENSORS:
+        print(f"\n{tensor}\n")
+        print("| kernel | " + " | ".join(f"C={c:,}" for c in SYSTEMATIC_CHANNELS) + " |")
+        print("|---|" + "---:|" * len(SYSTEMATIC_CHANNELS))
+        for name, _, _, wrong in contenders:
+            if wrong and tensor not in SYSTEMATIC_IN:
+                continue
+            cells = []
+            for channels in SYSTEMATIC_CHANNELS:
+                runs = [run[tensor] for run in table.get((name, channels), [])]
+                failed = sum(not passed for passed, _, _ in runs)
+                hidden = sum(not passed and ratio <= 1 for passed, _, ratio in runs)
+                scores = [score for _, score, _ in runs]
+                score = (min if wrong else max)(scores) if scores else 0.0
+                cells.append(f"{failed}/{len(runs)}{'*' if hidden else ''} ({score:.2g})")
+            label = f"{name} (wrong)" if wrong else name
+            print(f"| {label} | " + " | ".join(cells) + " |")
+    print(f"\nthe greatest pooled factor of {FEW_ROWS} valid rows of out or grad_x over the")
+    print("few-rows limit, by C (correct kernels; below 1 passes with fewer than 8 valid rows)\n")
     print("| kernel | " + " | ".join(f"C={c:,}" for c in SYSTEMATIC_CHANNELS) + " |")
     print("|---|" + "---:|" * len(SYSTEMATIC_CHANNELS))
     for name, _, _, wrong in contenders:
-        cells = []
-        for channels in SYSTEMATIC_CHANNELS:
-            runs = table.get((name, channels), [])
-            failed = sum(not passed for passed, _, _ in runs)
-            hidden = sum(not passed and ratio <= 1 for passed, _, ratio in runs)
-            scores = [(found or {}).get("score", 0.0) for _, found, _ in runs]
-            score = (min if wrong else max)(scores) if scores else 0.0
-            cells.append(f"{failed}/{len(runs)}{'*' if hidden else ''} ({score:.2g})")
-        label = f"{name} (wrong)" if wrong else name
-        print(f"| {label} | " + " | ".join(cells) + " |")
+        if not wrong:
+            cells = [f"{rows_share.get((name, c), 0.0):.2g}" for c in SYSTEMATIC_CHANNELS]
+            print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"\nran in {time.monotonic() - started:.0f} s")
 
 

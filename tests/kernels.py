@@ -193,6 +193,38 @@ def with_eps(eps: float) -> Kernel:
     return kernel
 
 
+def _sequential_sum_in(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A row sum accumulated element by element in ``dtype`` (a half accumulator), returned in
+    the rows' own dtype."""
+
+    def row_sum(rows: torch.Tensor) -> torch.Tensor:
+        return _sequential_sum(rows.to(dtype)).to(rows.dtype)
+
+    return row_sum
+
+
+def accumulate_in(dtype: torch.dtype) -> Kernel:
+    """WRONG: two passes whose row sums (mean, variance) are accumulated in ``dtype`` element
+    by element, the rest in x's dtype: a half accumulator."""
+
+    def kernel(x, valid, scale, bias):
+        return _two_passes(x, valid, scale, bias, _sequential_sum_in(dtype))
+
+    kernel.__doc__ = f"row sums accumulated in {dtype}"
+    return kernel
+
+
+def backward_of(forward: Kernel, backward: Kernel) -> Kernel:
+    """``forward``'s values with ``backward``'s gradients: a kernel whose backward pass is
+    written apart from its forward (wrong when they disagree)."""
+
+    def kernel(x, valid, scale, bias):
+        wrong = backward(x, valid, scale, bias)
+        return forward(x, valid, scale, bias).detach() + (wrong - wrong.detach())
+
+    return kernel
+
+
 def scaled_output(x, valid, scale, bias):
     """WRONG: F.layer_norm's output times (1 + 1e-5)."""
     return torch_layer_norm(x, valid, scale, bias) * (1 + 1e-5)
@@ -232,7 +264,7 @@ def run(kernel: Kernel, inputs: Tensors, dtype: torch.dtype | None = None) -> Te
     """``kernel`` on ``inputs`` (as stored) in ``dtype`` (default: x's): out, and with a
     ``grad_out`` the three gradients of ``sum(out * grad_out)``, each in ``dtype``."""
     dtype = dtype or inputs["x"].dtype
-    x, scale, bias = (inputs[k].to(dtype).requires_grad_() for k in ("x", "scale", "bias"))
+    x, scale, bias = (inputs[k].detach().to(dtype).requires_grad_() for k in ("x", "scale", "bias"))
     out = kernel(x, inputs["valid"], scale, bias)
     result = {"out": out.detach()}
     if "grad_out" in inputs:

@@ -217,12 +217,12 @@ def test_esm_without_its_config_eps_fails_and_says_which_eps(tmp_path):
     assert "eps        1e-05, the default" in result.stdout
     config = folder / "sharded" / "config.json"
     assert f"{config} gives layer_norm_eps 1e-12: --config {config} reads it" in result.stdout
-    # The kernel (the model) is right: a diagnosis of an eps mistake says the eps may be ours.
-    assert "likely eps" in result.stdout
-    assert "or the kernel is right and its eps is not the default 1e-05" in result.stdout
+    # The kernel (the model) is right: the eps its rows give says the default may be ours.
+    assert "RESULT's eps is at most" in result.stdout
+    assert "not the reference's 1e-05 (the default): give the model's eps" in result.stdout
     explicit = invoke(
         "verify", paths["acts"], paths["layer"], "--params", folder / "sharded",
         "--module", module_name, "--valid-key", "attention_mask", "--valid", spec, "--eps", "1e-5",
     )  # fmt: skip
-    assert explicit.exit_code == 1 and "likely eps" in explicit.stdout
-    assert "or the kernel is right" not in explicit.stdout  # eps was given: not ours to doubt
+    assert explicit.exit_code == 1 and "RESULT's eps is at most" in explicit.stdout
+    assert "give the model's eps" not in explicit.stdout  # eps was given: not ours to doubt

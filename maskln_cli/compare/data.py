@@ -232,11 +232,15 @@ class TensorComparison:
     systematic: dict[str, object] | None = None
     """verify: a systematic error found in the valid rows (None, and left out of JSON, when
     none was found; see :mod:`maskln_cli.verify.systematic`)."""
+    explanation: str | None = None
+    """verify: what is wrong, in one phrase, as the verdict line says it (None: passed, or not
+    given; the verdict line then says the first problem)."""
 
     def to_dict(self) -> dict[str, object]:
         document: dict[str, object] = plain_data(self)  # type: ignore[assignment]
-        if document["systematic"] is None:
-            del document["systematic"]
+        for name in ("systematic", "explanation"):
+            if document[name] is None:
+                del document[name]
         return document
 
 

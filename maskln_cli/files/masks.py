@@ -20,6 +20,8 @@ from maskln_cli.files.tensorfile import STDIO, open_tensor_file
 if TYPE_CHECKING:
     import torch
 
+    from maskln_cli.files.tensorfile import TensorFile
+
 
 DEFAULT_KEY = "valid"
 
@@ -105,3 +107,54 @@ def as_mask(valid: torch.Tensor, source: str, key: str, leading: tuple[int, ...]
         return as_valid_mask(valid, where)
     except (TypeError, ValueError) as error:
         raise MasklnError(str(error)) from None
+
+
+def mask_candidates(data: TensorFile, leading: tuple[int, ...]) -> list[str]:
+    """Keys of ``data`` holding a bool, or 0/1 integer, tensor of shape ``leading``.
+
+    Example:
+        >>> import torch, tempfile
+        >>> from safetensors.torch import save_file
+        >>> with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        ...     save_file({"x": torch.ones(2, 3, 4), "attention_mask": torch.tensor(
+        ...         [[1, 1, 0], [1, 0, 0]])}, f.name)
+        ...     with open_tensor_file(f.name) as data:
+        ...         mask_candidates(data, (2, 3))
+        ['attention_mask']
+    """
+
+    found = []
+    for key in data:
+        info = data.info(key)
+        if tuple(info.shape) != tuple(leading):
+            continue
+        if info.dtype == "bool":
+            found.append(key)
+        elif info.dtype in ("int64", "int32", "int16", "int8", "uint8"):
+            values = data.tensor(key)
+            if values.numel() <= 1 << 24 and bool(((values == 0) | (values == 1)).all()):
+                found.append(key)
+    return sorted(found, key=lambda k: ("mask" not in k.lower(), k))
+
+
+def valid_key_hint(data: TensorFile, leading: tuple[int, ...]) -> str | None:
+    """A note for a file without ``valid`` that holds a mask under another name (an
+    ``attention_mask``): the option that reads it. None when it holds none.
+
+    Example:
+        >>> import torch, tempfile
+        >>> from safetensors.torch import save_file
+        >>> with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        ...     mask = torch.ones(2, 3, dtype=torch.long)
+        ...     save_file({"x": torch.ones(2, 3, 4), "attention_mask": mask}, f.name)
+        ...     with open_tensor_file(f.name) as data:
+        ...         print(valid_key_hint(data, (2, 3)).split(": did you mean ")[1])
+        `--valid-key attention_mask`?
+    """
+    found = mask_candidates(data, leading)
+    if not found:
+        return None
+    return (
+        f"{data.name}: holds {', '.join(repr(k) for k in found[:3])}, of x's leading shape and"
+        f" only 0 and 1: did you mean `--valid-key {found[0]}`?"
+    )

@@ -282,7 +282,7 @@ def open_tensor_file(path: str, torch_tensors: bool = True) -> Iterator[TensorFi
             source = spool
         else:
             _check_readable_file(path)
-            source = path
+            source = _utf8_path(path, stack)
         try:
             # framework "pt" imports torch; "numpy" reads the same header and imports numpy.
             framework = "pt" if torch_tensors else "numpy"
@@ -314,6 +314,20 @@ def _data_offsets(file: BinaryIO, keys: list[str]) -> tuple[int, dict[str, tuple
     wanted = set(keys)
     offsets = {key: tuple(entry["data_offsets"]) for key, entry in header.items() if key in wanted}
     return 8 + length, {key: offsets[key] for key in keys}  # type: ignore[misc]
+
+
+def _utf8_path(path: str, stack: contextlib.ExitStack) -> str:
+    """``path`` as safetensors can take it: a path that is not UTF-8 (a name of bytes Python
+    decoded with surrogates, which Linux allows) is opened here and reached through
+    /proc/self/fd; safetensors refuses it otherwise ("Path ... is not valid UTF-8")."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        if os.path.isdir(_OPEN_FILES):
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            stack.callback(os.close, fd)
+            return f"{_OPEN_FILES}{fd}"
+    return path
 
 
 def _check_readable_file(path: str) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.files.masks import valid_key_hint
 from maskln_cli.files.output import SafetensorsWriter, data_bytes, open_output, writing_chunks
 from maskln_cli.files.problem import (
     GRADIENT_KEYS,
     GradientSums,
     NormalizeOptions,
+    Problem,
     Progress,
     iter_gradients,
     iter_outputs,
@@ -98,6 +100,17 @@ def normalize_file(
             valid_rows=int(problem.valid.sum()),
             rows=problem.rows,
             keys=tuple(keys),
-            notes=tuple(problem.notes),
+            notes=tuple(problem.notes) + _valid_key_hint(problem, options),
             eps_source=problem.eps_source,
         )
+
+
+def _valid_key_hint(problem: Problem, options: NormalizeOptions) -> tuple[str, ...]:
+    """Beside 'every position is valid': the option that reads a mask INPUT holds under
+    another name (an ``attention_mask``), as ``maskln verify`` says it."""
+    if options.valid_key is not None or problem.input_file is None:
+        return ()
+    if not any("every position is valid" in note for note in problem.notes):
+        return ()
+    hint = valid_key_hint(problem.input_file, tuple(problem.shape[:-1]))
+    return (hint,) if hint is not None else ()

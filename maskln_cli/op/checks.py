@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -27,6 +28,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
+def quiet_when_traced() -> None:
+    """Under torch.jit.trace sizes are traced values: the checks compare the example's (as
+    every Python condition on them is, in a trace) without a TracerWarning each."""
+    if torch.jit.is_tracing():
+        warnings.filterwarnings(
+            "ignore", category=torch.jit.TracerWarning, module=r"maskln_cli\.op\."
+        )
+
+
 def check_inputs(x: object, valid: object, scale: object, bias: object, eps: object) -> float:
     """Raise TypeError or ValueError naming the offending argument; return eps as a float.
 
@@ -35,6 +45,7 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
         ...              torch.ones(3), torch.zeros(3), 1e-5)
         1e-05
     """
+    quiet_when_traced()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:

@@ -549,14 +549,16 @@ def relative_distance(result: torch.Tensor, reference: torch.Tensor) -> float:
 def _distance(result: torch.Tensor, reference: torch.Tensor) -> float:
     """Relative L2 distance over finite values; NaN or inf in different places (or different
     infinities) make it infinite."""
-    finite = reference.isfinite()
-    if not torch.equal(result.isfinite(), finite):
-        return float("inf")
-    if not torch.equal(result[~finite].nan_to_num(0.0), reference[~finite].nan_to_num(0.0)):
-        return float("inf")
-    both = finite
-    difference = (result[both] - reference[both]).norm()
-    size = reference[both].norm()
+    difference = (result - reference).norm()
+    size = reference.norm()
+    if not (difference.isfinite() and size.isfinite()):  # else every value is finite in both
+        finite = reference.isfinite()
+        if not torch.equal(result.isfinite(), finite):
+            return float("inf")
+        if not torch.equal(result[~finite].nan_to_num(0.0), reference[~finite].nan_to_num(0.0)):
+            return float("inf")
+        difference = (result[finite] - reference[finite]).norm()
+        size = reference[finite].norm()
     if size == 0:
         return 0.0 if difference == 0 else float("inf")
     return float(difference / size)
@@ -688,10 +690,11 @@ def diagnose_gradient(
     dtype: torch.dtype | None = None,
     *,
     noise: float | None = None,
+    mistakes: dict[str, Mistake] | None = None,
 ) -> list[Diagnosis]:
     """The known mistakes a gradient w.r.t. x, ``actual``, matches, best first: the gradient of
-    ``sum(mistake(x) * grad_out)`` for each formula of :data:`MISTAKES`, by the rule of
-    :func:`diagnose_output` (a backward pass written from the same wrong formula).
+    ``sum(mistake(x) * grad_out)`` for each formula of :data:`MISTAKES` (or of ``mistakes``),
+    by the rule of :func:`diagnose_output` (a backward pass written from the same wrong formula).
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
@@ -719,7 +722,8 @@ def diagnose_gradient(
     to_truth = _distance(result, gradient(correct))
     if to_truth == 0.0:
         return []
-    found = _matching(result, to_truth, MISTAKES.values(), gradient, dtype, noise)
+    tried = MISTAKES if mistakes is None else mistakes
+    found = _matching(result, to_truth, tried.values(), gradient, dtype, noise)
     return sorted(found, key=lambda d: d.distance)
 
 

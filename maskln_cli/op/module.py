@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from maskln_cli.op.api import masked_layer_normalization
-from maskln_cli.op.checks import as_valid_mask
+from maskln_cli.op.checks import as_valid_mask, quiet_when_traced
 
 __all__ = ["MaskedLayerNorm"]
 
@@ -122,6 +122,7 @@ class MaskedLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         valid = as_valid_mask(valid)  # before x's checks: the op's order of messages
+        quiet_when_traced()
         channels = self.normalized_shape[0]
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != channels:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -45,7 +45,8 @@ def _loaded_openmp() -> list[str]:
 
     candidates: list[str] = []
     # Linux: what is mapped (the path is a line's sixth field); elsewhere torch's folders.
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+    # Mapped files' names are bytes (a data file's may not be UTF-8): decoded as os does.
+    with contextlib.suppress(OSError), open("/proc/self/maps", errors="surrogateescape") as maps:
         for line in maps:
             fields = line.split(None, 5)
             if len(fields) == 6 and any(n in Path(fields[5]).name for n in OPENMP_NAMES):

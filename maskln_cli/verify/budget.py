@@ -245,7 +245,12 @@ class RowBudget:
         dy = self.upstream(grad_out)
         term = dy * self.xhat  # grad_scale sums these over rows
         sums.rows += int(self.valid.sum())
-        sums.scale_squares += term.square_().sum(dim=0)
+        squares = term.square_()
+        sums.scale_squares += squares.sum(dim=0)
+        # Each row's second-order rounding moves its terms of grad_scale by that much.
+        energy = squares.sum(dim=1)
+        sums.second_order_sum += float(energy.dot(self.e2.reshape(-1)))
+        sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
         moved = self.xhat.abs().add_(self.offset).mul_(dy.abs_()).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
@@ -273,10 +278,20 @@ class SumBudget:
         self.scale_squares = zeros.clone()
         self.bias_squares = zeros.clone()
         self.moved_squares = zeros.clone()
+        self.second_order_sum = 0.0  # the rows' second-order rounding, weighted by energy
+        self.energy = 0.0  # the sum of squares of grad_scale's terms
+
+    @property
+    def second_order(self) -> float:
+        """The rows' second-order rounding (see :class:`RowBudget`), averaged as grad_scale
+        weighs them: how much a correct kernel's grad_scale may be scaled by it."""
+        return self.second_order_sum / self.energy if self.energy > 0 else 0.0
 
     def add(self, share: SumBudget) -> None:
         """Add a share of rows (:meth:`RowBudget.share_of_sums`)."""
         self.rows += share.rows
+        self.second_order_sum += share.second_order_sum
+        self.energy += share.energy
         self.scale_squares += share.scale_squares
         self.bias_squares += share.bias_squares
         self.moved_squares += share.moved_squares

@@ -1,49 +1,84 @@
-"""What is wrong with a failing tensor of ``maskln verify``, in words, and which mistake it is.
+"""What is wrong with a failing tensor of ``maskln verify``, in words, and one explanation.
 
 After the streaming pass each compared tensor has its figures; :class:`Explainer` replaces the
 generic problem lines of a failing one with what is wrong (non-finite values, the padding, the
-valid rows: all of them or some, uniformly or not, or the elements of a sum), and diagnoses it:
-the known wrong formulas of :mod:`maskln_cli.op.mistakes` are evaluated on a bounded sample of
-its failing rows, re-read from INPUT and RESULT, and the one RESULT matches is named.
+valid rows: all of them or some, uniformly or not, or the elements of a sum), tests it for a
+systematic error (:mod:`.systematic`), and gives it one explanation, said alike by its problem
+line, its diagnosis and the verdict line (:attr:`TensorComparison.explanation`): in order,
+
+1. what RESULT itself shows (:mod:`.findings`: a coarser dtype's values, a wrong --module, a
+   model's own padding), said first;
+2. what its systematic error's model names: another eps, or a mistake of the catalogue;
+3. the diagnosis of a sample of its failing rows (:mod:`.diagnose`), trying first what an
+   earlier tensor of RESULT was explained by; or NaN from the padding;
+4. for a sum over rows, an earlier tensor's explanation, when it is systematic by a factor of
+   the same sign and size;
+5. the systematic error in words; else the words alone.
+
+Tensors are explained in the order out, grad_x, grad_scale, grad_bias, whatever --check's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.data import times
 from maskln_cli.verify.options import ROW_TENSORS
 
 if TYPE_CHECKING:
-    import torch
-
     from maskln_cli.compare.comparison import Comparison
     from maskln_cli.compare.data import TensorComparison
     from maskln_cli.files.masks import RowMask
-    from maskln_cli.files.problem import Problem
-    from maskln_cli.op.mistakes import Diagnosis
+    from maskln_cli.op.mistakes import Diagnosis, Mistake
+    from maskln_cli.verify.diagnose import Sample
     from maskln_cli.verify.plan import Checked, Plan
     from maskln_cli.verify.systematic import Finding, FitSums
 
-DIAGNOSIS_ELEMENTS = 1 << 21
-"""At most this many elements of failing rows are re-read for a diagnosis."""
 UNIFORM_SPREAD = 0.3
 """Rows are off "uniformly" when their relative errors' spread is below this share of their
 mean (and the mean is well above rounding): the signature of a formula mistake."""
+CONSISTENT = 3.0
+"""A sum's systematic factor agrees with an earlier tensor's when of the same sign and within
+this ratio of it (both average the rows' factors, weighted differently)."""
+GENERIC = "a formula or eps mistake"
+"""What the words say of rows all off by about the same, until an explanation says which."""
+
+
+@dataclasses.dataclass
+class _Explained:
+    """An earlier tensor's explanation: its diagnosis, the formula to try first on later
+    tensors, and its systematic factor (None: not systematic)."""
+
+    diagnosis: Diagnosis
+    candidates: dict[str, Mistake]
+    factor: float | None
+    finding: Finding | None = None
+
+    def same_eps(self, found: Finding) -> bool:
+        """Whether ``found``'s eps is this explanation's: two values within 20 %, a value
+        within a bound, or two bounds (eps too small to resolve, on two tensors' rows)."""
+        earlier = self.finding
+        if self.diagnosis.mistake != "eps_mismatch" or earlier is None:
+            return False
+        mine, theirs = (earlier.eps, earlier.eps_at_most), (found.eps, found.eps_at_most)
+        if mine[0] is not None and theirs[0] is not None:
+            return abs(mine[0] - theirs[0]) <= 0.2 * max(mine[0], theirs[0])
+        if mine[1] is not None and theirs[1] is not None:
+            return True
+        value, bound = (mine[0], theirs[1]) if mine[0] is not None else (theirs[0], mine[1])
+        return value is not None and bound is not None and value <= bound
 
 
 class Explainer:
-    """The words and the diagnosis of a plan's failing tensors, once they are measured."""
+    """The words and the one explanation of a plan's failing tensors, once measured."""
 
     def __init__(
         self,
         plan: Plan,
         poisoned: list[int],
-        fit: FitSums | None = None,
+        fits: dict[str, FitSums] | None = None,
         mask: RowMask | None = None,
     ) -> None:
         import torch
@@ -56,38 +91,43 @@ class Explainer:
         self.judge = plan.judge
         self.valid_rows = plan.valid_rows
         self.poisoned = poisoned  # invalid rows with NaN or inf in x or grad_out
-        self.fit = fit  # out's systematic-error regressions (see .systematic)
+        self.fits = fits or {}  # each tensor's systematic-error regressions
         self.mask = mask
-        self._sampled: tuple[_Sample, float] | None = None  # a diagnosis's rows, and noise
-        self._finding: str | None = None  # the systematic error of out, in words
-        self._finds_eps = False  # whether it names the eps RESULT used
+        self.sampled: tuple[Sample, float] | None = None  # out's diagnosed rows, and noise
+        self.explained: _Explained | None = None  # the first explanation of RESULT's tensors
+        # Whether out's failing rows matched none of the catalogue's formulas: grad_x's then
+        # skip them (a backward pass is written from the forward's formula).
+        self.no_formula = False
+        # Whether an earlier tensor was explained by a formula's mistake: a later one's errors
+        # are then not called a coarser dtype's rounding (its size may match by chance).
+        self.formula_said = False
+        self.not_checked: list[str] = []  # what the systematic test could not see, in words
         self.torch = torch
 
     # --- words ----------------------------------------------------------------------------
 
     def describe(self, checked: Checked) -> None:
         """Replace the generic problem lines of a failing tensor with what is wrong, in words,
-        then diagnose it."""
+        test it for a systematic error, and explain it."""
         outcome = checked.outcome
         comparison = checked.comparison
         assert outcome is not None and comparison is not None
         structural = [p for p in outcome.problems if p.startswith(("shape", "dtype"))]
         if outcome.numel is None:  # values not compared
+            outcome.explanation = _one_level(outcome.problems[0]) if outcome.problems else None
             return
-        words = self._words(checked.name, outcome, comparison)
+        words = words_of(
+            checked.name, outcome, comparison, self.mode, self.problem.rows, self.valid_rows
+        )
         if self.verify.strict and outcome.negative_zeros:
             words.append(
                 f"-0.0 at {outcome.negative_zeros:,} padded positions (+0.0 expected; --strict)"
             )
         finding = self._systematic(checked)
-        self._finding, self._finds_eps = None, False
-        if finding is not None:
-            outcome.systematic = finding.to_dict()
-            self._finding = finding.sentence(self.problem.eps, self._eps_origin())
-            self._finds_eps = finding.eps is not None or finding.eps_at_most is not None
-            generic = any(GENERIC in word for word in words)
-            if not generic and not self.verify.allow_systematic:
-                words.append(self._finding)
+        found = finding if finding is not None and finding.systematic else None
+        said = any(GENERIC in word for word in words)  # the explanation takes its place
+        if found is not None and not self.verify.allow_systematic and not said:
+            words.append(found.sentence())
         outcome.problems = structural + words
         outcome.passed = not outcome.problems
         if self.mode == "budget":
@@ -97,31 +137,127 @@ class Explainer:
             )
             outcome.factor_needed = comparison.factor_needed() if fixable else None
         if not outcome.passed:
-            self._diagnose(checked)
-            self._findings(checked)
-
-    def _eps_origin(self) -> str:
-        source = self.problem.eps_source
-        return "the default" if source == "default" else f"from {source}"
+            self._explain(checked, found)
+        elif finding is not None and finding.limit is not None and found is None:
+            rows = f"{finding.rows:,} valid {'row' if finding.rows == 1 else 'rows'}"
+            self.not_checked.append(
+                f"{checked.name}: with {rows}, a systematic error below {finding.limit:.1g}"
+                " (relative) cannot be told from rounding"
+                if math.isfinite(finding.limit)
+                else f"{checked.name}: with {rows} of {self.problem.channels} channels, a"
+                " systematic error cannot be told from rounding"
+            )
 
     def _systematic(self, checked: Checked) -> Finding | None:
-        """out's systematic error (a factor or shift on every valid row), when one is found."""
+        """A tensor's pooled systematic-error regressions (None: not tested)."""
         from maskln_cli.verify import systematic
 
-        if checked.name != "out" or self.fit is None or self.mode != "budget":
+        fit = self.fits.get(checked.name)
+        if fit is None or self.mode != "budget":
             return None
         precision = self.plan.precisions[checked.judge or self.judge]
         problem = self.problem
-        scale, bias = (float(t.square().mean().sqrt()) for t in (problem.scale, problem.bias))
-        finding = systematic.pooled(self.fit, precision, problem.eps, scale, bias)
-        if finding is not None and systematic.ALWAYS_REPORT and not finding.systematic:
+        scale, bias = 1.0, 0.0  # a gradient's shift is measured against its own size
+        if checked.name == "out":
+            scale, bias = (float(t.square().mean().sqrt()) for t in (problem.scale, problem.bias))
+        finding = systematic.pooled(fit, precision, problem.eps, scale, bias, problem.channels)
+        if finding is not None and finding.unit == "rows":
+            finding.of = self.valid_rows  # more than its rows when a sample was regressed
+        if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
-        return finding if finding is not None and finding.systematic else None
+        return finding
 
-    def _findings(self, checked: Checked) -> None:
+    # --- one explanation --------------------------------------------------------------------
+
+    def _explain(self, checked: Checked, found: Finding | None) -> None:
+        """Give a failing tensor one explanation (see the module's docstring): its diagnosis,
+        the words it takes the place of, and the phrase the verdict line says."""
+        outcome = checked.outcome
+        assert outcome is not None
+        diagnosis = self._diagnose(checked, found)
+        if diagnosis is not None and self.problem.eps_source == "default":
+            diagnosis = _eps_may_be_ours(diagnosis, self.problem.eps)
+        outcome.diagnosis = [diagnosis.to_dict()] if diagnosis is not None else []
+        if diagnosis is not None and not diagnosis.mistake.startswith("rounding_"):
+            self.formula_said = True
+        phrase = phrase_of(diagnosis) if diagnosis is not None else None
+        if phrase is None and found is not None:  # no name for it: the systematic error
+            phrase = found.sentence()
+            if _replace_generic(outcome.problems, phrase):
+                found = None  # said in place of the generic words
+        specific = self._specific(checked)
+        if specific:
+            for text in specific:
+                _replace_generic(outcome.problems, text)
+            outcome.problems = specific + [p for p in outcome.problems if p not in specific]
+            phrase = specific[0]
+        elif phrase is not None and not _replace_generic(outcome.problems, phrase):
+            sentence = found.sentence() if found is not None else None
+            if sentence in outcome.problems and sentence != phrase:  # the error, and what it is
+                outcome.problems[outcome.problems.index(sentence)] += f"; {phrase}"
+        outcome.explanation = phrase or _one_level(outcome.problems[0])
+        if diagnosis is not None and self.explained is None:
+            from maskln_cli.verify.diagnose import candidate_of
+
+            candidates = candidate_of(diagnosis, found)
+            if candidates:
+                factor = found.factor if found is not None else None
+                self.explained = _Explained(diagnosis, candidates, factor, found)
+
+    def _diagnose(self, checked: Checked, found: Finding | None) -> Diagnosis | None:
+        """The one diagnosis of a failing tensor (None: none found)."""
+        from maskln_cli.op import mistakes as catalogue
+        from maskln_cli.verify import diagnose, systematic
+
+        outcome, comparison = checked.outcome, checked.comparison
+        assert outcome is not None and comparison is not None
+        problem = self.problem
+        earlier = self.explained
+        if found is not None and found.model == "eps":
+            if earlier is not None and earlier.same_eps(found):
+                return earlier.diagnosis  # one eps for RESULT, as the first tensor gave it
+            return diagnose.eps_diagnosis(found, problem.eps, self._eps_origin())
+        if found is not None and found.model in systematic.MISTAKE_FACTORS:
+            return diagnose.mistake_diagnosis(found.model)
+        nonfinite = bool(outcome.nan_where_finite or outcome.inf_where_finite)
+        if checked.name in ROW_TENSORS and comparison.failing_rows:
+            sample = diagnose.take_sample(
+                problem, self.result, checked.key, comparison.failing_rows, self.mask
+            )
+            judge = checked.judge or self.judge
+            truth, guess = sample.reference(checked.name, judge)
+            noise = catalogue.relative_distance(guess, truth)
+            if checked.name == "out":
+                self.sampled = (sample, noise)
+            if nonfinite and checked.name == "grad_x":
+                return catalogue.diagnose_nan_gradient(
+                    "grad_x", sample.actual, truth, sample.x, sample.valid, sample.grad_out
+                )
+            candidates = earlier.candidates if earlier is not None else None
+            found_here = diagnose.diagnose_rows(
+                checked.name, sample, judge, truth, noise, candidates,
+                found is not None or self.formula_said, catalogue=not self.no_formula,
+            )  # fmt: skip
+            if checked.name == "out":
+                self.no_formula = found_here is None or found_here.mistake.startswith("rounding")
+            if found_here is not None:
+                return found_here
+        elif nonfinite and problem.grad_out is not None and checked.name not in ROW_TENSORS:
+            index = self.torch.tensor(self.poisoned, dtype=self.torch.long)
+            reference = self.torch.zeros(problem.channels, dtype=self.torch.float64)
+            return catalogue.diagnose_nan_gradient(
+                checked.name, self.result.tensor(checked.key), reference, problem.x[index],
+                problem.valid[index], problem.grad_out[index],
+            )  # fmt: skip
+        if earlier is not None and found is not None and earlier.factor is not None:
+            ratio = found.factor / earlier.factor if earlier.factor else math.inf
+            if 1 / CONSISTENT <= ratio <= CONSISTENT:
+                return earlier.diagnosis
+        return None
+
+    def _specific(self, checked: Checked) -> list[str]:
         """What kind of wrong, beyond the catalogue (see :mod:`.findings`), said first: a
-        coarser kernel's values widened, a wrong --module, a model's own padding; else the
-        diagnosis replaces the generic "a formula or eps mistake"."""
+        coarser kernel's values widened, a wrong --module, a model's own padding."""
         from maskln_cli.verify import findings
 
         outcome = checked.outcome
@@ -138,8 +274,8 @@ class Explainer:
                     " judges it as one"
                 )
         options = self.plan.options
-        if checked.name == "out" and options.module and options.params and self._sampled:
-            sample, noise = self._sampled
+        if checked.name == "out" and options.module and options.params and self.sampled:
+            sample, noise = self.sampled
             module = findings.other_module(
                 self.problem, options.params, options.module, sample.actual, sample.x,
                 sample.valid, noise,
@@ -159,221 +295,141 @@ class Explainer:
                     "the invalid rows hold a plain LayerNorm of x (a model's own"
                     " nn.LayerNorm output?): --plain-layer-norm compares the valid rows only"
                 )
-        if specific:
-            for text in specific:
-                _replace_generic(outcome.problems, text)
-            outcome.problems = specific + [p for p in outcome.problems if p not in specific]
-        elif self._finding is not None and self._finds_eps:
-            # The eps RESULT used, and the option to give: more than a catalogue's "eps
-            # missing" (BERT's 1e-12 reads as none) or "eps 1e-3 instead of 1e-5".
-            _replace_generic(outcome.problems, self._finding)
-        elif outcome.diagnosis:
-            _replace_generic(outcome.problems, str(outcome.diagnosis[0]["description"]))
-        elif self._finding is not None:
-            _replace_generic(outcome.problems, self._finding)
+        return specific
 
-    def _words(self, name: str, outcome: TensorComparison, comparison: Comparison) -> list[str]:
-        """What is wrong with a tensor, in words: non-finite values, the padding, the valid
-        rows (all of them or some, uniformly or not), or the elements of a sum."""
-        words: list[str] = []
-        numel = outcome.numel or 0
-        allowed = "budget" if self.mode == "budget" else "tolerance"
-        invalid_total = self.problem.rows - self.valid_rows
-        bad_invalid = outcome.mismatched_invalid_rows or 0
-        bad_valid = (outcome.mismatched_rows or 0) - bad_invalid
-        nonfinite = (outcome.nan_where_finite or 0) + (outcome.inf_where_finite or 0)
-        # Non-finite values confined to the padding say what is wrong there on their own.
-        padding_said = (
-            nonfinite > 0
-            and nonfinite == comparison.nonfinite_in_invalid_rows
-            and comparison.beyond_in_invalid_rows == 0
-        )
-        where = ""
-        if padding_said:
-            where = (
-                f", all in the {invalid_total:,} invalid rows"
-                if bad_invalid == invalid_total
-                else f", all in invalid rows ({bad_invalid:,} of {invalid_total:,})"
-            ) + ": padding not zeroed"
-        for kind, count in (("NaN", outcome.nan_where_finite), ("inf", outcome.inf_where_finite)):
-            if count:
-                words.append(
-                    f"{kind} where the reference is finite at {count:,} of {numel:,}"
-                    f" elements{where}"
-                )
-        reference_nan = (outcome.nan_mismatched or 0) - (outcome.nan_where_finite or 0)
-        if reference_nan:
+    def _eps_origin(self) -> str:
+        source = self.problem.eps_source
+        return "the default" if source == "default" else f"from {source}"
+
+
+def words_of(
+    name: str,
+    outcome: TensorComparison,
+    comparison: Comparison,
+    mode: str,
+    rows: int,
+    valid_rows: int,
+) -> list[str]:
+    """What is wrong with a tensor, in words: non-finite values, the padding, the valid
+    rows (all of them or some, uniformly or not), or the elements of a sum (``mode``: the
+    tolerance's; ``rows`` and ``valid_rows``: INPUT's)."""
+    words: list[str] = []
+    numel = outcome.numel or 0
+    allowed = "budget" if mode == "budget" else "tolerance"
+    invalid_total = rows - valid_rows
+    bad_invalid = outcome.mismatched_invalid_rows or 0
+    bad_valid = (outcome.mismatched_rows or 0) - bad_invalid
+    nonfinite = (outcome.nan_where_finite or 0) + (outcome.inf_where_finite or 0)
+    # Non-finite values confined to the padding say what is wrong there on their own.
+    padding_said = (
+        nonfinite > 0
+        and nonfinite == comparison.nonfinite_in_invalid_rows
+        and comparison.beyond_in_invalid_rows == 0
+    )
+    where = ""
+    if padding_said:
+        where = (
+            f", all in the {invalid_total:,} invalid rows"
+            if bad_invalid == invalid_total
+            else f", all in invalid rows ({bad_invalid:,} of {invalid_total:,})"
+        ) + ": padding not zeroed"
+    for kind, count in (("NaN", outcome.nan_where_finite), ("inf", outcome.inf_where_finite)):
+        if count:
             words.append(
-                f"a number where the reference is NaN at {reference_nan:,} elements (a valid"
-                " row of x holding NaN or inf gives NaN)"
+                f"{kind} where the reference is finite at {count:,} of {numel:,} elements{where}"
             )
-        ratio = outcome.budget_ratio or 0.0
-        worst = f" (worst {times(ratio)} what is allowed)" if 1 < ratio < math.inf else ""
-        if name not in ROW_TENSORS:
-            if comparison.beyond:
-                words.append(
-                    f"{comparison.beyond:,} of {numel:,} elements beyond the {allowed}{worst}"
-                )
-            return words
-        if bad_invalid and not padding_said:
-            if not bad_valid:
-                scope = (
-                    f"the {invalid_total:,} invalid rows"
-                    if bad_invalid == invalid_total
-                    else f"invalid rows ({bad_invalid:,} of {invalid_total:,})"
-                )
-                words.append(f"only {scope} differ: padding not zeroed")
-            else:
-                words.append(f"{bad_invalid:,} of {invalid_total:,} invalid rows not zeroed")
-        beyond_valid = comparison.beyond - comparison.beyond_in_invalid_rows
-        if bad_valid and beyond_valid:
-            errors = outcome.row_rel_error
-            uniform = self._uniform(outcome, comparison)
-            if bad_valid == self.valid_rows and errors is not None:
-                shape = (
-                    "uniform: a formula or eps mistake" if uniform else "varying from row to row"
-                )
-                words.append(
-                    f"all {self.valid_rows:,} valid rows off; relative error"
-                    f" {errors.mean:.2g} ± {errors.std:.1g} ({shape})"
-                )
-            else:
-                text = (
-                    f"{beyond_valid:,} elements in {bad_valid:,} of {self.valid_rows:,} valid"
-                    f" rows beyond the {allowed}{worst}"
-                )
-                if uniform and errors is not None:
-                    text += (
-                        f"; yet every valid row is off by about the same (relative error"
-                        f" {errors.mean:.2g} ± {errors.std:.1g} in all {errors.rows:,}):"
-                        " a formula or eps mistake"
-                    )
-                words.append(text)
+    reference_nan = (outcome.nan_mismatched or 0) - (outcome.nan_where_finite or 0)
+    if reference_nan:
+        words.append(
+            f"a number where the reference is NaN at {reference_nan:,} elements (a valid"
+            " row of x holding NaN or inf gives NaN)"
+        )
+    ratio = outcome.budget_ratio or 0.0
+    worst = f" (worst {times(ratio)} what is allowed)" if 1 < ratio < math.inf else ""
+    if name not in ROW_TENSORS:
+        if comparison.beyond:
+            words.append(f"{comparison.beyond:,} of {numel:,} elements beyond the {allowed}{worst}")
         return words
-
-    def _uniform(self, outcome: TensorComparison, comparison: Comparison) -> bool:
-        """Every valid row off by about the same relative error, well above rounding."""
-        errors = outcome.row_rel_error
-        if errors is None or errors.rows < 2 or errors.rows < self.valid_rows or errors.mean <= 0:
-            return False
-        noise = comparison.yardstick_row_error_sum / errors.rows
-        return errors.std <= UNIFORM_SPREAD * errors.mean and errors.mean >= 3 * noise
-
-    # --- diagnosis ------------------------------------------------------------------------
-
-    def _diagnose(self, checked: Checked) -> None:
-        """Name the known mistake RESULT's tensor matches, from a bounded sample of its failing
-        rows (or, for grad_scale and grad_bias, the padding rows holding NaN or inf)."""
-        from maskln_cli.op import mistakes as diagnosis
-
-        outcome, comparison = checked.outcome, checked.comparison
-        assert outcome is not None and comparison is not None
-        problem = self.problem
-        nonfinite = bool(outcome.nan_where_finite or outcome.inf_where_finite)
-        found: list[diagnosis.Diagnosis] = []
-        if checked.name in ROW_TENSORS and comparison.failing_rows:
-            sample = self._sample(checked, comparison.failing_rows)
-            judge = checked.judge or self.judge
-            truth, guess = sample.reference(checked.name, judge)
-            noise = diagnosis.relative_distance(guess, truth)
-            self._sampled = (sample, noise)
-            args = (sample.x, sample.valid, problem.scale, problem.bias)
-            if checked.name == "out":
-                found += diagnosis.diagnose_output(
-                    sample.actual, *args, problem.eps, judge, noise=noise
-                )
-            elif nonfinite:
-                nan = diagnosis.diagnose_nan_gradient(
-                    "grad_x", sample.actual, truth, sample.x, sample.valid, sample.grad_out
-                )
-                found += [nan] if nan is not None else []
-            else:
-                assert sample.grad_out is not None
-                found += diagnosis.diagnose_gradient(
-                    sample.actual, *args, sample.grad_out, problem.eps, judge, noise=noise
-                )
-        elif nonfinite and problem.grad_out is not None:
-            index = self.torch.tensor(self.poisoned, dtype=self.torch.long)
-            reference = self.torch.zeros(problem.channels, dtype=self.torch.float64)
-            nan = diagnosis.diagnose_nan_gradient(
-                checked.name, self.result.tensor(checked.key), reference, problem.x[index],
-                problem.valid[index], problem.grad_out[index],
-            )  # fmt: skip
-            found += [nan] if nan is not None else []
-        if problem.eps_source == "default":
-            found = [_eps_may_be_ours(d, problem.eps) for d in found]
-        outcome.diagnosis = [d.to_dict() for d in found]
-
-    def _sample(self, checked: Checked, rows: Sequence[int]) -> _Sample:
-        """The failing ``rows`` and their surroundings, at most :data:`DIAGNOSIS_ELEMENTS`
-        elements: whole sequences (the last leading axis) when they fit, so that a mistake
-        along that axis shows, else the rows themselves."""
-        torch = self.torch
-        problem = self.problem
-        budget = max(2, DIAGNOSIS_ELEMENTS // problem.channels)
-        if len(problem.shape) >= 3 and problem.shape[-2] <= budget:
-            length = problem.shape[-2]
-            sequences = list(dict.fromkeys(row // length for row in rows))[: budget // length]
-            starts = torch.tensor(sequences, dtype=torch.long).unsqueeze(1) * length
-            index = (starts + torch.arange(length)).reshape(-1)
-            leading: tuple[int, ...] = (len(sequences), length)
-        elif len(problem.shape) == 2 and problem.rows <= budget:
-            index, leading = torch.arange(problem.rows), (problem.rows,)
+    if bad_invalid and not padding_said:
+        if not bad_valid:
+            scope = (
+                f"the {invalid_total:,} invalid rows"
+                if bad_invalid == invalid_total
+                else f"invalid rows ({bad_invalid:,} of {invalid_total:,})"
+            )
+            words.append(f"only {scope} differ: padding not zeroed")
         else:
-            index = torch.tensor(list(rows)[:budget], dtype=torch.long)
-            leading = (len(index),)
-        shape = (*leading, problem.channels)
-        actual = self.result.tensor(checked.key).reshape(-1, problem.channels)[index]
-        grad_out = problem.grad_out[index].reshape(shape) if problem.grad_out is not None else None
-        valid = problem.valid[index]
-        if self.mask is not None:
-            # Rows --valid left out are never blamed: the diagnosis sees them as padding,
-            # zero on RESULT's side as on the reference's.
-            keep = self.mask.keep[index]
-            valid = valid & keep
-            actual = torch.where(keep.unsqueeze(1), actual, torch.zeros((), dtype=actual.dtype))
-        return _Sample(
-            problem, actual.reshape(shape), problem.x[index].reshape(shape),
-            valid.reshape(leading), grad_out,
-        )  # fmt: skip
+            words.append(f"{bad_invalid:,} of {invalid_total:,} invalid rows not zeroed")
+    beyond_valid = comparison.beyond - comparison.beyond_in_invalid_rows
+    if bad_valid and beyond_valid:
+        errors = outcome.row_rel_error
+        uniform = _uniform(outcome, comparison, valid_rows)
+        if bad_valid == valid_rows and errors is not None:
+            shape = f"uniform: {GENERIC}" if uniform else "varying from row to row"
+            words.append(
+                f"all {valid_rows:,} valid rows off; relative error"
+                f" {errors.mean:.2g} ± {errors.std:.1g}, {shape}"
+            )
+        else:
+            text = (
+                f"{beyond_valid:,} elements in {bad_valid:,} of {valid_rows:,} valid"
+                f" rows beyond the {allowed}{worst}"
+            )
+            if uniform and errors is not None:
+                text += (
+                    f"; yet every valid row is off by about the same (relative error"
+                    f" {errors.mean:.2g} ± {errors.std:.1g} in all {errors.rows:,}):"
+                    f" {GENERIC}"
+                )
+            words.append(text)
+    return words
 
 
-@dataclass
-class _Sample:
-    """Rows of INPUT and RESULT re-read for a diagnosis, in their leading shape."""
+def _uniform(outcome: TensorComparison, comparison: Comparison, valid_rows: int) -> bool:
+    """Every valid row off by about the same relative error, well above rounding."""
+    errors = outcome.row_rel_error
+    if errors is None or errors.rows < 2 or errors.rows < valid_rows or errors.mean <= 0:
+        return False
+    noise = comparison.yardstick_row_error_sum / errors.rows
+    return errors.std <= UNIFORM_SPREAD * errors.mean and errors.mean >= 3 * noise
 
-    problem: Problem
-    actual: torch.Tensor
-    x: torch.Tensor
-    valid: torch.Tensor
-    grad_out: torch.Tensor | None
 
-    def reference(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The truth (float64) and PyTorch's result in ``dtype`` for ``name`` on these rows."""
-        import torch
+def phrase_of(diagnosis: Diagnosis) -> str:
+    """A diagnosis as the problem line and the verdict line say it: its description, and for
+    a rounding of a coarser dtype what to do (the diagnosis line gives the fix in full).
 
-        from maskln_cli.op.api import masked_layer_normalization
-        from maskln_cli.verify.budget import yardstick
+    Example:
+        >>> from maskln_cli.op.mistakes import Diagnosis
+        >>> phrase_of(Diagnosis("rounding_float16", "errors look like float16 rounding"
+        ...                     " (as sums accumulated in float16): ...", "accumulate in float32:"
+        ...                     " the row sums ...", 0))
+        'errors look like float16 rounding: accumulate in float32'
+    """
+    if diagnosis.mistake == "eps_mismatch":  # with what to give, as the fix says first
+        action = diagnosis.fix.split(";", 1)[0].removeprefix("if RESULT's eps is the right one, ")
+        return f"{diagnosis.description}: {action}"
+    if diagnosis.mistake.startswith("rounding_"):
+        head = diagnosis.description.split(" (", 1)[0]
+        return f"{head}: {diagnosis.fix.split(':', 1)[0]}"
+    return diagnosis.description
 
-        problem = self.problem
-        channels = problem.channels
-        rows, valid = self.x.reshape(-1, channels), self.valid.reshape(-1)
-        upstream = self.grad_out.reshape(-1, channels) if name == "grad_x" else None
-        leaf = rows.double().requires_grad_()
-        with torch.enable_grad():
-            out = masked_layer_normalization(leaf, valid, problem.scale, problem.bias, problem.eps)
-            if upstream is not None:
-                (truth,) = torch.autograd.grad(out, leaf, upstream.double())
-            else:
-                truth = out.detach()
-        guess = yardstick(rows, valid, problem.scale, problem.bias, problem.eps, dtype, upstream)
-        value = guess.out if upstream is None else guess.grad_x
-        assert value is not None
-        return truth.reshape(self.x.shape), value.double().reshape(self.x.shape)
+
+def _one_level(text: str) -> str:
+    """A problem line for the verdict line: a last parenthesis made a clause.
+
+    Example:
+        >>> _one_level("64 of 64 elements beyond the budget (worst 70x what is allowed)")
+        '64 of 64 elements beyond the budget, worst 70x what is allowed'
+    """
+    if text.endswith(")") and text.count("(") == 1 and text.count(")") == 1:
+        head, _, inner = text[:-1].partition(" (")
+        return f"{head}, {inner}"
+    return text
 
 
 def _eps_may_be_ours(found: Diagnosis, eps: float) -> Diagnosis:
-    """An eps mistake seen when nobody gave eps may be the reference's: say so in its fix.
+    """An eps mistake of the catalogue seen when nobody gave eps may be the reference's: say
+    so in its fix.
 
     Example:
         >>> from maskln_cli.op.mistakes import Diagnosis
@@ -382,7 +438,7 @@ def _eps_may_be_ours(found: Diagnosis, eps: float) -> Diagnosis:
         add eps inside the sqrt; or the kernel is right and its eps is not the default 1e-05
         this run used: give it with --eps or --config
     """
-    if not found.mistake.startswith("eps_"):
+    if not found.mistake.startswith("eps_") or found.mistake == "eps_mismatch":
         return found
     fix = (
         f"{found.fix}; or the kernel is right and its eps is not the default {eps:g} this run"
@@ -391,18 +447,14 @@ def _eps_may_be_ours(found: Diagnosis, eps: float) -> Diagnosis:
     return dataclasses.replace(found, fix=fix)
 
 
-GENERIC = "a formula or eps mistake"
-"""What the words say of rows all off by about the same, until a finding says which."""
-
-
 def _replace_generic(problems: list[str], specific: str) -> bool:
     """Put ``specific`` in place of :data:`GENERIC` in the first problem saying it.
 
     Example:
-        >>> problems = ["all 3 valid rows off; relative error 2e-05 ± 1e-06 (uniform: a formula"
-        ...             " or eps mistake)"]
+        >>> problems = ["all 3 valid rows off; relative error 2e-05 ± 1e-06, uniform: a formula"
+        ...             " or eps mistake"]
         >>> _replace_generic(problems, "eps ≈ 1e-06"), problems[0][-22:]
-        (True, '(uniform: eps ≈ 1e-06)')
+        (True, ', uniform: eps ≈ 1e-06')
     """
     for index, problem in enumerate(problems):
         if GENERIC in problem:

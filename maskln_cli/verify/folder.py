@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,8 @@ class FileVerdict:
     padding: str | None = None  # metadata: "normalized" (nn.LayerNorm) or "zeroed"
     problem: str | None = None
     report: ComparisonReport | None = None
+    left_out: list[str] = field(default_factory=list)
+    """Gradients a dump judged alone holds none of (though it holds grad_out): not checked."""
 
     def to_dict(self) -> dict[str, object]:
         document = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -122,19 +125,47 @@ def is_folder_verify(input_path: str, result_path: str | None) -> bool:
     return folder
 
 
-def _names(folder: str, what: str) -> list[str]:
+def _names(folder: str, what: str) -> tuple[list[str], dict[str, str]]:
+    """The ``*.safetensors`` names of ``folder`` (hidden ones left out: editors' and writers',
+    a partial file beside its output), and why those that are no regular file cannot be
+    judged: each is a failing row, never skipped."""
     try:
         entries = os.listdir(folder)
     except OSError as error:
         raise MasklnError(f"{folder}: cannot list the {what} folder: {error.strerror}") from None
-    # Hidden files are editors' and writers' (a partial file beside its output).
-    return sorted(
-        name
-        for name in entries
-        if name.endswith(SUFFIX)
-        and not name.startswith(".")
-        and os.path.isfile(os.path.join(folder, name))
-    )
+    names = sorted(n for n in entries if n.endswith(SUFFIX) and not n.startswith("."))
+    special = {}
+    for name in names:
+        reason = _not_a_file(os.path.join(folder, name))
+        if reason is not None:
+            special[name] = reason
+    return names, special
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_a_file(path: str) -> str | None:
+    """Why ``path`` is no regular file to read (None: it is one, or a link to one), found
+    without opening it: a FIFO would block its reader."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"a dangling symbolic link (to {os.readlink(path)}), not a file"
+        return "gone while the folder was read"
+    except OSError as error:
+        return f"cannot be read: {error.strerror}"
+    if stat.S_ISREG(found.st_mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(found.st_mode)), "not a regular file")
+    return f"{kind}, not a file"
 
 
 def verify_folder(
@@ -160,8 +191,8 @@ def verify_folder(
             )
     if verify.valid is not None:
         raise MasklnError("--valid: not with a folder of dumps; each dump holds its own valid")
-    dump_names = _names(dumps, "dumps")
-    result_names = _names(results, "results") if results is not None else []
+    dump_names, dump_special = _names(dumps, "dumps")
+    result_names, result_special = _names(results, "results") if results is not None else ([], {})
     every = sorted(set(dump_names) | set(result_names))
     if not every:
         where = dumps if results is None else f"{dumps} or {results}"
@@ -175,6 +206,13 @@ def verify_folder(
     has_dump, has_result = set(dump_names), set(result_names)
 
     def judge(name: str) -> FileVerdict:
+        special = [
+            f"{os.path.join(folder, name)}: {special[name]}"
+            for folder, special in ((dumps, dump_special), (results, result_special))
+            if name in special
+        ]
+        if special:
+            return FileVerdict(name, "error", False, problem="; ".join(special))
         if name not in has_dump:
             return FileVerdict(
                 name, "extra", False, problem=f"a result without a dump: {dumps} has no {name}"
@@ -197,7 +235,28 @@ def verify_folder(
             report.files.append(verdict)
             if progress:
                 progress(done, len(chosen))
+    report.notes += _left_out_notes(report.files)
     return report
+
+
+def _left_out_notes(files: list[FileVerdict]) -> list[str]:
+    """Once for the folder: the gradients dumps held none of, and were not checked."""
+    by_names: dict[tuple[str, ...], int] = {}
+    for verdict in files:
+        if verdict.left_out:
+            key = tuple(verdict.left_out)
+            by_names[key] = by_names.get(key, 0) + 1
+    checked = sum(f.status == "checked" for f in files)
+    notes = []
+    for names, count in by_names.items():
+        listed = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+        notes.append(
+            f"{listed}: not checked in {count:,} of {checked:,} dumps, which hold grad_out but"
+            f" no {'gradient' if len(names) == 1 else 'gradients'} {listed} (the capture"
+            " records only what the backward pass reached: a parameter or input that did not"
+            " require grad)"
+        )
+    return notes
 
 
 def _judge_file(
@@ -216,6 +275,8 @@ def _judge_file(
         _describe(verdict, dump, options)
         if own and not verify.plain_layer_norm and _plain(verdict, dump, options):
             verify = dataclasses.replace(verify, plain_layer_norm=True)
+        if own and verify.check is None:
+            verify = _what_it_holds(verdict, dump, options, verify)
         verdict.plain_layer_norm = verify.plain_layer_norm
         report = verify_file(dump, result, options, verify)
     except MasklnError as error:
@@ -233,6 +294,26 @@ def _judge_file(
 
 
 TENSOR_ORDER = ("out", "grad_x", "grad_scale", "grad_bias")
+
+
+def _what_it_holds(
+    verdict: FileVerdict, dump: str, options: NormalizeOptions, verify: VerifyOptions
+) -> VerifyOptions:
+    """A dump judged alone is checked for what it holds: with grad_out, the gradients it has
+    (a parameter that did not require grad has none; those left out are said once, for the
+    folder, not as a missing tensor per file)."""
+    from maskln_cli.files.tensorfile import open_tensor_file
+
+    with open_tensor_file(dump) as data:
+        grad_out_key = options.grad_out_key or "grad_out"
+        if grad_out_key not in data:
+            return verify
+        held = [name for name in TENSOR_ORDER if verify.result_keys.get(name, name) in data]
+    verdict.left_out = [name for name in TENSOR_ORDER[1:] if name not in held]
+    if not verdict.left_out:
+        return verify
+    return dataclasses.replace(verify, check=tuple(n for n in TENSOR_ORDER if n not in
+                                                   verdict.left_out))  # fmt: skip
 
 
 def _describe(verdict: FileVerdict, dump: str, options: NormalizeOptions) -> None:

@@ -29,19 +29,21 @@ import dataclasses
 from maskln_cli.compare.data import ComparisonReport
 from maskln_cli.compare.rows import count_left_out
 from maskln_cli.errors import MasklnError
-from maskln_cli.files.masks import RowMask, open_row_mask, parse_mask_spec
+from maskln_cli.files.masks import RowMask, open_row_mask, parse_mask_spec, valid_key_hint
 from maskln_cli.files.problem import NormalizeOptions, Problem, Progress, load_problem
 from maskln_cli.files.tensorfile import STDIO, TensorFile, open_tensor_file
+from maskln_cli.op.threads import one_thread
 from maskln_cli.verify.explain import Explainer
 from maskln_cli.verify.measure import StreamingPass
 from maskln_cli.verify.options import (
     ROW_TENSORS,
+    TENSORS,
     VerifyOptions,
     check_options,
     parse_check,
     parse_result_keys,
 )
-from maskln_cli.verify.plan import Plan
+from maskln_cli.verify.plan import Checked, Plan
 
 YARDSTICK_RAISES = True
 """Whether the yardstick's error raises a budget where it exceeds the model (always, in use;
@@ -130,17 +132,12 @@ def _as_plain_layer_norm(problem: Problem, mask: RowMask | None) -> tuple[Proble
 def _suggest_valid_key(plan: Plan, options: NormalizeOptions) -> None:
     """INPUT holds no mask under --valid-key's name, yet a 0/1 integer or bool tensor of x's
     leading shape: say which option reads it (a note, next to 'every position is valid')."""
-    from maskln_cli.verify.findings import mask_candidates
-
     if options.valid_key is not None or not any("every position is valid" in n for n in plan.notes):
         return
     data = plan.problem.input_file
-    found = mask_candidates(data, tuple(plan.problem.shape[:-1])) if data is not None else []
-    if found:
-        plan.notes.append(
-            f"{data.name} holds {', '.join(repr(k) for k in found[:3])}, of x's leading shape"
-            f" and only 0 and 1: did you mean `--valid-key {found[0]}`?"
-        )
+    hint = valid_key_hint(data, tuple(plan.problem.shape[:-1])) if data is not None else None
+    if hint is not None:
+        plan.notes.append(hint)
 
 
 def _refuse_comparing_nothing(plan: Plan, mask: RowMask) -> None:
@@ -168,15 +165,25 @@ class _Job:
         comparing = {c.name: c for c in plan.checked if c.comparison is not None}
         live = {n: c for n, c in comparing.items() if c.comparison.comparable}  # type: ignore[union-attr]
         self.measuring.run(live, progress)
-        explainer = Explainer(plan, self.measuring.poisoned, self.measuring.fit, self.mask)
-        tensors = []
-        for checked in plan.checked:
-            if checked.comparison is not None:
-                checked.outcome = checked.comparison.result(compared=checked.name in live)
-                if self.mask is not None and checked.name in live and checked.name in ROW_TENSORS:
-                    count_left_out(checked.outcome, self.mask.left_out)
-                explainer.describe(checked)
-            tensors.append(checked.outcome)
+        explainer = Explainer(plan, self.measuring.poisoned, self.measuring.fits, self.mask)
+        # Explained in the order out, grad_x, grad_scale, grad_bias (an earlier tensor's
+        # explanation is tried first on later ones), reported in the plan's. On one thread:
+        # a diagnosis's work is small (a sample of rows), and on a busy machine torch's
+        # threads made each of its operations take tens of milliseconds instead of one.
+        with one_thread():
+            for checked in sorted(plan.checked, key=lambda c: TENSORS.index(c.name)):
+                if checked.comparison is not None:
+                    checked.outcome = checked.comparison.result(compared=checked.name in live)
+                    if (
+                        self.mask is not None
+                        and checked.name in live
+                        and checked.name in ROW_TENSORS
+                    ):
+                        count_left_out(checked.outcome, self.mask.left_out)
+                    explainer.describe(checked)
+                elif checked.outcome is not None and checked.outcome.problems:
+                    checked.outcome.explanation = checked.outcome.problems[0]
+        tensors = [checked.outcome for checked in plan.checked]
         if self.mask is not None:
             mask = self.mask
             compared = ", ".join(n for n in ROW_TENSORS if n in live) or "nothing"
@@ -187,6 +194,19 @@ class _Job:
                 f" {mask.rows:,} rows of {compared}"
             )
         tensors += plan.unchecked()
+        context = plan.context()
+        not_checked = self._not_checked(live) + explainer.not_checked
+        if not_checked:
+            context["not_checked"] = not_checked
         return ComparisonReport(
-            "verify", plan.result.name, plan.problem.source, tensors, plan.notes, plan.context()
+            "verify", plan.result.name, plan.problem.source, tensors, plan.notes, context
         )
+
+    def _not_checked(self, live: dict[str, Checked]) -> list[str]:
+        """What no comparison of these tensors can show, in words (for the verdict line)."""
+        if self.plan.problem.channels == 1 and ("out" in live or "grad_x" in live):
+            return [
+                "C = 1: out is the bias alone (every normalized value is 0), so no"
+                " normalization mistake can show"
+            ]
+        return []

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 from maskln_cli.compare.files import threads_for
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.files.problem import GRADIENT_KEYS, Progress
+from maskln_cli.op.threads import one_thread
 from maskln_cli.verify.allowance import Allowance
 from maskln_cli.verify.blockwork import Measured, SumShare, float64_truth
 from maskln_cli.verify.options import ROW_TENSORS
-from maskln_cli.verify.systematic import FitSums
+from maskln_cli.verify.systematic import FitSums, fit_elements
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,9 @@ class StreamingPass:
         self.allowance = Allowance(plan, yardstick_raises)
         self.chunk_rows = chunk_rows or max(2, CHUNK_ELEMENTS // problem.channels)
         self.poisoned: list[int] = []  # invalid rows with NaN or inf in x or grad_out
-        self.fit = FitSums()  # the systematic-error regressions of out, over its valid rows
+        # The systematic-error regressions of each tensor (out and grad_x: over their valid
+        # rows; grad_scale and grad_bias: over their elements, once summed).
+        self.fits: dict[str, FitSums] = {}
         self.torch = torch
 
     def run(self, live: dict[str, Checked], progress: Progress | None) -> None:
@@ -83,7 +86,8 @@ class StreamingPass:
             measured = self._measure_chunks(group)
             for (start, stop), blocks in zip(group, measured, strict=True):
                 if blocks is None:  # a block holds NaN or inf: the chunk compared whole
-                    self._chunk(start, stop, live, sums)
+                    with one_thread():
+                        self._chunk(start, stop, live, sums)
                 else:
                     self._merge_chunk(start, stop, live, blocks, sums)
                 if progress:
@@ -138,9 +142,10 @@ class StreamingPass:
                 guess, _ = leave_out(guess, reference, keep)
                 invalid = invalid & keep
             rows = budget_in(checked.judge or self.judge)
-            if name == "out" and self.work.fits:
+            if name in self.work.fits and self.work.fitted(start):
                 rstd = rows.rstd.reshape(-1)
-                self.fit.add(self.work.fit(actual, reference, valid, keep, rstd, x64, checked))
+                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked, dy64)
+                self.fits.setdefault(name, FitSums()).add(fit)
             if self.mode == "budget":
                 model = rows.out() if name == "out" else rows.grad_x(dy64)  # type: ignore[arg-type]
                 pieces = self.allowance.from_model(
@@ -221,7 +226,8 @@ class StreamingPass:
                     parts = [block.figures[name] for block in measured]
                     checked.comparison.merge(parts, invalid)
         for block in measured:
-            self.fit.add(block.fit)
+            for name, fit in block.fits.items():
+                self.fits.setdefault(name, FitSums()).add(fit)
             if sums is not None and block.sums is not None:
                 sums.add(block.sums)
 
@@ -256,8 +262,15 @@ class StreamingPass:
             guess = sums.judged[name].to(dtype).double()
             actual = self.result.tensor(checked.key)
             if self.mode == "budget":
-                model = getattr(sums.budgets[dtype], name)(total)
+                budget = sums.budgets[dtype]
+                model = getattr(budget, name)(total)
                 pieces = self.allowance.from_model(comparison, model, guess, total, None)
+                # grad_bias sums grad_out alone: no row statistic's rounding reaches it.
+                second = budget.second_order if name == "grad_scale" else 0.0
+                squares = budget.scale_squares if name == "grad_scale" else budget.bias_squares
+                self.fits[name] = fit_elements(
+                    actual.double() - total, total, second, squares.sqrt()
+                )
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}
             comparison.update(actual, total, yardstick=guess, **pieces)

@@ -6,19 +6,31 @@ normalized values scaled by a factor of the same sign (a wrong eps, a wrong vari
 scaled by 1 + 1e-5), or shifted. At wide rows the budget (which grows with sqrt(C)) can hide
 such a mistake; its structure cannot hide.
 
-Each valid row's error ``e = RESULT - truth`` is regressed on ``z = xhat * scale`` and on 1:
-``e ~ f_r * z + g_r``. The factors ``f_r`` (and shifts ``g_r``) are pooled over rows, weighted
-by how well each row determines them, and compared with their standard error, estimated from
-their spread over rows (rows are independent, whatever the rounding inside a row): a mistake
-stands out by orders of magnitude, rounding by a few standard errors at most. A pooled factor is
-called systematic only when the rows also agree on it (their spread is a small share of it:
-:data:`AGREEMENT`) and it is larger than what a correct kernel may err systematically
-(:func:`systematic_gate`: a few units of the rounding and the second-order rounding of the rows'
-statistics), so that the biases of a correct kernel's rounding never fail it.
+Each valid row's error ``e = RESULT - truth`` is regressed on the truth's own shape and on 1:
+``e ~ f_r * z + g_r``, with ``z = xhat * scale`` for out and ``z`` the true grad_x for grad_x
+(:func:`fit_rows`). A mistake in the normalization, ``xhat' = k(var) * xhat``, gives both the
+same factor ``f_r = k - 1`` on each row (grad_x's other change is orthogonal to it). The sums
+over rows, grad_scale and grad_bias, are regressed element by element on their truth
+(:func:`fit_elements`). The factors ``f_r`` (and shifts ``g_r``) are pooled over rows (or
+elements), weighted by how well each determines them, and compared with their standard error,
+estimated from their spread (rows are independent, whatever the rounding inside a row): a
+mistake stands out by orders of magnitude, rounding by a few standard errors at most. A pooled
+factor is called systematic only when the rows also agree on it (what the best model of it
+leaves unexplained is a small share of it: :data:`AGREEMENT`) and it is larger than what a
+correct kernel may err systematically (:func:`systematic_gate`: a few units of the rounding and
+the second-order rounding of the rows' statistics), so that the biases of a correct kernel's
+rounding never fail it.
 
-From the factors, the eps RESULT used is solved for: ``1 + f_r = sqrt((var + eps) / (var +
-eps'))`` gives ``eps' = (var + eps) / (1 + f_r)**2 - var`` on each row; when the rows agree, RESULT
-matches that eps.
+The models of the rows' factors (:func:`explain_factors`): one common factor (an output scaled);
+another eps, ``1 + f_r = sqrt((var + eps) / (var + eps'))``, eps' solved for; and the
+normalization mistakes of the catalogue, each a function of the row's variance with nothing to
+fit (eps outside the square root, an unbiased variance, no square root). Rows of different
+variance tell them apart: a mistake named with nothing fitted is preferred when it explains the
+rows as well as the fitted models do.
+
+With fewer than :data:`MIN_ROWS` rows the spread gives no credible standard error: the factor
+is then systematic only beyond what any single row of a correct kernel errs by
+(:data:`FEW_ROWS_ULPS`), and the finding says how large a factor went untested (``limit``).
 
 The sums are accumulated block by block (:meth:`FitSums.add`), in a fixed order, in float64.
 """
@@ -26,6 +38,7 @@ The sums are accumulated block by block (:meth:`FitSums.add`), in a fixed order,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -37,21 +50,39 @@ if TYPE_CHECKING:
 SYSTEMATIC_Z = 8.0
 """A pooled coefficient is systematic beyond this many standard errors (and its gate)."""
 AGREEMENT = 0.25
-"""Rows agree on a factor (or shift) when their spread is below this share of it. A mistake
-gives every row about the same factor; a rounding bias, such as a float32 sequential sum's
-of 65,536 squares (which loses about 7e-6 of the variance), comes with a spread from row to
-row as large as half of it."""
+"""Rows agree on a factor (or shift) when what its best model leaves unexplained (the spread
+about a common factor, or about eps's curve) is below this share of it. A mistake gives every
+row the factor its model predicts; a rounding bias, such as a float32 sequential sum's of
+65,536 squares (which loses about 7e-6 of the variance), comes with a spread from row to row as
+large as half of it, which no model explains."""
 SYSTEMATIC_ULPS = 16.0
 """What a correct kernel may err systematically, in units of its reductions' rounding: a
 biased square root or division errs by a fraction of an ulp on every row."""
 MIN_ROWS = 8
-"""Fewer rows give no credible standard error: nothing is called systematic."""
+"""Fewer rows give no credible standard error: the few-rows gate applies instead."""
+FEW_ROWS_ULPS = 1.0
+"""With fewer than MIN_ROWS rows, a factor is systematic only beyond this many times
+``sqrt(C)`` units of the reductions' rounding: the most a single row of a correct kernel errs
+by is about a third of it (a float32 sequential sum: 0.25 at C = 4,096, Welford's 0.3;
+benchmarks/verify_calibration.py --systematic)."""
+SUM_AGREEMENT = 1.0
+"""The elements of a sum over rows agree on a factor when their spread is below this share of
+it. Each element's factor averages the rows' (weighted by the terms it sums), so rows of
+different variance, whose factors a mistake makes differ, spread the elements' too; a sum's
+factor must instead exceed what one row of a correct kernel errs by (as with few rows)."""
+FEW_ROWS_CHANNELS = 8
+"""With fewer than MIN_ROWS rows, rows of fewer channels are not tested (their rounding, in a
+half dtype, comes as large as any factor a mistake of theirs hides below the budget: 6 valid
+rows of F.layer_norm in float16 at C = 4 reached 2.7 times twice the gate); it is said."""
+NAMED_PREFERENCE = 1.25
+"""A named mistake (nothing fitted) is preferred to a fitted model that explains the rows'
+factors at most this many times better: a fitted parameter can always follow some noise."""
 ALWAYS_REPORT = False
 """Report the pooled regressions of every tensor, systematic or not (read when a tensor is
 explained; benchmarks/verify_calibration.py turns it on, to show how far from systematic the
 correct kernels stay)."""
 KEPT_ROWS = 1 << 16
-"""Rows whose factors are kept to solve for eps on."""
+"""Rows whose factors are kept, to tell the models apart on."""
 
 
 @dataclass
@@ -72,8 +103,10 @@ class FitSums:
     v2g: float = 0.0
     v2gg: float = 0.0
     we2: float = 0.0  # the rows' second-order rounding, weighted as the factors
-    # Each row's (f_r, var + eps, weight), for the first KEPT_ROWS usable rows: eps is
-    # solved for on them.
+    va: float = 0.0  # the rows' offsets A (mean |x| * rstd), weighted as the shifts
+    wn: float = 0.0  # the rows' modelled rounding noise of their factors, weighted as them
+    # Each row's (f_r, var + eps, weight), for the first KEPT_ROWS usable rows: the models
+    # are told apart on them.
     kept: list[torch.Tensor] = field(default_factory=list)
     kept_rows: int = 0
 
@@ -95,11 +128,20 @@ def fit_rows(
     eps: float,
     second_order: torch.Tensor,
     rows: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
+    e0: float = 0.0,
+    stored: torch.Tensor | None = None,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
-    ``xhat * scale``, ``rstd`` ``[R]`` the truth's 1 / sqrt(var + eps), ``second_order``
-    ``[R]`` each row's modelled second-order rounding (budget's e2), ``rows`` ``[R]`` the rows
-    to fit (None: all; rows whose sums are not finite are left out).
+    shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
+    sqrt(var + eps), ``second_order`` ``[R]`` each row's modelled second-order rounding
+    (budget's e2), ``rows`` ``[R]`` the rows to fit (None: all; rows whose sums are not finite
+    are left out), ``offset`` ``[R]`` each row's mean ``|x| * rstd`` (budget's A; None: 0)
+    and ``e0`` its relative rounding per unit of A (budget's e0), ``stored`` ``[R]`` the rms
+    rounding of each row's stored values (None: 0). From these each row's factor gets the
+    noise a correct kernel's rounding gives it (``wn``): xhat errs by ``A * e0`` an element,
+    relative to xhat's own size ``sqrt(var / (var + eps))``, which eps makes small; and a row
+    stored with a large bias rounds by more than its small normalized part.
 
     Example:
         >>> import torch
@@ -133,16 +175,76 @@ def fit_rows(
     sums.v, sums.vg, sums.vgg = (float((v * g**k).sum()) for k in (0, 1, 2))
     sums.v2, sums.v2g, sums.v2gg = (float((v.square() * g**k).sum()) for k in (0, 1, 2))
     sums.we2 = float((w * second_order[usable]).sum())
+    if offset is not None:
+        sums.va = float((v * offset[usable]).sum())
+        xhat_energy = (1 - eps * rstd[usable].square()).clamp_min(0) * channels
+        noise = offset[usable] * e0 / xhat_energy.sqrt()
+        if stored is not None:
+            noise += stored[usable] / w.sqrt()
+        sums.wn = float((w * noise).sum())
     spread = rstd[usable].square().reciprocal()  # var + eps
     sums.kept = [torch.stack([f, spread, w], dim=1)]
     sums.kept_rows = len(f)
     return sums
 
 
+def fit_elements(
+    error: torch.Tensor,
+    truth: torch.Tensor,
+    second_order: float = 0.0,
+    terms: torch.Tensor | None = None,
+) -> FitSums:
+    """The sums of a sum over rows (grad_scale, grad_bias: ``[C]``, float64), each element a
+    regression of its own: ``error_c ~ f * truth_c``, weighted by ``truth_c**2``. Elements
+    that are not finite, whose truth is 0, or (given ``terms``, the norm of the terms each
+    sums) whose truth is the near-cancellation of its terms, below :data:`CANCELLED` of them,
+    are left out (their rounding, relative to them, is unbounded); there is no shift.
+
+    Example:
+        >>> import torch
+        >>> truth = torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=torch.float64)
+        >>> sums = fit_elements(truth * 1e-5, truth)
+        >>> sums.rows, round(sums.wf / sums.w, 12)
+        (3, 1e-05)
+    """
+    sums = FitSums()
+    usable = truth.isfinite() & error.isfinite() & (truth != 0)
+    if terms is not None:
+        usable &= truth.abs() >= CANCELLED * terms
+    if not bool(usable.any()):
+        return sums
+    t, e = truth[usable], error[usable]
+    f, w = e / t, t.square()
+    sums.rows = int(usable.sum())
+    sums.w, sums.wf, sums.wff = (float((w * f**k).sum()) for k in (0, 1, 2))
+    sums.w2, sums.w2f, sums.w2ff = (float((w.square() * f**k).sum()) for k in (0, 1, 2))
+    sums.we2 = second_order * sums.w
+    return sums
+
+
+CANCELLED = 0.1
+"""A sum's element is regressed on only when its truth is at least this share of the norm of
+the terms it sums (a random-sign sum's is about 1)."""
+
+Factor = Callable[[torch.Tensor, float, int], torch.Tensor]
+"""A row's factor ``k - 1`` from its ``S = var + eps`` (float64), eps and C."""
+
+MISTAKE_FACTORS: dict[str, Factor] = {
+    "eps_outside_sqrt": lambda s, eps, c: s.sqrt() / ((s - eps).clamp_min(0).sqrt() + eps) - 1,
+    "unbiased_variance": lambda s, eps, c: (s / ((s - eps) * (c / max(c - 1, 1)) + eps)).sqrt() - 1,
+    "sqrt_missing": lambda s, eps, c: s.rsqrt() - 1,
+}
+"""The catalogue's normalization mistakes (:data:`maskln_cli.op.mistakes.MISTAKES`) as the
+factor each gives a row of variance ``var`` (nothing to fit): ``xhat' / xhat - 1``."""
+
+
 @dataclass
 class Finding:
     """What the pooled regressions say: the factor and shift with their standard errors,
-    whether either is systematic, and the eps RESULT matches (None: none found)."""
+    whether either is systematic, what explains the factors (``model``: ``factor``, one common
+    factor; ``eps``, another eps, ``eps`` or ``eps_at_most`` giving it; or a mistake's name of
+    the catalogue) and, with fewer than MIN_ROWS rows, the smallest factor that could have been
+    told from rounding (``limit``)."""
 
     rows: int
     factor: float
@@ -155,6 +257,10 @@ class Finding:
     eps: float | None = None
     eps_at_most: float | None = None
     score: float = 0.0  # |factor| over what it must exceed to be systematic (> 1: it is)
+    model: str = "factor"
+    unit: str = "rows"  # what was regressed: "rows" (out, grad_x) or "elements" (the sums)
+    limit: float | None = None
+    of: int | None = None  # the valid rows, when only a sample of them was regressed
 
     @property
     def systematic(self) -> bool:
@@ -163,37 +269,25 @@ class Finding:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)  # every field, in order
 
-    def sentence(self, eps: float, eps_origin: str) -> str:
-        """``all 922 valid rows scaled by 1 - 4.5e-06 ± 2e-09: systematic; RESULT matches
-        eps ≈ 1e-06 ...``"""
+    def sentence(self) -> str:
+        """``all 922 valid rows scaled by 1 - 4.5e-06 ± 2e-09: systematic, not rounding``"""
+        what = f"all {self.rows:,} valid rows" if self.unit == "rows" else f"all {self.rows:,}"
+        if self.of is not None and self.of > self.rows:
+            what = f"all {self.rows:,} valid rows sampled (of {self.of:,})"
+        if self.unit != "rows":
+            what += " elements" if self.rows != 1 else " element"
         parts = []
         if self.systematic_factor:
             sign = "+" if self.factor >= 0 else "-"
             parts.append(
-                f"all {self.rows:,} valid rows scaled by 1 {sign} {abs(self.factor):.2g}"
-                f" ± {self.factor_error:.1g}"
+                f"{what} scaled by 1 {sign} {abs(self.factor):.2g} ± {self.factor_error:.1g}"
             )
         if self.systematic_shift:
             parts.append(
-                f"{'and ' if parts else f'all {self.rows:,} valid rows '}shifted by"
+                f"{'and ' if parts else f'{what} '}shifted by"
                 f" {self.shift:+.2g} ± {self.shift_error:.1g}"
             )
-        text = " ".join(parts) + ": systematic, not rounding"
-        found = None
-        if self.eps is not None:
-            found, given = f"eps ≈ {self.eps:.2g}", f"{self.eps:.2g}"
-        elif self.eps_at_most is not None:
-            found, given = f"an eps of at most {self.eps_at_most:.1g}", "EPS"
-        if found is not None:
-            text += f"; RESULT matches {found} on all {self.rows:,} valid rows; the reference"
-            if eps_origin == "the default":  # probably forgotten: say how to give it
-                text += f" used {eps:g} (the default): give `--eps {given}` or `--config`"
-            else:  # given (a dump's metadata, a config): more likely the kernel's is wrong
-                text += (
-                    f" used {eps:g} ({eps_origin}): the kernel's eps is not the model's (if"
-                    f" RESULT's is the right one, give `--eps {given}`)"
-                )
-        return text
+        return " ".join(parts) + ": systematic, not rounding"
 
 
 def systematic_gate(precision: Precision, second_order: float, bias_to_scale: float) -> float:
@@ -214,76 +308,141 @@ def systematic_gate(precision: Precision, second_order: float, bias_to_scale: fl
 
 
 def pooled(
-    sums: FitSums, precision: Precision, eps: float, scale_size: float, bias_size: float
+    sums: FitSums,
+    precision: Precision,
+    eps: float,
+    scale_size: float,
+    bias_size: float,
+    channels: int = 0,
 ) -> Finding | None:
-    """The pooled factor and shift and whether they are systematic (None: too few rows).
-    ``scale_size`` and ``bias_size`` are the rms of scale and bias: a shift is measured
-    against the output's values, ``scale_size + bias_size``."""
-    if sums.rows < MIN_ROWS or sums.w <= 0 or sums.v <= 0:
+    """The pooled factor and shift and whether they are systematic (None: nothing to pool:
+    no usable row, or fewer than MIN_ROWS elements of a sum). ``scale_size`` and
+    ``bias_size`` are the rms of scale and bias: a shift is measured against the output's
+    values, ``scale_size + bias_size`` (give 1 and 0 for a gradient). ``channels`` is C (the
+    models and the few-rows gate need it); rows regressed with :func:`fit_elements` hold no
+    kept rows."""
+    if sums.rows < 1 or sums.w <= 0:
+        return None
+    elements = not sums.kept and sums.v <= 0
+    if elements and sums.rows < MIN_ROWS:
         return None
     factor = sums.wf / sums.w
     factor_error = (
         math.sqrt(max(0.0, sums.w2ff - 2 * factor * sums.w2f + factor**2 * sums.w2)) / sums.w
     )
-    shift = sums.vg / sums.v
-    shift_error = (
-        math.sqrt(max(0.0, sums.v2gg - 2 * shift * sums.v2g + shift**2 * sums.v2)) / sums.v
-    )
+    shift, shift_error, shift_spread = 0.0, 0.0, 0.0
+    if sums.v > 0:
+        shift = sums.vg / sums.v
+        shift_error = (
+            math.sqrt(max(0.0, sums.v2gg - 2 * shift * sums.v2g + shift**2 * sums.v2)) / sums.v
+        )
+        shift_spread = math.sqrt(max(0.0, sums.vgg / sums.v - shift**2))
     ratio = bias_size / scale_size if scale_size > 0 else math.inf
     gate = systematic_gate(precision, sums.we2 / sums.w, ratio)
-    factor_spread = math.sqrt(max(0.0, sums.wff / sums.w - factor**2))
-    shift_spread = math.sqrt(max(0.0, sums.vgg / sums.v - shift**2))
-    threshold = max(SYSTEMATIC_Z * factor_error, gate, factor_spread / AGREEMENT)
-    systematic_factor = abs(factor) > threshold
-    shift_gate = gate * (scale_size + bias_size)
-    systematic_shift = abs(shift) > max(
-        SYSTEMATIC_Z * shift_error, shift_gate, shift_spread / AGREEMENT
-    )
+    few = sums.rows < MIN_ROWS
+    # What one row of a correct kernel may err by: the gate of few rows and of sums.
+    one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
+    if few:  # without a standard error: twice the gate (6 rows of 16 channels of F.layer_norm
+        one_row = max(one_row, 2 * gate)  # in float16 came within a quarter of it), and the
+        one_row = max(one_row, sums.wn / sums.w)  # rows' modelled noise (a fifth of it seen)
+        if channels < FEW_ROWS_CHANNELS:
+            one_row = math.inf
+    model, eps_found, eps_at_most, left = "factor", None, None, None
+    # The models only matter to a factor beyond the other thresholds (a passing run's is not).
+    beyond = abs(factor) > (one_row if few else max(SYSTEMATIC_Z * factor_error, gate))
+    if sums.kept and (beyond or ALWAYS_REPORT):
+        model, eps_found, eps_at_most, left = explain_factors(torch.cat(sums.kept), eps, channels)
+    factor_spread = math.sqrt(max(0.0, sums.wff / sums.w - factor**2)) if left is None else left
+    limit = one_row if few else None
+    if few:  # no credible standard error
+        threshold = max(one_row, factor_spread / AGREEMENT)
+        same_sign = bool((torch.cat(sums.kept)[:, 0] * factor > 0).all()) if sums.kept else True
+        systematic_factor = abs(factor) > threshold and same_sign
+    elif elements:
+        threshold = max(SYSTEMATIC_Z * factor_error, one_row, factor_spread / SUM_AGREEMENT)
+        systematic_factor = abs(factor) > threshold
+    else:
+        threshold = max(SYSTEMATIC_Z * factor_error, gate, factor_spread / AGREEMENT)
+        systematic_factor = abs(factor) > threshold
+    systematic_shift = False
+    if sums.v > 0:
+        shift_gate = (limit if few else gate) * (scale_size + bias_size)  # type: ignore[operator]
+        if few:  # a row's mean, rounded, shifts the row by A * e0 of its spread (the budget's
+            e0 = math.sqrt(max(channels, 1)) * precision.reduce + precision.x  # first term):
+            shift_gate += e0 * sums.va / sums.v * scale_size  # many rows' shifts spread
+        z = 0.0 if few else SYSTEMATIC_Z * shift_error
+        systematic_shift = abs(shift) > max(z, shift_gate, shift_spread / AGREEMENT)
     finding = Finding(
         sums.rows, factor, factor_error, shift, shift_error, gate, systematic_factor,
-        systematic_shift, score=abs(factor) / threshold,
+        systematic_shift, score=abs(factor) / threshold if threshold > 0 else math.inf,
+        unit="elements" if elements else "rows", limit=limit,
     )  # fmt: skip
-    if systematic_factor and not systematic_shift and sums.kept:
-        finding.eps, finding.eps_at_most = solve_eps(torch.cat(sums.kept), eps)
+    if systematic_factor and not systematic_shift:
+        finding.model, finding.eps, finding.eps_at_most = model, eps_found, eps_at_most
     return finding
 
 
-def solve_eps(kept: torch.Tensor, eps: float) -> tuple[float | None, float | None]:
-    """The eps RESULT used, from rows' ``(f_r, var + eps, weight)``: ``(eps', None)``, or
-    ``(None, bound)`` when it is too small to resolve (RESULT's eps is at most ``bound``, less
-    than ``eps``), or
-    ``(None, None)`` when an eps explains the rows' factors no better than one common factor
-    (an output scaled, not an eps).
-
-    Each row gives ``eps' = S / (1 + f_r)**2 - (S - eps)`` (S = var + eps), with an error
-    of about ``2 * S`` times f_r's: they are pooled with weights ``1 / S**2``.
+def explain_factors(
+    kept: torch.Tensor, eps: float, channels: int
+) -> tuple[str, float | None, float | None, float]:
+    """Which model explains rows' factors, from their ``(f_r, var + eps, weight)``: ``(model,
+    eps', eps_at_most, left)``. ``model`` is ``factor`` (one common factor), ``eps`` (another
+    eps: ``eps'``, or ``eps_at_most`` when it is too small to resolve and less than ``eps``)
+    or a name of :data:`MISTAKE_FACTORS`; ``left`` is the rms of what it leaves unexplained.
 
     Example:
         >>> import torch
         >>> var = torch.tensor([0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0], dtype=torch.float64)
-        >>> f = ((var + 1e-5) / (var + 1e-3)).sqrt() - 1  # RESULT used eps 1e-3
-        >>> kept = torch.stack([f, var + 1e-5, torch.ones(8, dtype=torch.float64)], dim=1)
-        >>> found, _ = solve_eps(kept, 1e-5)
-        >>> round(found, 9)
-        0.001
+        >>> s = var + 1e-5
+        >>> f = (s / (var + 1e-3)).sqrt() - 1  # RESULT used eps 1e-3
+        >>> model, found, _, _ = explain_factors(torch.stack([f, s, torch.ones(8)], 1), 1e-5, 64)
+        >>> model, round(found, 9)
+        ('eps', 0.001)
+        >>> f = s.sqrt() / (var.sqrt() + 1e-5) - 1  # eps outside the square root
+        >>> explain_factors(torch.stack([f, s, torch.ones(8)], 1), 1e-5, 64)[0]
+        'eps_outside_sqrt'
     """
-    f, spread, w = kept.unbind(dim=1)
+    f, spread, w = kept.double().unbind(dim=1)
+    total = float(w.sum())
+    if not total > 0:
+        return "factor", None, None, 0.0
+
+    def left_by(predicted: torch.Tensor) -> float:
+        return float((w * (f - predicted).square()).sum())
+
+    common = float((w * f).sum()) / total
+    by_factor = left_by(torch.full_like(f, common))
+    found, error = _solve_eps(f, spread, eps)
+    by_eps = math.inf
+    if found is not None:
+        by_eps = left_by((spread / (spread - eps + max(found, 0.0))).sqrt() - 1)
+    best, fitted = ("eps", by_eps) if by_eps <= by_factor * 1.01 + 1e-300 else ("factor", by_factor)
+    named = {name: left_by(model(spread, eps, channels)) for name, model in MISTAKE_FACTORS.items()}
+    name = min(named, key=named.__getitem__)
+    if named[name] <= fitted * NAMED_PREFERENCE + 1e-300:
+        best, fitted = name, named[name]
+    left = math.sqrt(fitted / total)
+    if best != "eps":
+        return best, None, None, left
+    assert found is not None and error is not None
+    if found > 3 * error:
+        return "eps", found, None, left
+    if 0 < found + 3 * error < eps:  # a smaller eps than the reference's, too small to resolve
+        return "eps", None, found + 3 * error, left
+    return "factor", None, None, math.sqrt(by_factor / total)
+
+
+def _solve_eps(
+    f: torch.Tensor, spread: torch.Tensor, eps: float
+) -> tuple[float | None, float | None]:
+    """The eps the rows' factors give, and its error: each row gives ``eps' = S / (1 + f_r)**2
+    - (S - eps)`` (S = var + eps), with an error of about ``2 * S`` times f_r's: they are
+    pooled with weights ``1 / S**2``."""
     estimate = spread * (1 + f).square().reciprocal() - (spread - eps)
     q = spread.square().reciprocal()
     total = float(q.sum())
-    if not total > 0 or len(f) < MIN_ROWS:
+    if not total > 0 or len(f) < 2:
         return None, None
     found = float((q * estimate).sum()) / total
     error = float(((q * (estimate - found)).square().sum()).sqrt()) / total
-    # The eps model against one common factor: which explains the rows' factors better?
-    predicted = (spread / (spread - eps + max(found, 0.0))).sqrt() - 1
-    common = float((w * f).sum() / w.sum())
-    by_eps = float((w * (f - predicted).square()).sum())
-    by_factor = float((w * (f - common).square()).sum())
-    if by_eps > by_factor * 1.01 + 1e-300:
-        return None, None
-    if found > 3 * error:
-        return found, None
-    if 0 < found + 3 * error < eps:  # a smaller eps than the reference's, too small to resolve
-        return None, found + 3 * error
-    return None, None
+    return found, error

@@ -89,11 +89,13 @@ def test_a_wrong_kernel_fails_with_the_tensor_named(kernel, offset, failing, dia
     report = raised.value.report
     failed = [t for t in report.tensors if not t.passed]
     assert set(failing) <= {t.name for t in failed} and failed[0].name == failing[0]
-    assert message.startswith(f"FAIL: {len(failed)} of 4 tensors: {failing[0]} (")
+    first_line = message.splitlines()[0]
+    assert first_line.startswith(f"FAIL: {len(failed)} of 4 tensors: {failing[0]}")
+    assert diagnosis in first_line  # the verdict line says the one explanation
     for name in failing:
         assert f"\nFAIL {name} " in message
     assert diagnosis in failed[0].diagnosis[0]["description"]
-    assert re.search(f"^  diagnosis +likely {re.escape(diagnosis)}", message, re.M)
+    assert diagnosis in message.split(f"\nFAIL {failing[0]} ")[1]  # its block says it too
 
 
 def test_a_wrong_grad_scale_alone_is_caught():
@@ -109,7 +111,7 @@ def test_a_wrong_grad_scale_alone_is_caught():
     assert_judged_close(inputs, result)  # the right kernel passes
     with pytest.raises(AssertionError) as raised:
         assert_judged_close(inputs, dict(result, grad_scale=short))
-    assert raised.value.args[0].startswith("FAIL: 1 of 4 tensors: grad_scale (")
+    assert raised.value.args[0].startswith("FAIL: 1 of 4 tensors: grad_scale: ")
     assert [t.passed for t in raised.value.report.tensors] == [True, True, False, True]
 
 
@@ -239,7 +241,7 @@ def test_bad_arguments_raise_naming_the_argument(arguments, options, error, word
 def test_a_wrong_result_shape_or_dtype_is_a_failure_not_an_error():
     """The result is the kernel's: a shape or dtype that is wrong fails, as in verify."""
     x = torch.randn(2, 3, 4)
-    with pytest.raises(AssertionError, match=r"FAIL: 1 of 1 tensors: out \(shape"):
+    with pytest.raises(AssertionError, match=r"FAIL: 1 of 1 tensors: out: shape"):
         testing.assert_close(x[0], x, None, None, None)
     with pytest.raises(AssertionError, match="not a floating-point result"):
         testing.assert_close(x.long(), x, None, None, None)

@@ -48,19 +48,24 @@ def test_the_eps_result_used_is_found_and_named_with_the_option_to_give(tmp_path
     assert not document["passed"]
     assert out["systematic"]["eps"] == pytest.approx(1e-3, rel=1e-3)
     valid = int(t["valid"].sum())
-    assert f"RESULT matches eps ≈ 0.001 on all {valid:,} valid rows" in out["problems"][0]
-    assert (
-        "the reference used 1e-05 (the default): give `--eps 0.001` or `--config`"
-        in (out["problems"][0])
+    assert out["problems"][0] == (
+        f"all {valid:,} valid rows off; relative error 0.047 ± 0.006, uniform: RESULT's eps ≈"
+        " 0.001, not the reference's 1e-05 (the default): give the model's eps: `--eps 0.001`"
+        " (or `--config`)"
     )
+    # One explanation: the diagnosis is the eps found, not the catalogue's "eps missing".
+    assert [d["mistake"] for d in out["diagnosis"]] == ["eps_mismatch"]
     _, document, _ = verify(tmp_path, t, {"out": masked(t, eps=1e-3)}, "--eps", "1e-3")
     assert document["passed"]
     # An eps the file gives (a dump's: the model's) is more likely right than the kernel's.
     _, document, tensors = verify(tmp_path, t, {"out": masked(t, eps=1e-3)}, eps="1e-05")
     assert tensors["out"]["problems"][0].endswith(
-        "RESULT matches eps ≈ 0.001 on all 179 valid rows; the reference used 1e-05 (from"
-        " metadata 'eps'): the kernel's eps is not the model's (if RESULT's is the right one,"
-        " give `--eps 0.001`))"
+        "uniform: RESULT's eps ≈ 0.001, not the reference's 1e-05 (from metadata 'eps'): give"
+        " `--eps 0.001`"
+    )
+    assert tensors["out"]["diagnosis"][0]["fix"] == (
+        "if RESULT's eps is the right one, give `--eps 0.001`; else the kernel's eps is not the"
+        " model's"
     )
 
 
@@ -74,8 +79,8 @@ def test_a_bert_eps_on_a_models_output_is_found_and_the_padding_never_blamed(tmp
     out = tensors["out"]
     assert not document["passed"]
     assert out["systematic"]["eps_at_most"] < 1e-5
-    assert "RESULT matches an eps of at most" in out["problems"][0]
-    assert "give `--eps EPS` or `--config`" in out["problems"][0]
+    assert "RESULT's eps is at most" in out["problems"][0]
+    assert "give the model's eps: `--eps EPS` (or `--config`)" in out["problems"][0]
     assert not any("invalid" in p or "padding" in p for p in out["problems"])
     _, document, _ = verify(tmp_path, t, {"out": plain(t, eps=1e-12)}, "--plain-layer-norm",
                             "--eps", "1e-12")  # fmt: skip
@@ -113,7 +118,7 @@ def test_float32_values_stored_as_float64_are_said_in_the_verdict_line(tmp_path)
     target = write(tmp_path / "result.safetensors", {"out": masked(t).double()})
     done = invoke("verify", source, target, "-q")
     assert done.exit_code == 1
-    assert "out (every value is exactly a float32, stored as float64" in done.stdout
+    assert "out: every value is exactly a float32, stored as float64" in done.stdout
     assert "--dtype float32 judges it as one" in done.stdout
     assert invoke("verify", source, target, "-q", "--dtype", "float32").exit_code == 0
 

@@ -38,12 +38,60 @@ def verdict_line(report: ComparisonReport) -> str:
         names = ", ".join(safe(t.name) for t in report.tensors[:8])
         if len(report.tensors) > 8:
             names = f"{len(report.tensors):,} tensors ({names}, ...)"
-        return f"[bold green]PASS[/]: {names} {_within(report)}{_lower_precision(report)}"
-    described = "; ".join(f"{safe(t.name)} ({safe(t.problems[0])})" for t in failed)
+        return (
+            f"[bold green]PASS[/]: {names} {_within(report)}{_lower_precision(report)}"
+            f"{_not_checked(report)}"
+        )
+    if report.command == "verify":
+        described = "; ".join(
+            f"{and_list([safe(n) for n in names])}: {safe(what)}"
+            for what, names in explanations(failed).items()
+        )
+    else:
+        described = "; ".join(f"{safe(t.name)} ({safe(t.problems[0])})" for t in failed)
     return (
         f"[bold red]FAIL[/]: {len(failed)} of {len(report.tensors)} tensors: {described}"
         f"{_lower_precision(report)}"
     )
+
+
+def explanations(failed: list[TensorComparison]) -> dict[str, list[str]]:
+    """The failing tensors of a verify report by their one explanation (or first problem), in
+    the report's order.
+
+    Example:
+        >>> from maskln_cli.compare.data import TensorComparison
+        >>> def failing(name, why):
+        ...     t = TensorComparison(name, False, [why], [2], [2], "float32", "float64", 0, 0)
+        ...     t.explanation = why
+        ...     return t
+        >>> explanations([failing("out", "eps"), failing("grad_x", "eps")])
+        {'eps': ['out', 'grad_x']}
+    """
+    grouped: dict[str, list[str]] = {}
+    for tensor in failed:
+        what = tensor.explanation or (tensor.problems[0] if tensor.problems else "failed")
+        grouped.setdefault(what, []).append(tensor.name)
+    return grouped
+
+
+def and_list(names: list[str]) -> str:
+    """``out``, ``out and grad_x``, ``out, grad_x and grad_scale``.
+
+    Example:
+        >>> and_list(["out", "grad_x", "grad_scale"])
+        'out, grad_x and grad_scale'
+    """
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _not_checked(report: ComparisonReport) -> str:
+    """``; not checked: ...``: what a passing verify could not see (too few rows to tell a
+    systematic error from rounding; C = 1)."""
+    missed = report.context.get("not_checked")
+    if not isinstance(missed, list) or not missed:
+        return ""
+    return f"; not checked: {'; '.join(safe(str(m)) for m in missed)}"
 
 
 def _lower_precision(report: ComparisonReport) -> str:
@@ -156,7 +204,7 @@ def _grid() -> Table:
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
+    grid.add_column(overflow="fold")  # a long path wraps on a terminal, never cut
     return grid
 
 
@@ -168,7 +216,15 @@ def _tensor_block(tensor: TensorComparison, report: ComparisonReport) -> object:
     for problem in tensor.problems:
         grid.add_row("  problem", f"[red]{safe(problem)}[/]")
     for found in tensor.diagnosis:
-        grid.add_row("  diagnosis", f"likely {safe(found['description'])}; {safe(found['fix'])}")
+        said = " ".join(tensor.problems)
+        if str(found["fix"]) in said:
+            continue  # the problem line says what it is and what to do
+        if str(found["description"]) in said:
+            grid.add_row("  fix", safe(str(found["fix"])))  # the problem line says what it is
+        else:
+            grid.add_row(
+                "  diagnosis", f"likely {safe(found['description'])}; {safe(found['fix'])}"
+            )
     if tensor.mismatched is not None:
         grid.add_row("  mismatched", _mismatched(tensor))
         if tensor.rows_left_out is not None:

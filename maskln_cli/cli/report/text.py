@@ -52,7 +52,7 @@ def plain_safe(text: object) -> str:
     if text.isascii() and text.isprintable():  # the usual key: nothing to escape
         return text
     return "".join(
-        ch if unicodedata.category(ch) not in {"Cc", "Cf", "Zl", "Zp"} else _escape_char(ch)
+        ch if unicodedata.category(ch) not in {"Cc", "Cf", "Cs", "Zl", "Zp"} else _escape_char(ch)
         for ch in text
     )
 
