@@ -30,7 +30,13 @@ import math
 
 import torch
 
-__all__ = ["gradients", "masked_layer_norm_functional", "normalized_rows", "row_means"]
+__all__ = [
+    "gradients",
+    "masked_layer_norm_functional",
+    "masked_layer_norm_with_statistics",
+    "normalized_rows",
+    "row_means",
+]
 
 _EXPONENT_LIMIT = 960
 """Scalings stay within 2**+-960, so that the factors themselves are finite float64 numbers."""
@@ -127,6 +133,35 @@ def masked_layer_norm_functional(
     # In x's layout, as the eager op's output (reductions along the way made y contiguous): a
     # binary op's result takes its first operand's layout. Out of place, for vmap's sake.
     return torch.zeros_like(x) + y.to(x.dtype)
+
+
+def masked_layer_norm_with_statistics(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    statistics_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)`` as the registered op returns them, composite: y as
+    :func:`masked_layer_norm_functional` (differentiable), mean and rstd ``[..., 1]`` in
+    ``statistics_dtype``, 0 on invalid rows, detached (the op's are not differentiable).
+
+    Example:
+        >>> y, mean, rstd = masked_layer_norm_with_statistics(
+        ...     torch.tensor([[1.0, 3.0], [9.0, -9.0]]), torch.tensor([True, False]),
+        ...     torch.ones(2), torch.zeros(2), 3.0, torch.float32)
+        >>> mean.flatten().tolist(), rstd.flatten().tolist()
+        ([2.0, 0.0], [0.5, 0.0])
+    """
+    y = masked_layer_norm_functional(x, valid, scale, bias, eps)
+    with torch.no_grad():
+        keep = valid.unsqueeze(-1)
+        clean = torch.where(keep, x.double(), 0.0)
+        _, rs, exponent = normalized_rows(clean, valid, eps)
+        mean = torch.where(keep, row_means(clean), 0.0) if x.shape[-1] else torch.zeros_like(rs)
+        rstd = torch.where(keep, torch.ldexp(rs, -exponent), 0.0)
+    return y, mean.to(statistics_dtype), rstd.to(statistics_dtype)
 
 
 def gradients(
