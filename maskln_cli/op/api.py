@@ -10,7 +10,7 @@ from maskln_cli.op.autograd import (
     MaskedLayerNormFunction,
     Way,
     apply_eager,
-    differentiable_forward,
+    composite_forward,
     forward_way,
 )
 from maskln_cli.op.checks import as_valid_mask, check_inputs
@@ -63,7 +63,9 @@ def masked_layer_normalization(
         return backend.forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
     if way is Way.AUTOGRAD:
         return apply_eager(MaskedLayerNormFunction, x, valid, scale, bias, eps)[0]
-    if way in (Way.FUNCTION, Way.COMPOSITE):  # torch.func, forward-mode AD
-        return differentiable_forward(x, valid, scale, bias, eps)[0]
+    if way is Way.FUNCTION:  # torch.func, forward-mode AD: torch's route through the transforms
+        return MaskedLayerNormFunction.apply(x, valid, scale, bias, eps)[0]
+    if way is Way.COMPOSITE:
+        return composite_forward(x, valid, scale, bias, eps)[0]
     # a graph is made, or ops watched: the registered op, one node calling the kernels
     return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]

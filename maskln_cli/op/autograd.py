@@ -15,16 +15,22 @@ its own derivatives (second order and beyond) come from the float64 composite of
 :mod:`maskln_cli.op.functional`, which recomputes the statistics from x and so carries the
 terms that flow through them.
 
-Under torch.func the Functions are applied with ``Function.apply``, torch's own route for
-autograd.Functions through its transforms: each grad or jvp level gets a node whose forward
-runs the levels below it with derivatives on, so a transform outside sees the op's output as a
-function of its inputs (a Function applied at a single level, from a dispatcher kernel, runs
-its forward with derivatives off, and an outer transform then took the output for a constant).
-Everything the Functions compute from tensors of a transform goes through a Function or plain
-torch ops, never a kernel directly, so every level can differentiate and batch it.
+Under torch.func the public function applies the Function with ``Function.apply``, torch's
+own route for autograd.Functions through its transforms: each grad or jvp level gets a node
+whose forward runs the levels below it with derivatives on, so a transform outside sees the
+op's output as a function of its inputs. (A Function applied at a single level, from a
+dispatcher kernel, runs its forward with derivatives off: an outer transform then took the
+output for a constant.) Whatever the Functions compute from a transform's tensors goes through
+a Function or plain torch ops, never a kernel directly, so that every level can differentiate
+and batch it. Two cases take the float64 composite of :mod:`maskln_cli.op.functional`, which
+every transform sees through natively: two forward-mode transforms at once (torch runs a
+Function's ``jvp`` with forward-mode AD off, so the outer one would see a constant), and the
+registered op differentiated under torch.func (inside the dispatcher, ``Function.apply``
+cannot reach the levels below).
 
 Which way each call takes is one table per direction (:data:`FORWARD_WAYS`,
-:data:`BACKWARD_WAYS`), read top to bottom: the first row whose condition holds.
+:data:`BACKWARD_WAYS`), read top to bottom: the first row whose condition holds;
+``tests/op/test_ways.py`` enumerates the contexts that reach each row.
 """
 
 from __future__ import annotations
@@ -144,7 +150,6 @@ FORWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
 """The public function's way in, by (x, valid, scale, bias)."""
 BACKWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
     ("older vmap's batched gradients", lambda g: legacy_batched(g), Way.COMPOSITE),
-    ("two forward-mode transforms", lambda g: nested_forward_mode(), Way.COMPOSITE),
     ("a differentiable gradient", lambda g: gradients_differentiated(), Way.DIFFERENTIABLE),
     ("otherwise", lambda g: True, Way.KERNELS),
 )
@@ -209,16 +214,6 @@ def run_backward(
         )
     )
     return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
-
-
-def differentiable_forward(
-    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, mean, rstd)`` under torch.func or forward-mode AD: the composite under a
-    forward-mode transform inside another (:func:`nested_forward_mode`), else the Function."""
-    if nested_forward_mode():
-        return composite_forward(x, valid, scale, bias, eps)
-    return apply(MaskedLayerNormFunction, x, valid, scale, bias, eps)
 
 
 def composite_forward(
@@ -334,7 +329,7 @@ class MaskedLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
-        return batched_forward(info.batch_size, in_dims, *args, forward=differentiable_forward)
+        return batched_forward(info.batch_size, in_dims, *args, forward=_forward)
 
 
 class MaskedLayerNormBackwardFunction(torch.autograd.Function):
@@ -384,7 +379,7 @@ class MaskedLayerNormBackwardFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
         return batched_backward(
-            info.batch_size, in_dims, *args, forward=differentiable_forward, backward=_backward
+            info.batch_size, in_dims, *args, forward=_forward, backward=_backward
         )
 
 
@@ -397,12 +392,16 @@ def _tangent(ctx: Any, tx: Any, tscale: Any, tbias: Any) -> torch.Tensor:
         jx = differentiable_backward(tx, x, valid, ones, mean, rstd, ctx.eps, (True, False, False))
         ty = jx[0] * scale  # type: ignore[operator]
     if tscale is not None:
-        xhat = normalized(x, valid, ctx.eps, differentiable_forward)
+        xhat = normalized(x, valid, ctx.eps, _forward)
         ty = xhat * tscale if ty is None else ty + xhat * tscale
     if tbias is not None:
         ty = tbias.expand(x.shape) if ty is None else ty + tbias
     assert ty is not None  # forward AD asks only when some input has a tangent
     return ty.masked_fill(~valid.unsqueeze(-1), 0.0).to(x.dtype)
+
+
+def _forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return apply(MaskedLayerNormFunction, *args)
 
 
 def _backward(*args: Any) -> Grads:
