@@ -32,6 +32,7 @@ import torch
 
 __all__ = [
     "gradients",
+    "ldexp_exact",
     "masked_layer_norm_functional",
     "masked_layer_norm_with_statistics",
     "normalized_rows",
@@ -49,6 +50,17 @@ def _row_exponent(magnitude: torch.Tensor) -> torch.Tensor:
     exponent = torch.floor(torch.log2(magnitude)) + 1
     exponent = torch.where(magnitude > 0, exponent, -math.inf)
     return torch.where(magnitude.isfinite(), exponent, 0.0)
+
+
+def ldexp_exact(t: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """``t * 2**exponent`` for exponents up to 4 * 960 in magnitude, exactly where the result
+    is a normal number: in four steps, each factor finite (torch.ldexp multiplies by
+    ``2**exponent``, which is inf from 2**1024). The steps go monotonically from t to the
+    result, so none overflows or underflows where the result does not."""
+    quarter = torch.trunc(exponent / 4)
+    for _ in range(3):
+        t = torch.ldexp(t, quarter)
+    return torch.ldexp(t, exponent - 3 * quarter)
 
 
 def _magnitude_exponent(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +112,7 @@ def normalized_rows(
     e2 = e2.clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
     d = torch.ldexp(xc, -e2)
     exponent = e1 + e2
-    scaled_eps = torch.ldexp(torch.full_like(deviation, eps), -2 * exponent)
+    scaled_eps = ldexp_exact(torch.full_like(deviation, eps), -2 * exponent)
     # Positive by construction (var >= max(d**2) / C, or eps term about 1); the clamp only
     # guards eps and magnitudes both at float64's limits.
     tiny = torch.finfo(torch.float64).tiny
@@ -160,7 +172,7 @@ def masked_layer_norm_with_statistics(
         clean = torch.where(keep, x.double(), 0.0)
         _, rs, exponent = normalized_rows(clean, valid, eps)
         mean = torch.where(keep, row_means(clean), 0.0) if x.shape[-1] else torch.zeros_like(rs)
-        rstd = torch.where(keep, torch.ldexp(rs, -exponent), 0.0)
+        rstd = torch.where(keep, ldexp_exact(rs, -exponent), 0.0)
     return y, mean.to(statistics_dtype), rstd.to(statistics_dtype)
 
 
@@ -201,7 +213,7 @@ def gradients(
         c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
         c2 = wdy.mean(dim=-1, keepdim=True)
         # rstd = rs * 2**-e: scaled last, so that tiny results round once.
-        dx = torch.where(keep, torch.ldexp((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
+        dx = torch.where(keep, ldexp_exact((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
         dx = dx.to(dtype)
     return dx, dscale, dbias
 

@@ -18,8 +18,9 @@
 //
 // Invalid rows are written +0.0 (and their statistics 0) without reading them, so whatever they
 // hold never reaches an output or a gradient. Rows whose arithmetic overflows (float64 |x| from
-// about 1e154), or whose saved rstd is too small to be exact, are redone by normalized_row:
-// scaled by powers of two, as maskln_cli/functional.py does.
+// about 1e154) or underflows (deviations of 1e-146 and less, with an eps as tiny), or whose
+// saved rstd is too small to be exact, are redone by normalized_row: scaled by powers of two,
+// as maskln_cli/functional.py does.
 //
 // mean is computed as sum * (1 / C): shift takes up its rounding. The statistics' second pass
 // and the backward's second pass read rows from cache (rows go in L1-sized batches, see
@@ -261,6 +262,11 @@ MASKLN_INLINE int64_t batch_rows(int64_t row_bytes) {
 
 constexpr int kExponentLimit = 960;  // scalings stay within 2**+-960: finite factors
 
+// Above this rstd, var + eps is below DBL_MIN / DBL_EPSILON (about 1e-292): the squares of the
+// deviations (float64 rows of 1e-146 and less, with an eps as small) were subnormal numbers,
+// or close to them, and lost precision. float32 statistics never get here (eps > 2**-150).
+constexpr double kLargestExactRstd = 1e146;
+
 // e with magnitude * 2**-e in [1/2, 1); -inf (as kExponentLimit below) for 0; 0 for NaN, inf.
 inline int row_exponent(double magnitude) {
   if (!std::isfinite(magnitude)) {
@@ -447,8 +453,10 @@ MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t 
         }
         continue;
       }
-      // Non-finite: the row holds NaN or inf, or (float64) its sum or squares overflowed.
-      if (!std::isfinite(centered[r][0]) || !std::isfinite(centered[r][1])) {
+      // Non-finite: the row holds NaN or inf, or (float64) its sum or squares overflowed; or
+      // (float64) its squares underflowed.
+      if (!std::isfinite(centered[r][0]) || !std::isfinite(centered[r][1]) ||
+          rstd[r] > kLargestExactRstd) {
         forward_row_rescued(a, i);
         continue;
       }
