@@ -9,12 +9,17 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "maskln's native CPU kernels for masked layer normalization";
+  // The kernels run without Python's lock (arguments are converted before it is released, the
+  // results after it is taken again): other Python threads, a data loader's or a server's, go
+  // on meanwhile, as they do beside torch's own ops. Nothing in them calls Python.
   m.def("forward", &maskln_native::forward_impl, py::arg("x"), py::arg("valid"),
         py::arg("scale"), py::arg("bias"), py::arg("eps"), py::arg("keep_statistics") = true,
+        py::call_guard<py::gil_scoped_release>(),
         "(y, mean, rstd); mean and rstd are None without keep_statistics");
   m.def("backward", &maskln_native::backward_py, py::arg("dy"), py::arg("x"), py::arg("valid"),
         py::arg("scale"), py::arg("mean"), py::arg("rstd"), py::arg("eps"),
-        py::arg("output_mask"), "The requested of (dx, dscale, dbias), in that order");
+        py::arg("output_mask"), py::call_guard<py::gil_scoped_release>(),
+        "The requested of (dx, dscale, dbias), in that order");
   m.def("register_maskln_kernels", &maskln_native::register_maskln_kernels,
         py::arg("enable") = true,
         "Make forward and backward the CPU kernels of maskln::masked_layer_norm(_backward)"
