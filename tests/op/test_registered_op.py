@@ -106,6 +106,34 @@ def test_opcheck_aot_dispatch_of_both_ops(name):
                           test_utils="test_aot_dispatch_dynamic")  # fmt: skip
 
 
+def maskln_ops() -> list[str]:
+    """Every op the dispatcher has in a namespace of maskln's ("maskln", "maskln_native"...)."""
+    names = torch._C._dispatch_get_all_op_names()
+    return sorted(name for name in names if name.split("::")[0].startswith("maskln"))
+
+
+FULL_OPCHECK = {
+    "maskln::masked_layer_norm": lambda: (OP, SAMPLES["3-d float64 permuted"]),
+    "maskln::masked_layer_norm_backward": lambda: (BACKWARD_OP,
+                                                   backward_arguments("transposed x.t()")),
+}  # fmt: skip
+
+
+def test_every_op_in_maskln_namespaces_has_a_full_opcheck():
+    """The native library defined two more dispatcher ops (maskln_native::forward and
+    ::backward) with no fake or autograd kernel: opcheck failed on them, and so did a compiled
+    graph calling them. Any op in a namespace of ours must be listed here, and pass."""
+    assert maskln_ops() == sorted(FULL_OPCHECK)
+
+
+@pytest.mark.parametrize("name", sorted(FULL_OPCHECK))
+def test_full_opcheck_of_each_op(name):
+    """Every test of opcheck (schema, autograd registration, fake tensors, AOT dispatch with
+    static and dynamic shapes)."""
+    op, sample = FULL_OPCHECK[name]()
+    torch.library.opcheck(op, sample)
+
+
 def test_inductor_trains_on_transposed_inputs():
     """Conv1d -> transpose(1, 2) -> norm, compiled with inductor, forward and backward: this
     crashed on the backward op's strides (expected size 50==50, stride 1==32)."""

@@ -7,10 +7,11 @@
 // y and dx have x's layout (torch.empty_like(x)); mean and rstd are [..., 1] in the compute
 // dtype (float32 for float32, float16 and bfloat16; float64 for float64), 0 on invalid rows;
 // dscale and dbias have scale's dtype. Two ways in: pybind functions (bindings.cpp: the
-// cheapest call, which maskln's eager path and its autograd.Function take), and dispatcher ops
-// with the schemas of maskln's custom ops: torch.ops.maskln_native.forward / .backward, and the
-// same kernels as the CPU implementation of maskln::masked_layer_norm(_backward) once
+// cheapest call, which maskln's eager path and its autograd.Function take), and the CPU
+// kernels of maskln's own custom ops, maskln::masked_layer_norm(_backward), once
 // register_maskln_kernels is called (what graphs from torch.compile and torch.export call).
+// The library defines no ops of its own (no TORCH_LIBRARY): the ops, their fake kernels,
+// autograd and vmap rules are defined once, in maskln_cli/op/library.py.
 // No C++ autograd node: maskln's autograd is a Python autograd.Function, which torch.func
 // transforms and second-order gradients need (a C++ node saved about 20 us per call but
 // supported neither).
@@ -324,17 +325,3 @@ bool register_maskln_kernels(bool enable) {
 }
 
 }  // namespace maskln_native
-
-// The dispatcher's ops, with the schemas of maskln::masked_layer_norm and
-// maskln::masked_layer_norm_backward, so that either can call or replace the other.
-TORCH_LIBRARY(maskln_native, m) {
-  m.def("forward(Tensor x, Tensor valid, Tensor scale, Tensor bias, float eps)"
-        " -> (Tensor, Tensor, Tensor)");
-  m.def("backward(Tensor dy, Tensor x, Tensor valid, Tensor scale, Tensor mean, Tensor rstd,"
-        " float eps, bool[] output_mask) -> Tensor[]");
-}
-
-TORCH_LIBRARY_IMPL(maskln_native, CPU, m) {
-  m.impl("forward", &maskln_native::forward);
-  m.impl("backward", &maskln_native::backward);
-}
