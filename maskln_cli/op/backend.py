@@ -78,6 +78,18 @@ _native: ModuleType | None = None
 _native_tried = False
 _failure: str | None = None
 """Why loading the native kernels failed in this process."""
+_python_autograd: tuple[object, object] | None = None
+"""use_python_autograd's kernels."""
+
+
+def use_python_autograd(forward: object, backward: object) -> None:
+    """The registered ops' Python autograd kernels (:mod:`maskln_cli.op.library`), which the
+    native library's C++ autograd kernels call back when a derivative may be taken; given before
+    the native kernels load (they are registered with them)."""
+    global _python_autograd
+    _python_autograd = (forward, backward)
+    if _native is not None:
+        _native.set_python_autograd(forward, backward)
 
 
 def requested() -> str:
@@ -205,6 +217,8 @@ def _load(build: bool) -> ModuleType | None:
         from maskln_cli.op.checks import raise_contract_error
 
         module.set_contract_error(raise_contract_error)
+        if _python_autograd is not None:
+            module.set_python_autograd(*_python_autograd)
         module.register_maskln_kernels(True)
         _native = module
         _native_tried = True

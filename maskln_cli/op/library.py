@@ -121,6 +121,9 @@ def _backward_autograd(keyset, dy, x, valid, scale, mean, rstd, eps, output_mask
 
 _library.impl("masked_layer_norm", _forward_autograd, "Autograd", with_keyset=True)
 _library.impl("masked_layer_norm_backward", _backward_autograd, "Autograd", with_keyset=True)
+# On the CPU, the native library's C++ autograd kernels stand in front of these, and call them
+# back only when a derivative may be taken (no Python per call in compiled graphs).
+backend.use_python_autograd(_forward_autograd, _backward_autograd)
 
 
 # --- vmap: the rules of batching.py, the op itself computing the batch -----------------------

@@ -39,6 +39,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("report"),
       "The Python function the dispatcher ops call, for its error, on inputs outside the"
       " op's contract");
+  m.def(
+      "set_python_autograd",
+      [](py::function forward, py::function backward) {
+        // Held for the life of the process, as the contract error's function.
+        auto* held_forward = new py::function(std::move(forward));
+        auto* held_backward = new py::function(std::move(backward));
+        maskln_native::set_python_autograd(
+            [held_forward](c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& valid,
+                           const at::Tensor& scale, const at::Tensor& bias, double eps) {
+              py::gil_scoped_acquire gil;
+              return (*held_forward)(keys, x, valid, scale, bias, eps)
+                  .cast<std::tuple<at::Tensor, at::Tensor, at::Tensor>>();
+            },
+            [held_backward](c10::DispatchKeySet keys, const at::Tensor& dy, const at::Tensor& x,
+                            const at::Tensor& valid, const at::Tensor& scale,
+                            const at::Tensor& mean, const at::Tensor& rstd, double eps,
+                            std::vector<bool> output_mask) {
+              py::gil_scoped_acquire gil;
+              return (*held_backward)(keys, dy, x, valid, scale, mean, rstd, eps, output_mask)
+                  .cast<std::vector<at::Tensor>>();
+            });
+      },
+      py::arg("forward"), py::arg("backward"),
+      "The ops' Python autograd kernels, which the C++ ones call when a derivative may be"
+      " taken: forward(keyset, x, valid, scale, bias, eps), backward(keyset, dy, x, valid,"
+      " scale, mean, rstd, eps, output_mask)");
   m.def("isa", &maskln_native::isa, "The instruction set the kernels run with");
   m.def("intra_op_parallel", &maskln_native::intra_op_parallel,
         "Whether the kernels' loops run on torch's intra-op threads (built with OpenMP)");
