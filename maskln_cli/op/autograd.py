@@ -57,7 +57,10 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def traced(*tensors: torch.Tensor) -> bool:
     """Fake, meta or other tensor subclasses (tracing, export): the registered op's path."""
-    return any(type(t) not in PLAIN or t.is_meta for t in tensors)
+    for t in tensors:  # a loop, not any(): this runs on every eager call
+        if type(t) not in PLAIN or t.is_meta:
+            return True
+    return False
 
 
 def observed() -> bool:
@@ -159,11 +162,17 @@ BACKWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
 def forward_way(
     x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
 ) -> Way:
-    return next(way for _, holds, way in FORWARD_WAYS if holds(x, valid, scale, bias))
+    for _, holds, way in FORWARD_WAYS:  # a loop, not next(genexpr): every eager call runs it
+        if holds(x, valid, scale, bias):
+            return way
+    raise AssertionError("FORWARD_WAYS ends with a row that always holds")
 
 
 def backward_way(incoming: torch.Tensor | None) -> Way:
-    return next(way for _, holds, way in BACKWARD_WAYS if holds(incoming))
+    for _, holds, way in BACKWARD_WAYS:
+        if holds(incoming):
+            return way
+    raise AssertionError("BACKWARD_WAYS ends with a row that always holds")
 
 
 def apply_eager(function: type[torch.autograd.Function], *args: Any) -> Any:
