@@ -11,8 +11,9 @@ $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		--constraint constraints.txt --editable '.[test,docs]'
-	@# The native CPU kernels, compiled into the per-user cache (~30 s on two quiet cores);
-	@# without a C++ compiler the op falls back to the raw-op kernels: a warning, not a failure.
+	@# The native CPU kernels, compiled into the per-user cache (~30 s on two quiet cores), or
+	@# rebuilt when the cached build is damaged; without a C++ compiler the op falls back to the
+	@# raw-op kernels: a warning, not a failure.
 	$(BIN)/python -m maskln_cli.op.native || echo "maskln: native kernels not built; the op uses the raw-op kernels"
 	touch $@
 
@@ -91,5 +92,8 @@ docs-examples: $(INSTALLED)
 docs-serve: $(INSTALLED)
 	$(BIN)/mkdocs serve
 
+# Also this checkout's build of the native kernels in the per-user cache (the folder of these
+# sources, this torch and this compiler; other checkouts' builds stay), while the venv is there.
 clean:
+	-test ! -x $(BIN)/python || $(BIN)/python -m maskln_cli.op.native --clean
 	rm -rf $(VENV) site demo-output checkpoint-example .pytest_cache .hypothesis .ruff_cache build *.egg-info

@@ -13,7 +13,11 @@ of its input (``x.view_as(x)``) and of its weight and bias, each with a gradient
 gradients are those flowing through this call alone (in a pre-LN block x also feeds the
 residual path, and a module called twice sums both calls into ``.grad``); the module's output
 gets a hook for ``grad_out``. The parameters are put back when the call returns, errors
-included, and the hooks removed when the ``with`` block ends, exceptions included.
+included, and the hooks removed when the ``with`` block ends, exceptions included; under nested
+captures each alias remembers the model's own parameter, which is what goes back.
+
+A capture holds its folder from its start to its end (:meth:`DumpFolder.claim`): another
+capture into it, in this process or another, is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ __all__ = ["Capture", "capture"]
 
 PARAMETERS = (("weight", "scale", "grad_scale"), ("bias", "bias", "grad_bias"))
 """A module's parameter, its name in a dump, and its gradient's."""
+ORIGINAL = "_maskln_capture_original"
+"""The attribute of a parameter's alias holding the parameter itself."""
 INPUT_NAMES = ("input", "x")
 """A layer norm's input by name: nn.LayerNorm's forward(input), MaskedLayerNorm's (x, valid)."""
 
@@ -62,7 +68,8 @@ def capture(
             under autocast). A ``torch.compile``'d model runs eagerly inside the block
             (``torch.compiler.set_stance("force_eager")``; its compiled code calls no hooks),
             so its dumps are what its modules compute eagerly.
-        out_dir: a new or empty folder (created if missing): dumps of two runs never mix.
+        out_dir: a new or empty folder (created if missing) that no other capture is writing
+            into: dumps of two runs never mix.
         valid: the batch's mask, ``[batch, seq]`` as a transformers ``attention_mask`` (by the
             one mask rule: bool, or 0/1 of any integer or floating dtype, 1 = valid), for the
             ``nn.LayerNorm`` calls; it must fit each call's rows (see
@@ -74,7 +81,9 @@ def capture(
             norms. Default: all of them.
         backward: record gradients when a backward pass runs in the block (True), or the
             forward pass only, with no alias or hook in the autograd graph (False).
-        max_calls: record the first ``max_calls`` calls only.
+        max_calls: record the first ``max_calls`` calls only. A capture records 100,000 calls
+            at most (:data:`maskln_cli.models.dumps.MAX_CALLS`); past them a warning says how
+            many were not recorded.
 
     Returns:
         A :class:`Capture`, the context manager; ``with capture(...) as run:`` gives it, and
@@ -98,7 +107,8 @@ class Capture:
     """The context manager :func:`capture` returns. After (or during) the block:
 
     - ``files``: the dumps written, in call order;
-    - ``calls``: how many calls were recorded, ``skipped`` how many were not (``max_calls``).
+    - ``calls``: how many calls were recorded, ``skipped`` how many were not (``max_calls``, or
+      past the limit of 100,000 calls, which warns).
     """
 
     def __init__(
@@ -121,6 +131,7 @@ class Capture:
         self._folder = Path(out_dir)
         self._backward = backward
         self._limit = min(max_calls or MAX_CALLS, MAX_CALLS)
+        self._past_limit = 0  # calls left out by MAX_CALLS, not by the max_calls asked for
         self._dumps = DumpFolder(self._folder)
         self._handles: list[RemovableHandle] = []
         self._open: dict[int, list[_Call | None]] = {}  # module id -> calls under way
@@ -154,8 +165,11 @@ class Capture:
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"out_dir {str(folder)!r} is a file; give a folder")
         folder.mkdir(parents=True, exist_ok=True)
+        # Claimed before it is found empty: of two captures starting together, one writes.
+        self._dumps.claim()
         dumps = sorted(folder.glob("*.safetensors"))
         if dumps:
+            self._dumps.release()
             raise ValueError(
                 f"out_dir {str(folder)!r} already holds {len(dumps)} .safetensors files (first"
                 f" {dumps[0].name!r}); capture into a new or empty folder, so that the dumps of"
@@ -187,8 +201,17 @@ class Capture:
             if self._eager is not None:
                 self._eager.__exit__(None, None, None)  # the stance before the block
                 self._eager = None
-            if kind is None and self._pending_call is not None:
-                self._flush()
+            try:
+                if kind is None and self._pending_call is not None:
+                    self._flush()
+            finally:
+                self._dumps.release()
+        if kind is None and self._past_limit:
+            self._warn_once(
+                f"capture: {self._past_limit} layer norm calls past the limit of {MAX_CALLS:,}"
+                " calls were not recorded (a dump's name numbers its call in five digits);"
+                " record fewer with modules=, or capture the rest of the run into another folder"
+            )
         if kind is None and self.calls == self.skipped == 0:
             self._warn_once(
                 "capture: no layer norm of the model was called in the with block, so nothing"
@@ -203,6 +226,8 @@ class Capture:
         calls = self._open.setdefault(id(module), [])
         if self.calls >= self._limit:
             self.skipped += 1
+            if self.calls >= MAX_CALLS:
+                self._past_limit += 1
             calls.append(None)
             return None
         if _in_backward():
@@ -227,8 +252,12 @@ class Capture:
             if parameter is not None and parameter.requires_grad:
                 alias = parameter.view_as(parameter)
                 alias.register_hook(self._gradient_hook(call.index, gradient))
+                # Under another capture the module holds that capture's alias: what goes back
+                # is the model's own parameter, whichever capture's hook runs last.
+                original = getattr(parameter, ORIGINAL, parameter)
+                setattr(alias, ORIGINAL, original)
                 module._parameters[name] = alias  # put back by _restore  # type: ignore[assignment]
-                call.parameters[name] = parameter
+                call.parameters[name] = original
                 call.gradients.add(gradient)
         if not x.requires_grad:
             return None

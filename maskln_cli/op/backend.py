@@ -18,9 +18,7 @@ in the same dtypes and layouts, whichever kernels run.
 from __future__ import annotations
 
 import os
-import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -141,7 +139,7 @@ def active_backend() -> Backend:
         how = "set_backend('raw')" if _chosen == "raw" else f"{BACKEND_ENV}=raw"
         return Backend("raw", f"chosen by {how}")
     if _native is not None:
-        return Backend("native", None, f"{_native.isa()}, {native.library_path()}")
+        return Backend("native", None, f"{_native.isa()}, {_native.__file__}")
     if _failure is not None:
         return Backend("raw", f"native kernels unavailable: {first_line(_failure)}")
     return cached_state()
@@ -149,19 +147,14 @@ def active_backend() -> Backend:
 
 def cached_state() -> Backend:
     """What the native backend's cache holds, read from files alone (no torch import, no load):
-    built, buildable on first use, or unavailable with the reason. For ``maskln --version``."""
-    library = native.library_path()
-    if library.exists():
-        return Backend("native", None, str(library))
-    problem = native.build_problem()
-    if problem is not None:
-        return Backend("raw", f"native kernels unavailable: {first_line(problem)}")
-    return Backend(
-        "native",
-        "not built yet: compiled on first use (about a minute), or now by"
-        " python -m maskln_cli.op.native",
-        str(library.parent),
-    )
+    a whole, trusted build (what loads), buildable on first use, or unavailable with the
+    reason (an untrusted or unusable cache, no compiler). For ``maskln --version``."""
+    cache = native.state()
+    if cache.library is not None:
+        return Backend("native", None, str(cache.library))
+    if cache.problem is not None:
+        return Backend("raw", f"native kernels unavailable: {first_line(cache.problem)}")
+    return Backend("native", cache.todo, str(cache.folder))
 
 
 def first_line(text: str) -> str:
@@ -180,23 +173,18 @@ def native_kernels(build: bool = True) -> ModuleType | None:
 
 def _load(build: bool) -> ModuleType | None:
     global _native, _native_tried, _failure
+    # torch before the lock: importing it defines maskln's ops, whose module asks for the
+    # native kernels in turn (build=False), and would wait for this lock forever.
+    import torch  # noqa: F401
+
     with _lock:
         if _native is not None or _native_tried:
             return _native
-        if not build and not native.library_path().exists():
-            return None  # not tried: a later call may build
-        start = time.perf_counter()
-        building = not native.library_path().exists()
-        if building and native.build_problem() is None:
-            print(
-                "maskln: compiling the native CPU kernels into"
-                f" {native.library_path().parent} (once per torch version; about a minute)",
-                file=sys.stderr,
-                flush=True,
-            )
         try:
-            module = native.load(build=True)
+            module = native.load(build=build)
         except native.NativeUnavailable as error:
+            if not build and isinstance(error, native.NotBuiltYet):
+                return None  # not tried: a later call may build
             _native_tried = True  # never again in this process: one warning, at the first call
             _failure = str(error)
             warnings.warn(
@@ -208,12 +196,6 @@ def _load(build: bool) -> ModuleType | None:
                 stacklevel=4,
             )
             return None
-        if building:
-            print(
-                f"maskln: native CPU kernels built in {time.perf_counter() - start:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
         from maskln_cli.op.checks import raise_contract_error
 
         module.set_contract_error(raise_contract_error)

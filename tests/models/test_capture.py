@@ -11,8 +11,11 @@ deliberately wrong layer norm.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import math
+import subprocess
+import sys
 import warnings
 import weakref
 
@@ -22,7 +25,7 @@ from torch import nn
 
 import maskln_cli
 from maskln_cli import MaskedLayerNorm, capture
-from tests.clitools import invoke, metadata, read
+from tests.clitools import ROOT, invoke, metadata, read
 from tests.models.tiny import batch, build, reference, run
 
 BERT_LIKE = ["embeddings.LayerNorm"] + [
@@ -486,3 +489,155 @@ def test_an_input_given_by_name_is_recorded_as_x(tmp_path):
         valid = dump["valid"]
         for key in ("out", "grad_x"):
             assert relative_error(dump[key][valid], expected[key][valid]) < 1e-6, key
+
+
+# --- nested, concurrent, long names, the call limit --------------------------------------------
+
+
+def test_nested_captures_leave_the_parameters_the_models_own_leaves(tmp_path):
+    """A capture inside another (of the model, or of a block of it) records the same calls,
+    each with this call's gradients, and leaves every parameter the model's own leaf: an
+    optimizer takes them and steps."""
+    model, _ = build("gpt2")
+    parameters = dict(model.named_parameters())
+    input_ids, attention_mask = batch()
+    block = model.get_submodule("h.1")
+    with capture(model, tmp_path / "outer", valid=attention_mask) as outer:
+        with (
+            capture(model, tmp_path / "inner", valid=attention_mask) as inner,
+            capture(block, tmp_path / "block", valid=attention_mask),
+        ):
+            run(model, input_ids, attention_mask)
+        run(model, input_ids, attention_mask)  # the outer one alone again
+    now = dict(model.named_parameters())
+    assert now.keys() == parameters.keys()
+    assert all(now[name] is parameters[name] for name in now)  # the very same objects
+    assert all(type(p) is nn.Parameter and p.is_leaf for p in model.parameters())
+    for norm in (m for m in model.modules() if isinstance(m, nn.LayerNorm)):
+        assert norm.weight is norm._parameters["weight"] and norm.weight.is_leaf
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert len(outer.files) == 10 and len(inner.files) == 5
+    for ours, theirs in zip(outer.files[:5], inner.files, strict=True):
+        ours, theirs = read(ours), read(theirs)
+        assert ours.keys() == theirs.keys() >= {"grad_x", "grad_scale", "grad_bias"}
+        assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    for file in outer.files:
+        dump = read(file)
+        expected = reference(dump, float(metadata(file)["eps"]))
+        for key in ("grad_scale", "grad_bias"):  # this call's alone, as the reference's
+            assert relative_error(dump[key], expected[key]) < 1e-5, (file.name, key)
+
+
+def test_a_folder_another_capture_holds_is_refused(tmp_path):
+    """Two captures into one empty folder would write the same names: the second is refused
+    while the first holds the folder (and after it, by the dumps it wrote)."""
+    model, _ = build("gpt2")
+    other, _ = build("gpt2")
+    input_ids, attention_mask = batch()
+    with capture(model, tmp_path, valid=attention_mask) as first:
+        with pytest.raises(ValueError, match=r"another capture is writing into it \(process"):
+            capture(other, tmp_path).__enter__()
+        assert hook_counts(other) == 0
+        run(model, input_ids, attention_mask)
+    assert len(first.files) == 5 and sorted(tmp_path.iterdir()) == first.files
+    with pytest.raises(ValueError, match="already holds 5"):
+        capture(other, tmp_path).__enter__()
+
+
+@pytest.mark.slow
+def test_two_processes_capturing_into_one_folder_never_both_write(tmp_path):
+    """The first process holds the folder until its block ends; the second, started while it
+    holds it, is refused with the first's pid; the dumps are the first's, none overwritten."""
+    script = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from maskln_cli import capture\n"
+        "model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8))\n"
+        "try:\n"
+        "    with capture(model, sys.argv[1]) as run:\n"
+        "        print('holding', flush=True)\n"
+        "        sys.stdin.readline()\n"
+        "        model(torch.full((2, 8), float(sys.argv[2])).cumsum(-1))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+        "    sys.exit(3)\n"
+        "print(len(run.files))\n"
+    )
+    folder = tmp_path / "dumps"
+
+    def start(seed: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", script, str(folder), str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+
+    first = start(1)
+    assert first.stdout.readline().strip() == "holding"
+    second = start(2)
+    refused, _ = second.communicate("\n", timeout=120)
+    written, _ = first.communicate("\n", timeout=120)
+    assert second.returncode == 3, refused
+    assert f"another capture is writing into it (process {first.pid})" in refused
+    assert first.returncode == 0 and written.strip() == "2"
+    dumps = sorted(folder.glob("*.safetensors"))
+    assert len(dumps) == 2  # the first's input, not the second's
+    assert torch.equal(read(dumps[0])["x"], torch.full((2, 8), 1.0).cumsum(-1))
+
+
+class Deep(nn.Module):
+    """Two layer norms at module paths of about 300 characters that differ in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner = nn.Module()
+        inner.add_module("norm", nn.LayerNorm(4))
+        inner.add_module("twin", nn.LayerNorm(4))
+        module = inner
+        for depth in range(12):
+            outer = nn.Module()
+            outer.add_module(f"block_with_a_rather_long_name_{depth:02d}", module)
+            module = outer
+        self.body = module
+        self.paths = [p for p, m in self.named_modules() if isinstance(m, nn.LayerNorm)]
+
+    def forward(self, x):
+        return sum(self.get_submodule(path)(x) for path in self.paths)
+
+
+def test_a_module_path_too_long_for_a_file_name_gets_a_short_one(tmp_path):
+    """A 300-character module path: the file name is shortened, the same each time and
+    distinct per path; the dump's metadata keeps the whole path."""
+    model = Deep()
+    assert all(len(path) > 300 for path in model.paths)
+    names = []
+    for run_folder in ("first", "second"):
+        x = torch.randn(3, 4, requires_grad=True)
+        with capture(model, tmp_path / run_folder) as recording:
+            model(x).sum().backward()
+        names.append([f.name for f in recording.files])
+        assert [metadata(f)["module"] for f in recording.files] == model.paths
+        assert all("grad_x" in read(f) for f in recording.files)
+    assert names[0] == names[1] and len(set(names[0])) == 2
+    assert all(len(name.encode()) <= 200 and name.startswith("0000") for name in names[0])
+
+
+def test_calls_past_the_call_limit_are_said(tmp_path, monkeypatch):
+    """Past the limit (100,000 calls: the five digits of a dump's name; 3 here) the calls are
+    counted and a warning says how many were not recorded. A max_calls asked for is quiet."""
+    monkeypatch.setattr(importlib.import_module("maskln_cli.models.capture"), "MAX_CALLS", 3)
+    model, _ = build("gpt2")
+    input_ids, attention_mask = batch()
+    with (
+        pytest.warns(UserWarning, match="2 layer norm calls past the limit of 3 calls"),
+        capture(model, tmp_path / "all", valid=attention_mask) as recording,
+    ):
+        run(model, input_ids, attention_mask, backward=False)
+    assert len(recording.files) == 3 and recording.skipped == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with capture(model, tmp_path / "some", valid=attention_mask, max_calls=2) as some:
+            run(model, input_ids, attention_mask, backward=False)
+    assert some.skipped == 3

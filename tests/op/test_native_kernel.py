@@ -568,20 +568,22 @@ def test_module_entry_point_builds_or_finds_the_library(lib):
 
 
 def test_processes_starting_together_build_once(lib, tmp_path):
-    """Four processes load from an empty cache at once: one builds (here a stand-in build that
-    copies the library after a pause), the others wait for its lock and load its result."""
+    """Four processes load from an empty cache at once: one builds (here a stand-in compile
+    that copies the library after a pause), the others wait for its lock, saying for whom,
+    and load its result."""
     script = textwrap.dedent(
         f"""
         import os, shutil, sys, time
+        from pathlib import Path
         from maskln_cli.op import native
-        def build(library):
+        def compile(scratch, name):
             with open({str(tmp_path / "builds")!r}, "a") as log:
                 log.write(f"{{os.getpid()}}\\n")
-            time.sleep(1.0)
-            shutil.copy({str(native.library_path())!r}, str(library) + ".part")
-            os.replace(str(library) + ".part", library)
-            return native._import(library)
-        native._build = build
+            time.sleep(2.0)
+            built = Path(scratch) / (name + native.LIBRARY_SUFFIX)
+            shutil.copy({str(native.library_path())!r}, built)
+            return built
+        native._compile = compile
         module = native.load()
         print(module.isa())
         """
@@ -602,7 +604,13 @@ def test_processes_starting_together_build_once(lib, tmp_path):
     for process, (out, err) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, err
         assert out.strip() == lib.isa()
-    assert len((tmp_path / "builds").read_text().split()) == 1
+    builders = (tmp_path / "builds").read_text().split()
+    assert len(builders) == 1
+    for _, err in outputs:  # a waiter names the builder
+        assert "another process" not in err
+        for line in err.splitlines():
+            if "waiting for" in line:
+                assert f"waiting for process {builders[0]} " in line, err
 
 
 def test_kernels_registered_on_maskln_custom_ops_follow_the_backend(lib):

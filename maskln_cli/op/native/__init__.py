@@ -1,15 +1,26 @@
 """maskln's native CPU kernels (``masked_layer_norm.cpp`` and its neighbours), built on first use.
 
-The extension is built with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja) into
-a per-user cache, one folder per torch version, Python version, machine and source hash::
+The extension is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) into a
+per-user cache, one folder per build of these sources against this torch and compiler (the
+layout and the rules of trust are :mod:`maskln_cli.op.native.cache`'s)::
 
     $MASKLN_NATIVE_CACHE, else $XDG_CACHE_HOME/maskln, else ~/.cache/maskln
-        native/torch-2.13.0+cpu-cpython-311-x86_64-<hash>/maskln_native_<hash>.so
+        native/torch-2.13.0+cpu-cpython-311-x86_64-<source hash>-<link hash>/
+            maskln_native_<source hash>.so   and its build record, .json
 
-Later imports load that file directly (no compiler, no ninja, a few milliseconds). Processes
-starting together (pytest-xdist workers) build once: the first takes a lock file in that folder
-and the others wait for it, then load its result; a lock held by a process that died is released
-by the OS. ``python -m maskln_cli.op.native`` builds ahead of time (an install step).
+A build runs in a child process, which compiles the library, loads it and checks a few values
+against float64 arithmetic; only then is the library moved into place, with a record of its
+size and SHA-256. A process loads a library only when it is trusted and matches its record, and
+loads the very file it checked (through its descriptor): a truncated, damaged, planted or
+half-written file is never loaded into this process (a library that fails to load can leave
+its ``TORCH_LIBRARY`` half registered, and a second one poisons the process), it is rebuilt, or,
+without a compiler, the op falls back to its raw-op kernels. One load is tried per process.
+
+Processes starting together (pytest-xdist workers) build once: the first takes a lock file in
+that folder, writing its pid, and the others say whom they wait for, then load its result; a
+lock held by a process that died is released by the OS. ``python -m maskln_cli.op.native``
+builds ahead of time (the install step); ``--clean`` removes this checkout's build.
+``MASKLN_NATIVE_REBUILD=1`` rebuilds once per process (and retries a build that failed).
 
 The module exposes plain functions, callable without the dispatcher::
 
@@ -36,18 +47,25 @@ import hashlib
 import importlib.util
 import json
 import os
-import platform
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.machinery import ExtensionFileLoader
 from pathlib import Path
 from types import ModuleType
 
+from maskln_cli.op.native import cache
+from maskln_cli.op.native.cache import CACHE_ENV, Damaged, NativeUnavailable, NotBuiltYet
+
 __all__ = [
+    "CACHE_ENV",
+    "CacheState",
     "NativeUnavailable",
     "NotBuiltYet",
     "available",
@@ -55,6 +73,8 @@ __all__ = [
     "build_problem",
     "library_path",
     "load",
+    "remove_build",
+    "state",
     "unavailable_reason",
 ]
 
@@ -79,19 +99,19 @@ CFLAGS = (
 )
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch has loaded, by its soname
 BUILD_TIMEOUT = 900.0
-"""Seconds to wait for another process's build before giving up."""
-CACHE_ENV = "MASKLN_NATIVE_CACHE"
+"""Seconds to wait for a build (this process's, or another's that holds the lock)."""
+WAIT_NOTE_EVERY = 60.0
+"""Seconds between two 'still waiting' lines while another process builds."""
+REBUILD_ENV = "MASKLN_NATIVE_REBUILD"
 MESSAGE_LIMIT = 4000
 """Characters of the compiler's output kept in a failed build's message (its end)."""
 LIBRARY_SUFFIX = ".pyd" if os.name == "nt" else ".so"
+_STARTED = time.time()
+"""When this process imported the module: MASKLN_NATIVE_REBUILD rebuilds what is older."""
 
 
-class NativeUnavailable(RuntimeError):
-    """The native kernels cannot be built or loaded here; the message says why."""
-
-
-class NotBuiltYet(NativeUnavailable):
-    """``load(build=False)`` found no build in the cache (one may still be possible)."""
+class _RebuildAsked(NotBuiltYet):
+    """MASKLN_NATIVE_REBUILD is set and the cached build is older than this process."""
 
 
 _lock = threading.Lock()
@@ -100,13 +120,16 @@ _failure: str | None = None
 
 
 def load(build: bool = True) -> ModuleType:
-    """The extension module, built first if the cache lacks it (with ``build=False``, only
-    when a build is already there: a call that must not wait half a minute for a compiler).
+    """The extension module, built first if the cache lacks a whole, trusted build (with
+    ``build=False``, only when one is already there: a call that must not wait half a minute
+    for a compiler).
 
     Raises:
-        NativeUnavailable: no C++ compiler, no ninja, no Python headers, an unwritable cache,
-            or a failed build; the message says which. Remembered for the process (except
-            "not built yet" with ``build=False``).
+        NotBuiltYet: ``build=False`` and no usable build (missing, or damaged: the message
+            says which); not remembered, a later call may build.
+        NativeUnavailable: no C++ compiler, ninja or Python headers, an unusable or untrusted
+            cache, a failed build, or a library that would not load; the message says which.
+            Remembered for the process: one load is tried per process.
     """
     global _module, _failure
     if _module is not None:
@@ -119,14 +142,11 @@ def load(build: bool = True) -> ModuleType:
         if _module is None:
             if _failure is not None:
                 raise NativeUnavailable(_failure)
-            if not build and not library_path().exists():
-                raise NotBuiltYet(
-                    f"not built yet ({library_path()}): python -m maskln_cli.op.native builds it"
-                )
             try:
-                _module = _load_or_build()
+                _module = _load_or_build(build)
             except NativeUnavailable as error:
-                _failure = str(error)
+                if build or not isinstance(error, NotBuiltYet):
+                    _failure = str(error)
                 raise
     return _module
 
@@ -155,13 +175,75 @@ def build_problem() -> str | None:
     problem = _toolchain_problem()
     if problem is not None:
         return problem
-    return _recorded_failure(library_path().parent / "failed.json")
+    try:
+        return _recorded_failure(library_path().parent / "failed.json")
+    except (NativeUnavailable, OSError, ValueError):
+        return None
 
 
 def build() -> Path:
     """Build (or find) the extension in the cache and load it; returns the library's path."""
     load()
     return library_path()
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """What the cache holds for this process, read from files alone (no torch import, no
+    load): ``library`` when a whole, trusted build is there (what :func:`load` loads);
+    else ``problem`` when the native kernels cannot be used here, or ``todo``, what the first
+    use will do (build or rebuild)."""
+
+    library: Path | None = None
+    folder: Path | None = None
+    problem: str | None = None
+    todo: str | None = None
+
+
+def state() -> CacheState:
+    """The cache's state for this process (see :class:`CacheState`); never raises."""
+    try:
+        library = library_path()
+        usable = _usable(library)
+    except NativeUnavailable as error:
+        return CacheState(problem=str(error))
+    except (OSError, ValueError) as error:
+        return CacheState(problem=_unreadable(error))
+    if isinstance(usable, cache.Opened):
+        os.close(usable.fd)
+        return CacheState(library=library, folder=library.parent)
+    damage = str(usable) if isinstance(usable, Damaged) else None
+    problem = build_problem()
+    if problem is not None:
+        return CacheState(
+            folder=library.parent, problem=f"{damage}; {problem}" if damage else problem
+        )
+    if damage is not None or isinstance(usable, _RebuildAsked):
+        return CacheState(
+            folder=library.parent, todo=f"{usable}: rebuilt on first use (about a minute)"
+        )
+    return CacheState(
+        folder=library.parent,
+        todo="not built yet: compiled on first use (about a minute), or now by python -m"
+        " maskln_cli.op.native",
+    )
+
+
+def remove_build() -> Path | None:
+    """Remove this checkout's build (its folder in the cache); return the folder removed, or
+    None when there was none. (``make clean``.)
+
+    Raises:
+        NativeUnavailable: the cache may not be trusted or cannot be read.
+    """
+    folder = library_path().parent
+    try:
+        if not cache.check_folders(folder):
+            return None
+        shutil.rmtree(folder)
+    except OSError as error:
+        raise NativeUnavailable(_unreadable(error)) from error
+    return folder
 
 
 def source_hash() -> str:
@@ -180,137 +262,278 @@ def module_name() -> str:
 
 def cache_root() -> Path:
     """$MASKLN_NATIVE_CACHE, else $XDG_CACHE_HOME/maskln, else ~/.cache/maskln."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "maskln"
-    return Path.home() / ".cache" / "maskln"
+    return cache.cache_root()
 
 
 def build_directory() -> Path:
-    """The cache folder of this torch, Python, machine and source hash."""
-    key = "-".join(
-        (
-            f"torch-{torch_version()}",
-            sys.implementation.cache_tag or sys.implementation.name,
-            platform.machine() or "unknown",
-            source_hash(),
-        )
-    )
-    return cache_root() / "native" / key
+    """The cache folder of this build: these sources, torch's build and the compiler."""
+    return cache.entry_folder(source_hash())
 
 
 def torch_version() -> str:
-    """torch's version: ``torch.__version__`` once torch is imported, else its package's."""
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "__version__"):
-        return str(torch.__version__)
-    from importlib import metadata
-
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    """torch's version, read from its package without importing it."""
+    return cache.torch_version()
 
 
 def library_path() -> Path:
     return build_directory() / f"{module_name()}{LIBRARY_SUFFIX}"
 
 
-def _load_or_build() -> ModuleType:
-    library = library_path()
-    if library.exists():
-        return _import(library)
+# --- loading and building ---------------------------------------------------------------------
+
+
+def _load_or_build(build: bool = True) -> ModuleType:
+    try:
+        library = library_path()
+        usable = _usable(library)
+        if isinstance(usable, cache.Opened):
+            return _import(usable)
+        if not build:
+            raise usable
+        try:
+            return _build_and_load(library, usable)
+        except NotBuiltYet as error:  # changed again since this process built it
+            raise NativeUnavailable(str(error)) from None
+        except NativeUnavailable as error:
+            if isinstance(usable, Damaged) and not isinstance(error, Damaged):
+                raise NativeUnavailable(f"{usable}, and it cannot be rebuilt: {error}") from None
+            raise
+    except (OSError, ValueError) as error:  # a path too long, an unreadable folder, a NUL
+        raise NativeUnavailable(_unreadable(error)) from error
+
+
+def _build_and_load(library: Path, why: NotBuiltYet) -> ModuleType:
+    """Build ``library`` (missing, damaged, or to be rebuilt: ``why``) unless another process
+    did while this one waited for the lock, and load it."""
     problem = _toolchain_problem()
     if problem is not None:
         raise NativeUnavailable(problem)
     directory = library.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        cache.make_folders(directory)
     except OSError as error:
         raise NativeUnavailable(
-            f"cannot create the build cache {directory} ({error}); set {CACHE_ENV} to a writable"
-            " folder"
+            f"cannot create the build cache {directory} ({error}); set {CACHE_ENV} to a"
+            " writable folder of your own"
         ) from error
     with _exclusive(directory / "build.lock"):
-        if library.exists():  # another process built it while this one waited
-            return _import(library)
+        usable = _usable(library)  # another process may have built it meanwhile
+        if isinstance(usable, cache.Opened):
+            return _import(usable)
         failed = directory / "failed.json"
         # the same sources and toolchain failed before: say so at once, without building
         # again in every process (pytest-xdist workers would each wait for a compile)
         recorded = _recorded_failure(failed)
         if recorded is not None:
             raise NativeUnavailable(recorded)
+        _say(_what_builds(why, directory))
+        start = time.perf_counter()
         try:
-            return _build(library)
+            _build(library)
         except NativeUnavailable as error:
             record = {"toolchain": _toolchain_fingerprint(), "error": str(error)}
             with contextlib.suppress(OSError):
                 failed.write_text(json.dumps(record))
             raise
+        with contextlib.suppress(OSError):
+            failed.unlink()
+        _say(f"maskln: native CPU kernels built in {time.perf_counter() - start:.0f} s")
+        return _import(cache.open_library(library))
+
+
+def _usable(library: Path) -> cache.Opened | NotBuiltYet:
+    """The trusted, whole library open, or why there is none to load (missing, damaged, or
+    older than this process when MASKLN_NATIVE_REBUILD asks for a new one).
+
+    Raises:
+        NativeUnavailable: the cache is untrusted or unreadable.
+    """
+    try:
+        opened = cache.open_library(library)
+    except NotBuiltYet as missing:
+        return missing
+    if os.environ.get(REBUILD_ENV) and opened.built < _STARTED:
+        os.close(opened.fd)
+        return _RebuildAsked(f"{REBUILD_ENV} is set: {library}")
+    return opened
+
+
+def _what_builds(why: NotBuiltYet, directory: Path) -> str:
+    if isinstance(why, Damaged):
+        return f"maskln: rebuilding the native CPU kernels (about a minute): {why}"
+    if isinstance(why, _RebuildAsked):
+        return f"maskln: rebuilding the native CPU kernels in {directory} ({REBUILD_ENV} is set)"
+    return (
+        f"maskln: compiling the native CPU kernels into {directory} (once per torch build and"
+        " compiler; about a minute)"
+    )
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _unreadable(error: BaseException) -> str:
+    return (
+        f"cannot use the native kernels' cache ({error}); set {CACHE_ENV} to a folder of your own"
+    )
 
 
 def _recorded_failure(failed: Path) -> str | None:
     """The error of an earlier build with this toolchain, recorded in ``failed``, or None."""
-    if os.environ.get("MASKLN_NATIVE_REBUILD"):
+    if os.environ.get(REBUILD_ENV):
         return None
     try:
         record = json.loads(failed.read_text())
     except (OSError, ValueError):
         return None
-    if record.get("toolchain") != _toolchain_fingerprint():
+    if not isinstance(record, dict) or record.get("toolchain") != _toolchain_fingerprint():
         return None
     return (
         f"{record.get('error', 'the build failed')} (an earlier build with this toolchain; set"
-        f" MASKLN_NATIVE_REBUILD=1 or delete {failed} to retry)"
+        f" {REBUILD_ENV}=1 or delete {failed} to retry)"
     )
 
 
-def _import(library: Path) -> ModuleType:
+def _import(opened: cache.Opened) -> ModuleType:
+    """Load the library ``opened`` has checked, through its descriptor: the file loaded is the
+    file checked, whatever happens to the path meanwhile."""
     import torch  # noqa: F401  (the extension links against the libraries torch loads)
 
     name = module_name()
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, library)
-    if spec is None or spec.loader is None:
-        raise NativeUnavailable(f"cannot load {library}")
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-    except ImportError as error:
-        raise NativeUnavailable(f"cannot load {library}: {error}") from error
+        if name in sys.modules:
+            return sys.modules[name]
+        origin = str(opened.library)
+        if os.path.isdir("/proc/self/fd"):
+            origin = f"/proc/self/fd/{opened.fd}"
+        loader = ExtensionFileLoader(name, origin)
+        spec = importlib.util.spec_from_file_location(name, origin, loader=loader)
+        if spec is None:
+            raise NativeUnavailable(f"cannot load {opened.library}")
+        try:
+            module = importlib.util.module_from_spec(spec)  # dlopen
+            loader.exec_module(module)
+        except Exception as error:  # ImportError, or whatever its initialization raised
+            raise NativeUnavailable(f"cannot load {opened.library}: {error}") from error
+    finally:
+        os.close(opened.fd)
+    module.__file__ = spec.origin = str(opened.library)  # the path, not the descriptor's
     sys.modules[name] = module
     return module
 
 
-def _build(library: Path) -> ModuleType:
-    """Compile into a private folder, then move the library into place (atomically)."""
+def _build(library: Path) -> None:
+    """Compile, load and check the library in a child process (:func:`_compile`), then move
+    it into place with its record (:func:`cache.install`)."""
+    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=library.parent))
+    try:
+        built = _compile(scratch, module_name())
+        cache.install(built, library)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compile(scratch: Path, name: str) -> Path:
+    """Build the library ``name`` in ``scratch`` in a child process, which loads it and checks
+    its values (:func:`compile_and_check`): this process loads nothing that failed there."""
+    code = (
+        f"import sys; sys.path[0] = {str(HERE.parents[2])!r};"  # this maskln, not the cwd's
+        " from maskln_cli.op.native import compile_and_check;"
+        f" sys.exit(compile_and_check({str(scratch)!r}, {name!r}))"
+    )
+    verbose = bool(os.environ.get("MASKLN_NATIVE_VERBOSE"))
+    environment = dict(os.environ, MASKLN_BACKEND="raw")  # the child loads no cached build
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        stdout=None if verbose else subprocess.PIPE,
+        stderr=None if verbose else subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # its compilers are killed with it on a timeout
+    )
+    try:
+        output, _ = process.communicate(timeout=BUILD_TIMEOUT)
+    except BaseException as error:  # a timeout, Ctrl-C, SIGTERM: no compiler left behind
+        _kill_group(process)
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise NativeUnavailable(
+                f"building the native kernels failed: no result after {BUILD_TIMEOUT:.0f} s"
+            ) from None
+        raise
+    built = scratch / f"{name}{LIBRARY_SUFFIX}"
+    if process.returncode != 0 or not built.is_file():
+        message = (output or "").strip() or f"the build exited with status {process.returncode}"
+        if len(message) > MESSAGE_LIMIT:
+            message = "..." + message[-MESSAGE_LIMIT:]
+        raise NativeUnavailable(f"building the native kernels failed: {message}")
+    return built
+
+
+def _kill_group(process: subprocess.Popen[str]) -> None:
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, 9)
+    else:
+        process.kill()
+    process.wait()
+
+
+def compile_and_check(scratch: str, name: str) -> int:
+    """The build's child process: compile the library into ``scratch``, load it, check its
+    values against float64 arithmetic. 0 when it passes; 1, with the reason, when not."""
     from torch.utils import cpp_extension
 
-    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=library.parent))
-    name = module_name()
     try:
         with _ninja_on_path():
             module = cpp_extension.load(
                 name,
-                sources=[str(HERE / name) for name in SOURCES if name.endswith(".cpp")],
+                sources=[str(HERE / source) for source in SOURCES if source.endswith(".cpp")],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 extra_include_paths=[str(HERE)],
-                build_directory=str(scratch),
+                build_directory=scratch,
                 verbose=bool(os.environ.get("MASKLN_NATIVE_VERBOSE")),
             )
-        os.replace(scratch / f"{name}{LIBRARY_SUFFIX}", library)
-    except Exception as error:  # the compiler's messages are in the error: their end
-        message = str(error)
-        if len(message) > MESSAGE_LIMIT:
-            message = "..." + message[-MESSAGE_LIMIT:]
-        raise NativeUnavailable(f"building the native kernels failed: {message}") from error
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    sys.modules[name] = module
-    return module
+        problem = _self_check(module)
+    except Exception as error:  # the compiler's messages are in the error
+        problem = str(error)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _self_check(module: ModuleType) -> str | None:
+    """Why a freshly built library computes wrongly, or None: its forward and bias gradient on
+    three rows (one invalid), against float64 arithmetic written out here."""
+    import torch
+
+    double = torch.float64
+    x = torch.tensor(
+        [[1.0, 2.0, 4.0, 8.0], [3.0, -1.0, 0.0, 5.0], [0.5, 0.25, -2.0, 7.0]], dtype=double
+    )
+    valid = torch.tensor([True, False, True])
+    scale = torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=double)
+    bias = torch.tensor([0.0, 0.25, -1.0, 3.0], dtype=double)
+    mean = x.mean(-1, keepdim=True)
+    variance = ((x - mean) ** 2).mean(-1, keepdim=True)
+    want = torch.where(valid[:, None], (x - mean) / torch.sqrt(variance + 1e-5) * scale + bias, 0.0)
+    for dtype, tolerance in ((double, 1e-12), (torch.float32, 1e-5)):
+        y, mean_out, rstd = module.forward(
+            x.to(dtype), valid, scale.to(dtype), bias.to(dtype), 1e-5, True
+        )
+        if not torch.allclose(y.double(), want, rtol=tolerance, atol=tolerance):
+            return f"the built library's {dtype} forward differs from float64 arithmetic"
+    dy = torch.ones_like(x)
+    y, mean_out, rstd = module.forward(x, valid, scale, bias, 1e-5, True)
+    (dbias,) = module.backward(dy, x, valid, scale, mean_out, rstd, 1e-5, [False, False, True])
+    if not torch.equal(dbias, torch.full_like(bias, 2.0)):
+        return "the built library's bias gradient differs from the count of valid rows"
+    module.isa()
+    return None
 
 
 def _toolchain_problem() -> str | None:
@@ -364,44 +587,95 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
+# --- the build lock ---------------------------------------------------------------------------
+
+
 @contextlib.contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` across processes, released by the OS if the holder dies."""
-    with open(path, "a+b") as handle:
-        deadline = time.monotonic() + BUILD_TIMEOUT
-        while not _try_lock(handle):
-            if time.monotonic() > deadline:
-                raise NativeUnavailable(
-                    f"waited {BUILD_TIMEOUT:.0f} s for another process's build ({path})"
-                )
-            time.sleep(0.1)
+    """An exclusive lock on ``path`` across processes, released by the OS if the holder dies.
+    The holder writes its pid there; a waiter says whom it waits for, and keeps saying it."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if not _try_lock(fd):
+            _wait_for(fd, path)
+        _write_holder(fd, f"{os.getpid()}\n")
         try:
             yield
         finally:
-            _unlock(handle)
+            _write_holder(fd, "")
+            _unlock(fd)
+    finally:
+        os.close(fd)
 
 
-def _try_lock(handle: object) -> bool:
+def _wait_for(fd: int, path: Path) -> None:
+    """Wait for the lock on ``fd``; past a moment (a holder about to finish says nothing),
+    say whom for, then again every WAIT_NOTE_EVERY seconds."""
+    start = time.monotonic()
+    note = start + 0.3
+    said = False
+    while not _try_lock(fd):
+        now = time.monotonic()
+        if now - start > BUILD_TIMEOUT:
+            raise NativeUnavailable(
+                f"waited {BUILD_TIMEOUT:.0f} s for {_holder(fd)} to build the native kernels"
+                f" ({path})"
+            )
+        if now >= note:
+            holder = _holder(fd)
+            if said:
+                _say(f"maskln: still waiting for {holder} ({now - start:.0f} s)")
+            else:
+                _say(
+                    f"maskln: waiting for {holder} to finish building the native kernels in"
+                    f" {path.parent} (it holds {path.name}; waiting up to {BUILD_TIMEOUT:.0f} s)"
+                )
+            said = True
+            note = now + WAIT_NOTE_EVERY
+        time.sleep(0.1)
+
+
+def _holder(fd: int) -> str:
+    """Whom the lock on ``fd`` is held by, as its holder wrote it: ``process 1234``."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        pid = os.read(fd, 32).decode("ascii", "replace").strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another process"
+
+
+def _write_holder(fd: int, text: str) -> None:
+    if os.name == "nt":  # msvcrt's lock bars the locked byte to readers: no pid there
+        return
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, text.encode())
+
+
+def _try_lock(fd: int) -> bool:
     try:
         if os.name == "nt":
             import msvcrt
 
-            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
         else:
             import fcntl
 
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[attr-defined]
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[attr-defined]
     except OSError:
         return False
     return True
 
 
-def _unlock(handle: object) -> None:
+def _unlock(fd: int) -> None:
     if os.name == "nt":
         import msvcrt
 
-        msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
     else:
         import fcntl
 
-        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)  # type: ignore[attr-defined]
+        fcntl.flock(fd, fcntl.LOCK_UN)  # type: ignore[attr-defined]
