@@ -394,11 +394,14 @@ MASKLN_NOINLINE void forward_row_rescued(const ForwardArgs<T>& a, int64_t i) {
 
 // Rows [begin, end), a batch of rows at a time: each row is read twice for its statistics (the
 // second time from cache) and once more to write y.
-template <typename T, int W>
+// kC: the row length when the caller knows it at compile time (0: a.C, read at run time). The
+// loops over a row then unroll, which short rows need (C = 16: their loops' overhead cost as
+// much as their arithmetic); the bits are the same either way.
+template <typename T, int W, int64_t kC = 0>
 MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
   using P = typename ForwardArgs<T>::P;
   using V = typename Vec<W>::d;
-  const int64_t C = a.C;
+  const int64_t C = kC != 0 ? kC : a.C;
   const double inverse = 1.0 / static_cast<double>(C);
   const P* scale = a.scale;
   const P* bias = a.bias;
@@ -545,12 +548,12 @@ MASKLN_NOINLINE void backward_row_rescued(
 // kSums the rows' dscale and dbias terms added to dscale and dbias [C] (the caller's float64
 // block sums). Each row is read twice (the second time from cache): for shift, c1 and c2, then
 // for xhat, dx and the terms.
-template <typename T, int W, bool kDx, bool kSums>
+template <typename T, int W, bool kDx, bool kSums, int64_t kC = 0>
 MASKLN_INLINE void backward_rows(
     const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {
   using P = typename BackwardArgs<T>::P;
   using V = typename Vec<W>::d;
-  const int64_t C = a.C;
+  const int64_t C = kC != 0 ? kC : a.C;  // as forward_rows
   const double inverse = 1.0 / static_cast<double>(C);
   const P* scale = a.scale;
   const int64_t batch = batch_rows(2 * C * static_cast<int64_t>(sizeof(T)));
