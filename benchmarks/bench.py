@@ -42,6 +42,9 @@ max of the per-repetition ratios. "peer" is
     assert_close script (peer_verify_grad.py; it fails falsely, as assert_close does on
     float32 gradient sums): wall time and peak RSS. Then with a 1 GiB x: / ``--check out``
     only (the peer would need some 20 GiB).
+16. ``maskln_cli.testing.assert_close`` judging a passing ``out`` (the peer's float32 output)
+    on [8192, 1024] float32 / a float64 reference by ``F.layer_norm`` and
+    ``torch.testing.assert_close(out, reference, check_dtype=False)``: wall time, in process.
 
 Figures 1, 2 and 13 run on the bench shapes plus issue 21's extra float32 shapes, among them
 two tiny calls ([4096, 16], [8, 16, 64]) whose target is per-call overhead. ``--threads``
@@ -76,6 +79,7 @@ from rich.table import Table
 from workloads import (
     CASES,
     CONTENDERS,
+    EPS,
     OP_CASES,
     THREADS,
     TINY_SHAPES,
@@ -95,8 +99,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
-GROUPS = {"core": (1, 2, 9, 13, 14), "memory": (3, 4), "cli": (5, 6, 7, 8, 10, 11, 12, 15)}
-FIGURES = 15
+GROUPS = {
+    "core": (1, 2, 9, 13, 14),
+    "memory": (3, 4),
+    "cli": (5, 6, 7, 8, 10, 11, 12, 15),
+    "testing": (16,),
+}
+FIGURES = 16
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 HUGE_SHAPE = "2097152,128"  # a 1 GiB x (figure 15)
@@ -465,6 +474,38 @@ def figure_14(settings: Settings, report: Report) -> None:
         values = paired_time_ratios(func_call, eager_call, settings)
         met = statistics.median(values) <= 2.0
         report.rows.append(Row("14 torch.func", f"{case.label} {label}", values, "<= 2.00", met))
+
+
+def figure_16(settings: Settings, report: Report) -> None:
+    """maskln_cli.testing.assert_close on out / a float64 reference and torch's assert_close."""
+    import torch.nn.functional as F
+
+    from maskln_cli import testing
+
+    case = Case((8192, 1024), "float32")
+    inputs = make_inputs(case)
+    x, valid, scale, bias = inputs.x, inputs.valid, inputs.scale, inputs.bias
+    with torch.no_grad():
+        out = peer(inputs)  # a correct float32 kernel's output: both checks pass it
+
+    def judged() -> None:
+        testing.assert_close(out, x, valid, scale, bias, EPS)
+
+    def peer_check() -> None:
+        reference = F.layer_norm(x.double(), (1024,), scale.double(), bias.double(), EPS)
+        reference = reference.masked_fill(~valid[..., None], 0)
+        torch.testing.assert_close(out, reference, check_dtype=False)
+
+    progress.print(f"  16 assert_close: {case.label}")
+    values = paired_time_ratios(judged, peer_check, settings)
+    met = statistics.median(values) <= 2.0
+    figure = "16 testing.assert_close"
+    report.rows.append(Row(figure, f"{case.label} out", values, "<= 2.00", met))
+    times = [time_call(judged) for _ in range(3)], [time_call(peer_check) for _ in range(3)]
+    report.notes.append(
+        f"16: assert_close {statistics.median(times[0]) * 1e3:.0f} ms, peer (float64"
+        f" F.layer_norm + torch.testing.assert_close) {statistics.median(times[1]) * 1e3:.0f} ms"
+    )
 
 
 # Figures 3 and 4: memory ----------------------------------------------------------------------
@@ -1032,7 +1073,8 @@ def parse_only(text: str | None) -> set[int]:
             chosen.add(int(token))
         else:
             raise SystemExit(
-                f"--only: unknown group or figure {token!r} (core, memory, cli, 1-{FIGURES})"
+                f"--only: unknown group or figure {token!r} (core, memory, cli, testing,"
+                f" 1-{FIGURES})"
             )
     return chosen
 
@@ -1043,7 +1085,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         metavar="WHAT",
-        help=f"comma-separated groups (core, memory, cli) or figures 1-{FIGURES}",
+        help=f"comma-separated groups (core, memory, cli, testing) or figures 1-{FIGURES}",
     )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument(
@@ -1073,6 +1115,7 @@ def main() -> None:
             13: lambda: figure_13(settings, report),
             14: lambda: figure_14(settings, report),
             15: lambda: figure_15(settings, report, Path(tmp)),
+            16: lambda: figure_16(settings, report),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")

@@ -344,12 +344,16 @@ def test_nothing_is_ever_unpickled_or_run_through_a_shell():
     assert "Popen(" not in (PACKAGE / "grading" / "processes.py").read_text().replace(
         "subprocess.Popen[", ""
     )
-    for name in ("sandbox", "worker"):
-        source = PACKAGE / "grading" / ("sandbox.py" if name == "sandbox" else "classroom.py")
+    for name in ("child", "worker"):
+        source = PACKAGE / "grading" / ("sandbox.py" if name == "child" else "classroom.py")
         text = source.read_text()
         assert text.count("subprocess.Popen(") == 1
-        popen = rf'Popen\(\s*\[\s*sys\.executable,\s*"-m",\s*"maskln_cli\.grading\.{name}"'
+        popen = rf'Popen\(\s*start_command\(\s*"maskln_cli\.grading\.{name}"'
         assert re.search(popen, text), name
+    from maskln_cli.grading.child import BOOTSTRAP, start_command
+
+    command = start_command("maskln_cli.grading.worker", "3")
+    assert command[:2] == [sys.executable, "-I"] and command[-4:-2] == [BOOTSTRAP, str(ROOT)]
 
 
 def test_paths_are_used_as_given(tmp_path):

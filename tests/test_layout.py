@@ -3,7 +3,7 @@
 Read from the source with ``ast`` (every import counts, those inside functions and under
 ``TYPE_CHECKING`` too: each says what a module knows). The layers, top to bottom::
 
-    maskln_cli (the public facade)  ->  cli  ->  jobs  ->  verify | grading
+    maskln_cli (the public facade)  ->  testing  ->  cli  ->  jobs  ->  verify | grading
         ->  compare | models  ->  files  ->  op  ->  errors
 
 A module may import its own package and any layer below its own; never one above, nor a
@@ -32,7 +32,11 @@ LAYERS = {
     "grading": 4,
     "jobs": 5,
     "cli": 6,
-    "": 7,  # maskln_cli/__init__.py and __main__.py: the public facade
+    # testing (assert_close, the strategies, the pytest plugin) is pytest's face over verify's
+    # judgement: it prints verify's report with the command line's renderer (cli.report), so
+    # it sits above cli; nothing imports it (`from maskln_cli import testing` finds it).
+    "testing": 7,
+    "": 8,  # maskln_cli/__init__.py and __main__.py: the public facade
 }
 MAX_FILE_LINES = 800
 MAX_CLASS_LINES = 300
@@ -187,3 +191,14 @@ def test_no_room_is_too_large(module):
                 f"{path}:{node.lineno}: class {node.name} has {length} lines"
                 f" (at most {MAX_CLASS_LINES})"
             )
+
+
+def test_testing_takes_only_the_report_of_cli_and_nothing_imports_it():
+    """maskln_cli.testing renders with the command line's report, never its commands; and no
+    module of maskln_cli imports it (pytest loads its plugin; users import it)."""
+    for module, (path, tree) in SOURCES.items():
+        for line, target, _ in imports_of(module, tree):
+            if part_of(module) == "testing" and part_of(target) == "cli":
+                assert target.startswith("maskln_cli.cli.report"), f"{path}:{line}: {target}"
+            if part_of(target) == "testing":
+                assert part_of(module) == "testing", f"{path}:{line} imports {target}"

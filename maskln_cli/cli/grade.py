@@ -68,8 +68,15 @@ def grade(
         int, typer.Option("--seed", metavar="SEED", help="Seed of the cases (deterministic).")
     ] = 0,
     timeout: Annotated[
-        float, typer.Option("--timeout", metavar="SECONDS", help="Time limit of each clause.")
-    ] = 60.0,
+        float | None,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            help="Time limit of each clause. (default: each call may take 10000 times what"
+            " maskln's op takes on its case, at least 5 s; a clause 60 s)",
+            show_default=False,
+        ),
+    ] = None,
     device: Annotated[
         str,
         typer.Option(
@@ -131,14 +138,16 @@ def grade(
     maskln grade submissions/ --shard 2/8 --json > part-2.jsonl
     ```
     """
+    from maskln_cli.errors import MasklnError
     from maskln_cli.files.slices import parse_shard, shard_of
     from maskln_cli.grading.selection import check_timeout, select
     from maskln_cli.grading.targets import expand_targets
 
     chosen = select(only or (), strict, include or ())  # usage errors before torch is imported
-    check_timeout(timeout)
+    if timeout is not None:
+        check_timeout(timeout)
     if jobs is not None and jobs < 1:
-        raise typer.BadParameter("must be at least 1", param_hint="--jobs")
+        raise MasklnError(f"--jobs: must be at least 1, got {jobs}")
     listed = expand_targets(targets)
     slice_of = parse_shard(shard) if shard is not None else None
     whole_class = len(listed) > 1 or any(map(os.path.isdir, targets)) or slice_of or csv_path
@@ -252,6 +261,10 @@ def _grade_class(
         if not json_output:
             with quiet_when_stdout_closes(code):
                 render_class(result, chosen, quiet=quiet)
+        elif result.problem is not None:  # why the JSON lines stop: on stderr, one line
+            from maskln_cli.cli.report import messages
+
+            messages.error(result.problem)
         if csv_path is not None:
             write_gradebook(csv_path, result)
     if code:

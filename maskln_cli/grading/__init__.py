@@ -2,8 +2,10 @@
 
 This package knows the contract as clauses (:mod:`.clauses`: cases, runs and judges), the runner
 that grades a function clause by clause into a plain-data report (:mod:`.runner`), where a
-graded function is found (:mod:`.targets`), and the child process that runs a solution so that
-its crash, hang or memory bomb fails only a clause (:mod:`.sandbox`).
+graded function is found (:mod:`.targets`), the child process that runs a solution so that
+its crash, hang or memory bomb fails only a clause (:mod:`.sandbox`, :mod:`.child`), confined so
+that it reaches no other process (:mod:`.confine`), and a class graded by workers no submission
+can reach or answer for (:mod:`.classroom`, :mod:`.worker`).
 
 It may import the op (the reference and the catalogue of known mistakes), the files package and
 the error types; never comparison, verify, jobs or the command line, and it never renders:

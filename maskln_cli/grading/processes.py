@@ -8,7 +8,9 @@ the grader at once, again and again until none is left: a chain of detached proc
 killed level orphaning the next, is gone in a round or two, not one level per round.
 
 The grader is also not dumpable while it grades (``PR_SET_DUMPABLE`` 0), so that a process of
-the same user that is not root cannot open ``/proc/<grader>/fd`` (its stdout) or ptrace it.
+the same user that is not root cannot open ``/proc/<grader>/fd`` (its stdout) or ptrace it; a
+class grade's workers and their children are not dumpable for their whole life
+(:func:`make_undumpable`), and children forked rather than started (:class:`Forked`) never are.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def protected_grader(contain: bool = False) -> Iterator[None]:
             prctl(PR_SET_DUMPABLE, dumpable)
 
 
+def make_undumpable() -> None:
+    """This process not dumpable from now on (Linux): a process of the same user that is not
+    root can no longer open its /proc/<pid>/fd, /proc/<pid>/mem or /proc/<pid>/environ, nor
+    ptrace it. Kept across fork (a forked child is never dumpable), reset by exec."""
+    prctl(PR_SET_DUMPABLE, 0)
+
+
 def die_with_parent(parent: str | None) -> None:
     """In a child: SIGKILL it when its parent ends (killed by the function, say), rather than
     leave it running; if the parent (pid ``parent``) is gone already, end now."""
@@ -105,9 +114,10 @@ def children() -> set[int]:
     return {pid for pid, ppid, _ in processes() if ppid == me}
 
 
-def descendants(spare: Collection[int] = ()) -> list[int]:
+def descendants(spare: Collection[int] = (), keep: Collection[int] = ()) -> list[int]:
     """Every process under this one (children, theirs, ...), but those under ``spare``
-    (children this process had before the grade: not the function's)."""
+    (children this process had before the grade: not the function's) and those in ``keep``
+    (not their own descendants)."""
     table = processes()
     under: dict[int, list[int]] = {}
     for pid, ppid, _ in table:
@@ -115,12 +125,12 @@ def descendants(spare: Collection[int] = ()) -> list[int]:
     found: list[int] = []
     frontier = [pid for pid in under.get(os.getpid(), []) if pid not in spare]
     while frontier:
-        found += frontier
+        found += [pid for pid in frontier if pid not in keep]
         frontier = [child for pid in frontier for child in under.get(pid, [])]
     return found
 
 
-def kill_group(process: subprocess.Popen[bytes]) -> None:
+def kill_group(process: subprocess.Popen[bytes] | Forked) -> None:
     """SIGTERM the child's process group, then SIGKILL after a grace period."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if process.poll() is None:
@@ -128,6 +138,9 @@ def kill_group(process: subprocess.Popen[bytes]) -> None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(GRACE_SECONDS)
         os.killpg(process.pid, signal.SIGKILL)  # what it started, too
+    if process.poll() is None:  # not reaped: its pid is still its own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(process.pid, signal.SIGKILL)  # a forked child before its own setsid
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(GRACE_SECONDS)
 
@@ -142,21 +155,24 @@ def kill_session(session: int) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def kill_descendants(spare: Collection[int] = (), deadline: float = KILL_DEADLINE) -> None:
-    """SIGKILL every process under this one but those under ``spare``, all at once, and reap
-    those that are its children; repeat until none is left (or ``deadline`` seconds). As a child
-    subreaper (:func:`protected_grader` with ``contain``), with the graded child stopped, they
-    are the processes the function started: a detached one came back to this process when its
-    parent ended, and one whose parent is killed here comes back at once."""
+def kill_descendants(
+    spare: Collection[int] = (), deadline: float = KILL_DEADLINE, keep: Collection[int] = ()
+) -> None:
+    """SIGKILL every process under this one but those under ``spare`` and those in ``keep``,
+    all at once, and reap those that are its children; repeat until none is left (or
+    ``deadline`` seconds). As a child subreaper (:func:`protected_grader` with ``contain``),
+    with the graded child stopped, they are the processes the function started: a detached one
+    came back to this process when its parent ended, and one whose parent is killed here comes
+    back at once."""
     end = time.monotonic() + deadline
     while time.monotonic() < end:
-        found = descendants(spare)
+        found = descendants(spare, keep)
         if not found:
             return
         for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        _reap(spare)
+        _reap({*spare, *keep})
         time.sleep(0.01)  # orphans of those killed are reparented here meanwhile
 
 
@@ -165,3 +181,33 @@ def _reap(spare: Collection[int]) -> None:
     for pid in children() - set(spare):
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+class Forked:
+    """A child made by ``os.fork()`` (no exec), with the part of ``subprocess.Popen``'s
+    interface the grader uses: ``pid``, ``poll``, ``wait`` and ``returncode`` (negative: the
+    signal that ended it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped elsewhere: it is gone
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode

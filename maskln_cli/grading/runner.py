@@ -74,8 +74,10 @@ __all__ = [
 ]
 
 DEFAULT_SEED = 0
-DEFAULT_TIMEOUT = 60.0
-"""Seconds each clause may take in the child process."""
+DEFAULT_TIMEOUT: float | None = None
+"""Seconds each clause may take in the child process (``--timeout``); by default None: each
+call of the function has a limit of its own, a multiple of what maskln's op takes on its case,
+at least a few seconds, and each clause a minute at most (:mod:`maskln_cli.grading.child`)."""
 DEFAULT_FUNCTION_NAME = "masked_layer_normalization"
 
 Fn = Callable[..., Any]
@@ -277,18 +279,24 @@ def grade_target(
     only: Iterable[str] = (),
     seed: int = DEFAULT_SEED,
     device: str = "cpu",
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = DEFAULT_TIMEOUT,
     memory_bytes: int | None = None,
     contain_processes: bool = False,
     include: Iterable[str] = (),
     progress: Progress | None = None,
+    fork_child: bool = False,
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.grading.sandbox`.
 
-    ``contain_processes``: this process does nothing else meanwhile (the command): it becomes
-    a child subreaper for the grade, so processes the function detaches (a double fork,
-    setsid) come back to it and are killed with the child; its other children are spared.
+    ``timeout``: seconds each clause may take (``--timeout``); None: each call of the function
+    may take a multiple of what maskln's op takes on its case, at least a few seconds, and each
+    clause a minute at most (:data:`~maskln_cli.grading.sandbox.CLAUSE_LIMIT`).
+    ``contain_processes``: this process does nothing else meanwhile (the command): it becomes a
+    child subreaper for the grade, so processes the function detaches (a double fork, setsid)
+    come back to it and are killed with the child; its other children are spared.
+    ``fork_child``: fork the child from this process, which must run no other thread (a class
+    grade's worker), instead of starting a new interpreter.
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """
@@ -296,12 +304,16 @@ def grade_target(
 
     included = list(include)
     selection = select(only, strict, included)
-    check_timeout(timeout)
+    if timeout is not None:
+        check_timeout(timeout)
     device = check_device(device)
     parse_target(target)  # a missing file is a usage error before anything starts
+    fork_child = fork_child and device == "cpu"  # CUDA cannot be used again in a forked child
     judged: list[Judged] = []
     try:
-        with sandbox.Sandbox(target, device, timeout, memory_bytes, contain_processes) as child:
+        with sandbox.Sandbox(
+            target, device, timeout, memory_bytes, contain_processes, fork=fork_child
+        ) as child:
             child.start()  # raises MasklnError when the target cannot be loaded
 
             def run_in_child(clause: Clause, cases: list[Case]) -> ClauseRun:

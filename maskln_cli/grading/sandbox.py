@@ -1,33 +1,43 @@
 """The child process of ``maskln grade``: the graded function runs there, never in the grader.
 
-The parent (:class:`Sandbox`) starts ``python -m maskln_cli.grading.sandbox`` once, has it import
-the target, then asks it to run one clause at a time. The child builds the clause's cases from the
-seed (the same code the parent uses), calls the function and sends back what it computed:
-tensors as safetensors bytes and facts as JSON (never pickle), which the parent judges against
-cases it built itself. So a function that patches torch in its own process cannot change a
-verdict on values. A crash or a hang costs the clause it happened in: the parent kills the
-child (SIGTERM, then SIGKILL after a grace period), and starts a new one for the next clause;
-after :data:`GIVE_UP_AFTER` such failures in a row, the remaining clauses are not run.
+The parent (:class:`Sandbox`) starts a child (:mod:`.child`) once, has it import the target,
+then asks it to run one clause at a time. The child builds the clause's cases from the seed (the
+same code the parent uses), calls the function and sends back what it computed: tensors as
+safetensors bytes and facts as JSON (never pickle), which the parent judges against cases it
+built itself. So a function that patches torch in its own process cannot change a verdict on
+values. A crash or a hang costs the clause it happened in: the parent kills the child (SIGTERM,
+then SIGKILL after a grace period), and starts a new one for the next clause; after
+:data:`GIVE_UP_AFTER` such failures in a row, the remaining clauses are not run.
 
-Protocol, over two pipes the parent creates:
+``maskln grade TARGET`` starts its child (``python -I``: it imports torch and the grader itself);
+a class grade's worker forks it (``fork``: torch and the grader are imported already, nothing is
+read from disk again, and the child is never dumpable, not even while it starts).
+
+Protocol, over one Unix socket the parent creates (``/proc/<pid>/fd`` cannot open a socket, so
+no other process can write into it):
 
 - parent -> child: one JSON object per line, ``{"op": "load", "target": ...}`` first, then
-  ``{"op": "run", "clause": ..., "seed": ...}``;
+  ``{"op": "run", "clause": ..., "seed": ..., "per_call": ...}``;
 - child -> parent: frames of a 16-byte header (JSON length, data length: big-endian u64),
   the JSON (``{"ready": ...}`` once torch and the grader are imported, before the load;
-  ``{"ok": ...}`` for a load; ``{"meta", "errors", "failure"}`` for a run), then the data
-  (safetensors bytes, possibly empty).
+  ``{"ok": ...}`` for a load; ``{"at": ...}`` before each call, naming its case;
+  ``{"tick": seconds}`` before each call, with ``per_call``: how long it may take;
+  ``{"meta", "errors", "failure"}`` for a run), then the data (safetensors bytes, possibly
+  empty).
 
-Importing the target is bounded by the clauses' timeout (``--timeout``); the child's own
-start-up (Python, torch, the grader) by :data:`START_TIMEOUT`.
+Time limits: with ``timeout`` (``--timeout``), each clause may take that long, as a whole.
+Without, each call of the function may take :data:`~.child.TIME_FACTOR` times what maskln's own
+op takes on its case, measured in the child, at least :data:`~.child.FLOOR_SECONDS` (a hang
+fails in seconds), and each clause :data:`CLAUSE_LIMIT` at most. Importing the target is bounded
+by ``timeout``, else :data:`CLAUSE_LIMIT`; the child's own start-up (Python, torch, the grader)
+by :data:`START_TIMEOUT`.
 
-The child caps its address space (``RLIMIT_AS``; :data:`DEFAULT_MEMORY_GIB`, or
+The child caps its address space (``RLIMIT_AS``; :data:`~.child.DEFAULT_MEMORY_GIB`, or
 ``MASKLN_GRADE_MEMORY_GIB``) on the CPU, so an allocation beyond it fails the call that made
 it ("out of memory (cap 4 GiB)") instead of the machine; a clause that runs out of time with the
 child's address space at the cap (allocating, failing, retrying) is out of memory too. What it
-prints, and any file it writes, is capped at :data:`OUTPUT_CAP`. Before each call the child
-says which case it is on (``{"at": ...}``), so a timeout names it. It writes no bytecode (no
-``__pycache__`` beside the solution) and runs torch on one thread.
+prints, and any file it writes, is capped at :data:`~.child.OUTPUT_CAP`. It writes no bytecode
+(no ``__pycache__`` beside the solution) and runs torch on one thread.
 
 The processes the function starts are killed with the child (:mod:`.processes`); files the
 grader loads are checked after the child ends, when the grader is sealed (:mod:`.guard`).
@@ -37,82 +47,94 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import select
 import signal
-import struct
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import IO, Any
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.grading import guard
+from maskln_cli.grading.child import (
+    DEFAULT_MEMORY_GIB,
+    FLOOR_SECONDS,
+    HEADER,
+    MAX_LABEL,
+    MEMORY_BYTES_ENV,
+    MEMORY_ENV,
+    OUTPUT_CAP,
+    PARENT_ENV,
+    TIME_FACTOR,
+    forked_main,
+    gib,
+    mib,
+    start_command,
+)
 from maskln_cli.grading.processes import (
     GRACE_SECONDS,
+    Forked,
     children,
-    die_with_parent,
     kill_descendants,
     kill_group,
     kill_session,
     protected_grader,
 )
 
-HEADER = struct.Struct(">QQ")
 MAX_JSON = 16 << 20
 MAX_DATA = 1 << 30
 """The largest frame the parent accepts: the clauses' tensors are a few MiB at most."""
-DEFAULT_MEMORY_GIB = 4.0
-MEMORY_ENV = "MASKLN_GRADE_MEMORY_GIB"
 GIVE_UP_AFTER = 2
 """Crashes or timeouts in a row after which the remaining clauses are not run."""
 START_TIMEOUT = 60.0
 """How long the child may take to import torch and the grader (before the target: its import
 is bounded by ``--timeout``, as each clause is)."""
-OUTPUT_CAP = 64 << 20
-"""What the child may print (its stdout and stderr go to a temporary file), and the largest
-file it may write (``RLIMIT_FSIZE``)."""
+CLAUSE_LIMIT = 60.0
+"""Without ``--timeout``: the most a clause may take, whatever its calls' own limits (and the
+most importing the target may take)."""
 MEMORY_NEAR_CAP = 0.9
 """A child whose address space reached this share of its cap when it timed out was stopped by
 the cap (allocating, failing, retrying), not by a slow computation."""
-MAX_LABEL = 300
-"""The longest case label the child may send (it names the case a timeout happened in)."""
 
 
-def memory_cap_bytes(gib: float | None = None) -> int:
-    """The child's address-space cap: ``gib``, else ``MASKLN_GRADE_MEMORY_GIB``, else 4 GiB.
+def memory_cap_bytes(gib_: float | None = None) -> int:
+    """The child's address-space cap: ``gib_``, else ``MASKLN_GRADE_MEMORY_GIB``, else 4 GiB.
 
     Example:
         >>> memory_cap_bytes(0.5)
         536870912
     """
-    if gib is None:
+    if gib_ is None:
         text = os.environ.get(MEMORY_ENV)
         try:
-            gib = float(text) if text else DEFAULT_MEMORY_GIB
+            gib_ = float(text) if text else DEFAULT_MEMORY_GIB
         except ValueError:
             raise MasklnError(f"{MEMORY_ENV}: not a number of GiB: {text!r}") from None
-    if not gib > 0:
-        raise MasklnError(f"{MEMORY_ENV}: must be positive, got {gib}")
-    return int(gib * (1 << 30))
-
-
-def _gib(count: int) -> str:
-    return f"{count / (1 << 30):.3g} GiB"
-
-
-def _mib(count: int) -> str:
-    return f"{count / (1 << 20):g} MiB"
+    if not gib_ > 0:
+        raise MasklnError(f"{MEMORY_ENV}: must be positive, got {gib_}")
+    return int(gib_ * (1 << 30))
 
 
 def preload() -> None:
-    """Import what the grader uses once the child has run (the tensors' decoder): a solution
-    runs as the same user and could change those files meanwhile (:mod:`.guard`)."""
+    """Import what the grader uses once the child has run (the tensors' decoder), and what a
+    forked child runs, and run maskln's op once (its native kernels loaded, or built, here: a
+    child only times it): a solution runs as the same user and could change those files
+    meanwhile (:mod:`.guard`)."""
     import safetensors.torch  # noqa: F401
+    import torch
 
-    from maskln_cli.grading import clauses, rootcause  # noqa: F401
+    from maskln_cli.grading import clauses, confine, rootcause, targets  # noqa: F401
+    from maskln_cli.op.api import masked_layer_normalization
+
+    with contextlib.suppress(Exception):  # the grader works without it: only slower children
+        x = torch.ones(2, 3, requires_grad=True)
+        out = masked_layer_normalization(x, torch.ones(2, dtype=torch.bool), torch.ones(3),
+                                         torch.zeros(3))  # fmt: skip
+        out.sum().backward()
 
 
 def last_log_line(log: IO[bytes] | None) -> str:
@@ -141,6 +163,10 @@ class ChildGone(Exception):
 class Sandbox:
     """The child process that runs the graded function; see the module docstring.
 
+    ``timeout``: seconds each clause may take (``--timeout``); None: each call's own limit
+    (:mod:`.child`). ``fork``: fork the child from this process (a class grade's worker, which
+    imported everything and runs no other thread) rather than start it.
+
     Example (a context manager; the child is killed on exit):
         >>> with Sandbox("maskln_cli:masked_layer_normalization", "cpu", 60) as child:
         ...     child.start()
@@ -153,12 +179,14 @@ class Sandbox:
         self,
         target: str,
         device: str,
-        timeout: float,
+        timeout: float | None,
         memory_bytes: int | None = None,
         contain_processes: bool = False,
+        fork: bool = False,
     ) -> None:
         self.target = target
         self.contain_processes = contain_processes
+        self.fork = fork
         self._protection: contextlib.ExitStack | None = None
         self._others: set[int] = set()
         self.device = device
@@ -166,14 +194,14 @@ class Sandbox:
         cpu = device.split(":")[0] == "cpu"
         # CUDA reserves a large address space: a cap would break it, not bound it.
         self.memory_bytes = (memory_bytes or memory_cap_bytes()) if cpu else None
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | Forked | None = None
         self.log: IO[bytes] | None = None
-        self.requests = -1
-        self.responses = -1
+        self.channel: socket.socket | None = None
         self.buffer = bytearray()
         self.failures_in_a_row = 0
         self.failed_clauses: list[str] = []
         self.case: str | None = None
+        self.call_limit: float | None = None
         self.peak_memory = 0
 
     def __enter__(self) -> Sandbox:
@@ -196,8 +224,9 @@ class Sandbox:
 
     def start(self) -> None:
         """Start the child (it imports torch and the grader: up to :data:`START_TIMEOUT`), then
-        have it import the target, within ``timeout`` (``--timeout``). Raises MasklnError (a
-        usage error) when the target cannot be imported in time, is missing or not callable."""
+        have it import the target, within ``timeout`` (else :data:`CLAUSE_LIMIT`). Raises
+        MasklnError (a usage error) when the target cannot be imported in time, is missing or
+        not callable."""
         try:
             self._spawn()
             ready, _ = self._receive(START_TIMEOUT)
@@ -208,17 +237,19 @@ class Sandbox:
         if not ready.get("ready"):
             self.stop()
             raise MasklnError(str(ready.get("error") or "the grader's child process did not start"))
+        limit = self.timeout or CLAUSE_LIMIT
         try:
             self._send({"op": "load", "target": self.target, "device": self.device})
-            answer, _ = self._receive(self.timeout)
+            answer, _ = self._receive(limit)
         except ChildGone as gone:
             self.stop()
             raise MasklnError(f"TARGET {self.target}: cannot import: {gone}") from None
         except TimeoutError:
             self.stop()
+            option = "--timeout" if self.timeout else "the limit of a clause"
             raise MasklnError(
-                f"TARGET {self.target}: cannot import: it did not finish within"
-                f" {self.timeout:g} s (--timeout)"
+                f"TARGET {self.target}: cannot import: it did not finish within {limit:g} s"
+                f" ({option})"
             ) from None
         if not answer.get("ok"):
             self.stop()
@@ -226,53 +257,49 @@ class Sandbox:
 
     def _spawn(self) -> None:
         self.stop()
-        request_read, self.requests = os.pipe()
-        self.responses, response_write = os.pipe()
+        self.channel, theirs = socket.socketpair()
         # Kept open for the child's life (its stdout and stderr), closed in stop().
         self.log = tempfile.TemporaryFile()  # noqa: SIM115
-        package_root = str(Path(__file__).resolve().parent.parent)
-        path = os.environ.get("PYTHONPATH")
-        env = {
-            **os.environ,
-            "PYTHONPATH": package_root + (os.pathsep + path if path else ""),
-            "PYTHONFAULTHANDLER": "1",  # a segfault leaves "Fatal Python error" in the log
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.memory_bytes:
-            env["_MASKLN_GRADE_MEMORY_BYTES"] = str(self.memory_bytes)
-        env["_MASKLN_GRADE_PARENT"] = str(os.getpid())
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written beside the solution
+        memory = self.memory_bytes or 0
         try:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "maskln_cli.grading.sandbox",
-                    str(request_read),
-                    str(response_write),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=self.log,
-                stderr=self.log,
-                pass_fds=(request_read, response_write),
-                env=env,
-                start_new_session=True,  # its own process group: killed with all it started
-            )
+            if self.fork:
+                self.process = self._fork(theirs.fileno(), self.log.fileno(), memory)
+            else:
+                env = {**os.environ, PARENT_ENV: str(os.getpid())}
+                if memory:
+                    env[MEMORY_BYTES_ENV] = str(memory)
+                self.process = subprocess.Popen(
+                    start_command("maskln_cli.grading.child", str(theirs.fileno())),
+                    stdin=subprocess.DEVNULL,
+                    stdout=self.log,
+                    stderr=self.log,
+                    pass_fds=(theirs.fileno(),),
+                    env=env,
+                    start_new_session=True,  # its own process group: killed with all it started
+                )
         finally:
-            os.close(request_read)
-            os.close(response_write)
+            theirs.close()
         self.buffer.clear()
+
+    @staticmethod
+    def _fork(channel: int, log: int, memory: int) -> Forked:
+        parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            forked_main(channel, log, parent, memory)
+        return Forked(pid)
 
     def stop(self) -> None:
         """Kill the child, everything in its process group and its session, and (with
         ``contain_processes``) every process it detached that came back to this one; release
-        its pipes."""
+        its channel."""
         process, self.process = self.process, None
-        for fd in (self.requests, self.responses):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.requests = self.responses = -1
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
         if process is not None:
             kill_group(process)
             kill_session(process.pid)
@@ -300,7 +327,7 @@ class Sandbox:
                 "SIGABRT": " (aborted)",
                 "SIGKILL": f" (killed{self._memory_words()})",
                 "SIGBUS": " (a bus error)",
-                "SIGXFSZ": f" (it wrote more than the grader's cap of {_mib(OUTPUT_CAP)})",
+                "SIGXFSZ": f" (it wrote more than the grader's cap of {mib(OUTPUT_CAP)})",
             }.get(name, "")
             reason = f"the process crashed: {name}{what}"
         else:
@@ -311,55 +338,51 @@ class Sandbox:
     # -- frames ---------------------------------------------------------------------------------
 
     def _send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode()
+        assert self.channel is not None
         try:
-            while data:
-                data = data[os.write(self.requests, data) :]
+            self.channel.sendall((json.dumps(message) + "\n").encode())
         except OSError:
             raise ChildGone(self._reason()) from None
 
-    def _receive(self, timeout: float) -> tuple[dict[str, Any], bytes]:
-        """The child's next answer; a frame saying which case it is on (``{"at": ...}``) is
-        kept (:attr:`case`), the child's memory is sampled meanwhile (:attr:`peak_memory`)."""
-        deadline = time.monotonic() + timeout
+    def _receive(self, limit: float, per_call: bool = False) -> tuple[dict[str, Any], bytes]:
+        """The child's next answer, within ``limit`` seconds; with ``per_call``, each call
+        within what the child's ticks say, too (bounded by ``limit``). A frame saying which
+        case the child is on (``{"at": ...}``) is kept (:attr:`case`), the child's memory is
+        sampled meanwhile (:attr:`peak_memory`). Raises TimeoutError, ChildGone."""
+        assert self.channel is not None
+        whole = time.monotonic() + limit
+        deadline = whole
+        self.call_limit = None
         while True:
-            frame = self._frame()
+            frame = pop_frame(self.buffer)
             if frame is not None:
-                if set(frame[0]) == {"at"}:
+                keys = set(frame[0])
+                if keys == {"at"}:
                     self.case = str(frame[0]["at"])[:MAX_LABEL]
+                    continue
+                if keys == {"tick"}:
+                    if per_call:
+                        self.call_limit = _call_limit(frame[0]["tick"], limit)
+                        deadline = min(whole, time.monotonic() + self.call_limit)
                     continue
                 return frame
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._sample_memory()
+                if deadline >= whole:
+                    self.call_limit = None  # the whole clause's limit ran out
                 raise TimeoutError
-            ready, _, _ = select.select([self.responses], [], [], min(remaining, 0.5))
+            ready, _, _ = select.select([self.channel], [], [], min(remaining, 0.5))
             if not ready:
                 self._sample_memory()
                 continue
-            chunk = os.read(self.responses, 1 << 20)
+            try:
+                chunk = self.channel.recv(1 << 20)
+            except OSError:
+                chunk = b""
             if not chunk:
                 raise ChildGone(self._reason())
             self.buffer += chunk
-
-    def _frame(self) -> tuple[dict[str, Any], bytes] | None:
-        if len(self.buffer) < HEADER.size:
-            return None
-        json_size, data_size = HEADER.unpack_from(self.buffer)
-        if json_size > MAX_JSON or data_size > MAX_DATA:
-            raise ChildGone("the child process sent a malformed answer")
-        end = HEADER.size + json_size + data_size
-        if len(self.buffer) < end:
-            return None
-        try:
-            header = json.loads(bytes(self.buffer[HEADER.size : HEADER.size + json_size]))
-        except ValueError:
-            raise ChildGone("the child process sent a malformed answer") from None
-        data = bytes(self.buffer[HEADER.size + json_size : end])
-        del self.buffer[:end]
-        if not isinstance(header, dict):
-            raise ChildGone("the child process sent a malformed answer")
-        return header, data
 
     # -- clauses --------------------------------------------------------------------------------
 
@@ -380,9 +403,10 @@ class Sandbox:
             except MasklnError as error:
                 return self._failed(name, ClauseRun(failure=f"could not restart: {error}"))
         self.case = None
+        per_call = self.timeout is None
         try:
-            self._send({"op": "run", "clause": name, "seed": seed})
-            header, data = self._receive(self.timeout)
+            self._send({"op": "run", "clause": name, "seed": seed, "per_call": per_call})
+            header, data = self._receive(self.timeout or CLAUSE_LIMIT, per_call)
         except TimeoutError:
             failure = self._timeout_words()
             self.stop()
@@ -396,19 +420,16 @@ class Sandbox:
         return decode_run(header, data)
 
     def _timeout_words(self) -> str:
-        """Why the clause ran out of time: the memory cap, when the child's address space was
-        at it (allocating, failing and retrying); else a hang or slowness, and in which case."""
-        where = f" in the case {self.case}" if self.case else ""
-        if self.memory_bytes and self.peak_memory >= MEMORY_NEAR_CAP * self.memory_bytes:
-            return (
-                f"out of memory (cap {_gib(self.memory_bytes)}, {MEMORY_ENV}): the process"
-                f" held {_gib(self.peak_memory)} when the clause's {self.timeout:g} s ran out"
-                f"{where}"
-            )
-        return f"timed out after {self.timeout:g} s{where} (the function hung, or is that slow)"
+        """Why the clause ran out of time (:func:`timeout_words`)."""
+        near_cap = bool(self.memory_bytes) and (
+            self.peak_memory >= MEMORY_NEAR_CAP * (self.memory_bytes or 0)
+        )
+        held = self.peak_memory if near_cap else None
+        return timeout_words(self.case, self.timeout, self.call_limit, self.memory_bytes, held)
 
     def _sample_memory(self) -> None:
-        """Keep the child's largest address space seen (VmPeak, Linux)."""
+        """Keep the child's largest address space seen (VmSize, Linux: a forked child starts
+        with its worker's peak, which is not its own)."""
         if self.process is None:
             return
         with (
@@ -416,13 +437,13 @@ class Sandbox:
             open(f"/proc/{self.process.pid}/status") as status,
         ):
             for line in status:
-                if line.startswith("VmPeak:"):
+                if line.startswith("VmSize:"):
                     self.peak_memory = max(self.peak_memory, int(line.split()[1]) * 1024)
 
     def _memory_words(self) -> str:
         """``: out of memory?``, or what the child held, when it was near its cap."""
         if self.memory_bytes and self.peak_memory >= MEMORY_NEAR_CAP * self.memory_bytes:
-            return f": out of memory, the process held {_gib(self.peak_memory)}"
+            return f": out of memory, the process held {gib(self.peak_memory)}"
         return ": out of memory?"
 
     def _failed(self, name: str, run: Any) -> Any:
@@ -431,15 +452,77 @@ class Sandbox:
         return run
 
 
-# --- (de)serializing a clause's run ---------------------------------------------------------------
+def pop_frame(buffer: bytearray) -> tuple[dict[str, Any], bytes] | None:
+    """The first whole frame in ``buffer`` (taken out of it), or None while it is not whole.
+    Raises ChildGone for what is not a frame."""
+    if len(buffer) < HEADER.size:
+        return None
+    json_size, data_size = HEADER.unpack_from(buffer)
+    if json_size > MAX_JSON or data_size > MAX_DATA:
+        raise ChildGone("the child process sent a malformed answer")
+    end = HEADER.size + json_size + data_size
+    if len(buffer) < end:
+        return None
+    try:
+        header = json.loads(bytes(buffer[HEADER.size : HEADER.size + json_size]))
+    except ValueError:
+        raise ChildGone("the child process sent a malformed answer") from None
+    data = bytes(buffer[HEADER.size + json_size : end])
+    del buffer[:end]
+    if not isinstance(header, dict):
+        raise ChildGone("the child process sent a malformed answer")
+    return header, data
 
 
-def encode_run(run: Any) -> tuple[dict[str, Any], bytes]:
-    """A ClauseRun as JSON and safetensors bytes."""
-    from safetensors.torch import save
+def timeout_words(
+    case: str | None,
+    timeout: float | None,
+    call_limit: float | None,
+    memory_bytes: int | None,
+    held: int | None,
+) -> str:
+    """Why a clause ran out of time: the memory cap, when the child ``held`` near it
+    (allocating, failing and retrying); else a hang or slowness, in which case, and the limit
+    that ran out: ``timeout`` (``--timeout``), a call's own (``call_limit``), or the clause's.
 
-    header = {"meta": run.meta, "errors": run.errors, "failure": run.failure}
-    return header, save({k: v.contiguous() for k, v in run.tensors.items()})
+    Example:
+        >>> timeout_words("x [2, 3]", None, 5.0, None, None)[:42]
+        'timed out after 5 s in the case x [2, 3] ('
+    """
+    where = f" in the case {case}" if case else ""
+    limit = call_limit or timeout or CLAUSE_LIMIT
+    if memory_bytes and held is not None:
+        return (
+            f"out of memory (cap {gib(memory_bytes)}, {MEMORY_ENV}): the process held"
+            f" {gib(held)} when its {limit:.3g} s ran out{where}"
+        )
+    if timeout is not None:
+        return f"timed out after {timeout:g} s{where} (the function hung, or is that slow)"
+    if call_limit is None:
+        return (
+            f"timed out after {CLAUSE_LIMIT:g} s, the limit of a clause,{where} (the function"
+            " is that slow; --timeout SECONDS sets another)"
+        )
+    return (
+        f"timed out after {call_limit:.3g} s{where} (the function hung, or is that slow: a call"
+        f" may take {TIME_FACTOR:g} times what maskln's op takes on its case, at least"
+        f" {FLOOR_SECONDS:g} s; --timeout SECONDS gives each clause one limit instead)"
+    )
+
+
+def _call_limit(told: Any, limit: float) -> float:
+    """What the child says a call may take, as a number of seconds between the floor and the
+    clause's ``limit`` (the child is the submission's: it may only lengthen its own wait)."""
+    try:
+        seconds = float(told)
+    except (TypeError, ValueError):
+        return FLOOR_SECONDS
+    if not math.isfinite(seconds):
+        return limit
+    return min(limit, max(FLOOR_SECONDS, seconds))
+
+
+# --- deserializing a clause's run --------------------------------------------------------------
 
 
 def decode_run(header: dict[str, Any], data: bytes) -> Any:
@@ -463,89 +546,3 @@ def decode_run(header: dict[str, Any], data: bytes) -> Any:
     except Exception:  # safetensors raises its own error types on a corrupt buffer
         return ClauseRun(failure="the child process sent malformed tensors")
     return ClauseRun(tensors=tensors, meta=meta, errors=errors, failure=failure)
-
-
-# --- the child ------------------------------------------------------------------------------------
-
-
-def _write_frame(fd: int, header: dict[str, Any], data: bytes = b"") -> None:
-    encoded = json.dumps(header).encode()
-    frame = HEADER.pack(len(encoded), len(data)) + encoded + data
-    view = memoryview(frame)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _limit_resources() -> None:
-    import resource
-
-    memory = os.environ.pop("_MASKLN_GRADE_MEMORY_BYTES", None)
-    if memory:
-        resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a segfault leaves no core file
-    resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_CAP, OUTPUT_CAP))
-
-
-def _limits_named(message: str, memory: int) -> str:
-    """An error the grader's own limits caused, said so: the memory cap, the output cap."""
-    if memory and message.startswith("out of memory"):
-        return f"out of memory (cap {_gib(memory)}, {MEMORY_ENV}): {message[15:]}"
-    if "[Errno 27]" in message:  # EFBIG: RLIMIT_FSIZE
-        return (
-            f"it wrote more than the grader's cap of {_mib(OUTPUT_CAP)} (what it prints, and any"
-            f" file it writes): {message}"
-        )
-    return message
-
-
-def child_main(argv: list[str]) -> int:
-    """The child's loop: load the target, then run clauses until the requests pipe closes."""
-    request_fd, response_fd = int(argv[0]), int(argv[1])
-    memory = int(os.environ.get("_MASKLN_GRADE_MEMORY_BYTES") or 0)
-    die_with_parent(os.environ.pop("_MASKLN_GRADE_PARENT", None))
-    _limit_resources()
-    sys.dont_write_bytecode = True  # whatever the environment says: no __pycache__ beside it
-    requests = os.fdopen(request_fd, "rb")
-    try:  # torch and the grader: the parent waits START_TIMEOUT for this, then --timeout
-        import torch
-
-        from maskln_cli.grading import clauses, targets
-        from maskln_cli.grading.clauses import calls
-    except MemoryError:
-        cap = f" (cap {_gib(memory)})" if memory else ""
-        _write_frame(response_fd, {"ready": False, "error": f"out of memory importing torch{cap}"})
-        return 0
-    torch.set_num_threads(1)  # small cases; and torch's thread pool spins under load
-    calls.watch_calls(lambda what: _write_frame(response_fd, {"at": what[:MAX_LABEL]}))
-    _write_frame(response_fd, {"ready": True})
-    load = json.loads(requests.readline() or b"{}")
-    try:
-        target = str(load.get("target"))
-        fn = targets.load_target(target)
-        maskln = targets.is_maskln_target(target)
-    except MasklnError as error:
-        _write_frame(response_fd, {"ok": False, "error": str(error)})
-        return 0
-    except MemoryError:
-        cap = f" (cap {_gib(memory)})" if memory else ""
-        _write_frame(response_fd, {"ok": False, "error": f"out of memory importing it{cap}"})
-        return 0
-    device = str(load.get("device") or "cpu")
-    _write_frame(response_fd, {"ok": True})
-    for line in requests:
-        request = json.loads(line)
-        if request.get("op") != "run":
-            break
-        run = clauses.run_clause(
-            fn, str(request["clause"]), int(request["seed"]), device, maskln=maskln
-        )
-        run.errors = {key: _limits_named(message, memory) for key, message in run.errors.items()}
-        if run.failure is not None:
-            run.failure = _limits_named(run.failure, memory)
-        header, data = encode_run(run)
-        _write_frame(response_fd, header, data)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]))

@@ -159,7 +159,9 @@ def _import_file(path: Path) -> Any:
     sys.modules[name] = module
     folder = str(path.resolve().parent)
     if folder not in sys.path:
-        sys.path.insert(0, folder)  # as Python does for a script: it may import its neighbours
+        # It may import the files beside it, as a script does, but after Python's own modules
+        # and the installed packages: no file there shadows one (inspect.py, safetensors.py).
+        sys.path.append(folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:

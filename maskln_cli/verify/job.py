@@ -16,8 +16,9 @@ evaluated on a bounded sample of its failing rows, and the one RESULT matches is
 This module runs those steps, each in its own module: what is asked (:mod:`.options`), what is
 checked and how (:mod:`.plan`), the streaming pass (:mod:`.measure`, with each element's
 allowance from :mod:`.allowance`), and the words and diagnosis (:mod:`.explain`). It keeps the
-public names: :class:`VerifyOptions`, :func:`parse_check`, :func:`parse_result_keys` and
-:func:`verify_file`.
+public names: :class:`VerifyOptions`, :func:`parse_check`, :func:`parse_result_keys`,
+:func:`verify_file` and :func:`verify_problem` (the judgement of inputs and results already
+open, files or tensors in memory).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from maskln_cli.compare.rows import count_left_out
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.masks import RowMask, open_row_mask, parse_mask_spec
 from maskln_cli.files.problem import NormalizeOptions, Problem, Progress, load_problem
-from maskln_cli.files.tensorfile import STDIO, open_tensor_file
+from maskln_cli.files.tensorfile import STDIO, TensorFile, open_tensor_file
 from maskln_cli.verify.explain import Explainer
 from maskln_cli.verify.measure import StreamingPass
 from maskln_cli.verify.options import (
@@ -47,7 +48,7 @@ YARDSTICK_RAISES = True
 benchmarks/verify_calibration.py turns it off to measure the model alone). Read when a job
 starts, and handed to its :class:`~maskln_cli.verify.allowance.Allowance`."""
 
-__all__ = ["VerifyOptions", "parse_check", "parse_result_keys", "verify_file"]
+__all__ = ["VerifyOptions", "parse_check", "parse_result_keys", "verify_file", "verify_problem"]
 
 
 def verify_file(
@@ -83,16 +84,32 @@ def verify_file(
                 f"--valid: {mask.source} has shape {list(mask.shape)}; expected x's leading"
                 f" shape {list(problem.shape[:-1])}"
             )
-        valid_rows = int(problem.valid.sum())
-        if verify.plain_layer_norm:
-            problem, mask = _as_plain_layer_norm(problem, mask)
-        plan = Plan(problem, result, options, verify)
-        plan.valid_rows = valid_rows  # the op's valid rows, also where every row is normalized
-        _suggest_valid_key(plan, options)
-        if mask is not None and mask.left_out == mask.rows:
-            _refuse_comparing_nothing(plan, mask)
-        job = _Job(plan, mask, options.chunk_rows)
-        return job.run(progress)
+        return verify_problem(problem, result, options, verify, mask, progress)
+
+
+def verify_problem(
+    problem: Problem,
+    result: TensorFile,
+    options: NormalizeOptions,
+    verify: VerifyOptions,
+    mask: RowMask | None = None,
+    progress: Progress | None = None,
+) -> ComparisonReport:
+    """Judge ``result`` against the float64 truth for ``problem``, once both are open: the
+    one judgement :func:`verify_file` makes of files and :mod:`maskln_cli.testing` of tensors
+    in memory (``result`` is then anything that reads as a :class:`TensorFile` does: ``name``,
+    ``keys``, ``in``, ``info`` and ``tensor``). ``problem`` holds scale and bias in float64."""
+    check_options(verify)
+    valid_rows = int(problem.valid.sum())
+    if verify.plain_layer_norm:
+        problem, mask = _as_plain_layer_norm(problem, mask)
+    plan = Plan(problem, result, options, verify)
+    plan.valid_rows = valid_rows  # the op's valid rows, also where every row is normalized
+    _suggest_valid_key(plan, options)
+    if mask is not None and mask.left_out == mask.rows:
+        _refuse_comparing_nothing(plan, mask)
+    job = _Job(plan, mask, options.chunk_rows)
+    return job.run(progress)
 
 
 def _as_plain_layer_norm(problem: Problem, mask: RowMask | None) -> tuple[Problem, RowMask]:

@@ -58,6 +58,10 @@ TIMINGS = (
     (re.compile(r"\bin \d+\.\d+s\b"), "in <t>s"),
 )
 COLUMNS = 100
+PAGE_THREADS = 2
+"""torch's thread count while a page's Python runs in this process: a figure a page shows can
+depend on it (a sum over rows in a model's backward), and pytest's workers run torch on one
+thread each (tests/conftest.py). Pages are made (``--update``) and checked with this count."""
 
 
 def pages() -> list[Path]:
@@ -317,6 +321,10 @@ def run_page(page: Path, folder: Path, update: bool = False) -> int:
     replacements: list[tuple[Block, list[str]]] = []
     before = Path.cwd()
     os.chdir(folder)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(PAGE_THREADS)
     try:
         for block in blocks:
             label = f"{where}:{block.start + 1}"
@@ -339,6 +347,7 @@ def run_page(page: Path, folder: Path, update: bool = False) -> int:
                     replacements.append((block, new))
     finally:
         os.chdir(before)
+        torch.set_num_threads(threads)
     if update and replacements:
         for block, new in sorted(replacements, key=lambda r: -r[0].start):
             lines[block.start + 1 : block.end] = [

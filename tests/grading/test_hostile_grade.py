@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -154,3 +155,55 @@ def test_the_output_cap_says_it_is_the_graders_and_its_size():
     assert result.exit_code == 1
     (clause,) = json.loads(result.stdout)["clauses"]
     assert "it wrote more than the grader's cap of 64 MiB" in clause["detail"], clause["detail"]
+
+
+HANGS = "from tests.solutions.misbehaving import hangs as masked_layer_normalization\n"
+CALL_LIMIT = re.compile(
+    r"timed out after (?P<seconds>[0-9.]+) s in the case .* \(the function hung, or is that"
+    r" slow: a call may take 10000 times what maskln's op takes on its case, at least 5 s;"
+    r" --timeout SECONDS gives each clause one limit instead\)"
+)
+
+
+def call_limit(detail: str) -> float:
+    """The limit a call ran out of (at least 5 s: 10,000 times maskln's op on that case, which
+    the raw-op backend or a loaded machine makes slower), or fail."""
+    found = CALL_LIMIT.fullmatch(detail)
+    assert found, detail
+    return float(found["seconds"])
+
+
+def test_a_hanging_function_fails_in_seconds_each_call_timed_against_the_op():
+    """Without --timeout each call may take 10000 times what maskln's op takes on its case (timed
+    in the same child), at least 5 s: a hang fails its first two clauses in seconds each, then
+    the rest are not run (it was two minutes: two clauses of 60 s)."""
+    started = time.monotonic()
+    result = grade_command(f"{SOLUTIONS / 'misbehaving.py'}:hangs", "--json")
+    seconds = time.monotonic() - started
+    assert result.exit_code == 1, result.stderr
+    first, second, *rest = json.loads(result.stdout)["clauses"]
+    for clause in (first, second):
+        assert 5 <= call_limit(clause["detail"]) < 30
+    assert "the specification's worked example" in second["detail"]
+    assert all(c["detail"].startswith("not run: the function crashed or hung") for c in rest)
+    assert seconds < 120  # a guard against a hang, not a speed test
+
+
+def test_a_hang_costs_a_class_seconds_and_an_explicit_timeout_means_the_clause(tmp_path):
+    (tmp_path / "a_hangs.py").write_text(HANGS)
+    (tmp_path / "b_correct.py").write_text(
+        "from tests.solutions.correct import masked_layer_normalization  # noqa: F401\n"
+    )
+    only = ("--only", "worked_example,values", "--jobs", "1", "--json")
+    for timeout in (None, "3"):
+        options = ("--timeout", timeout) if timeout else ()
+        result = run("grade", tmp_path, *only, *options)
+        assert result.returncode == 1, result.stderr
+        hangs, correct = (json.loads(line) for line in result.stdout.decode().splitlines())
+        assert correct["passed"]
+        details = [c["detail"] for c in hangs["clauses"]]
+        if timeout is None:
+            assert all(5 <= call_limit(detail) < 30 for detail in details)
+        else:  # the whole clause's limit, as --timeout always meant
+            assert [d.startswith("timed out after 3 s in the case ") for d in details] == [True] * 2
+            assert all(d.endswith("(the function hung, or is that slow)") for d in details)

@@ -50,6 +50,7 @@ def test_both_backends_compute_the_same_op(on_backend):
     torch.testing.assert_close(native, raw, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # real processes, tens of seconds: make test-slow
 def test_without_a_compiler_the_op_falls_back_with_one_warning(tmp_path):
     """An empty kernel cache and no C++ compiler: the first call warns once, saying why, and
     every call (eager, autograd, the registered op) gives the raw-op kernels' results;

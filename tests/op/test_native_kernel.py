@@ -559,6 +559,7 @@ def test_no_compiler_is_a_clear_reason_not_a_crash(monkeypatch, tmp_path):
         native._load_or_build()
 
 
+@pytest.mark.slow  # real processes, tens of seconds: make test-slow
 def test_module_entry_point_builds_or_finds_the_library(lib):
     done = subprocess.run(
         [sys.executable, "-m", "maskln_cli.op.native"], capture_output=True, text=True, cwd=ROOT
@@ -567,6 +568,7 @@ def test_module_entry_point_builds_or_finds_the_library(lib):
     assert str(native.library_path()) in done.stdout
 
 
+@pytest.mark.slow  # real processes, tens of seconds: make test-slow
 def test_processes_starting_together_build_once(lib, tmp_path):
     """Four processes load from an empty cache at once: one builds (here a stand-in compile
     that copies the library after a pause), the others wait for its lock, saying for whom,

@@ -393,6 +393,7 @@ def test_a_new_eps_recompiles_as_for_torch_layer_norm():
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow  # real processes, tens of seconds: make test-slow
 def test_exported_graph_loads_in_a_fresh_process_after_import_maskln(tmp_path):
     """torch.export.load could not resolve maskln::masked_layer_norm in a fresh process; the
     ops are now defined when torch is imported after maskln_cli, or at once if it already is,

@@ -78,12 +78,17 @@ COMPACT_AFTER = 8
 """With more tensors than this, those that pass get one line each instead of a block."""
 
 
-def render_comparison(report: ComparisonReport, quiet: bool = False) -> None:
+def render_comparison(
+    report: ComparisonReport, quiet: bool = False, to: Console | None = None
+) -> None:
     """The human report of ``maskln diff`` and ``maskln verify``: a header, a block per tensor,
-    the worst rows of each mismatched tensor, notes, and the verdict line last."""
+    the worst rows of each mismatched tensor, notes, and the verdict line last; on stdout, or
+    on the console ``to`` (maskln_cli.testing's, for an assertion's message)."""
+    import contextlib
+
     from rich.segment import Segment
 
-    with plain_when_piped() as console:
+    with plain_when_piped() if to is None else contextlib.nullcontext(to) as console:
         if not quiet:
             _render_header(console, report)
             compact = len(report.tensors) > COMPACT_AFTER

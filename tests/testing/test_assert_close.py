@@ -1,0 +1,245 @@
+"""maskln_cli.testing.assert_close and verify: a kernel's tensors in memory judged as `maskln
+verify` judges files (the kernels are tests/kernels.py's, correct and wrong)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from maskln_cli import testing
+from maskln_cli.testing.judging import VerifyFailed
+from maskln_cli.testing.text import failure_message, report_text
+from maskln_cli.verify.job import verify_file
+from tests import kernels
+from tests.clitools import invoke, write
+
+GRADIENTS = ("grad_x", "grad_scale", "grad_bias")
+
+
+def judged(inputs: dict[str, torch.Tensor], result: dict[str, torch.Tensor], **options):
+    """verify's report on ``result`` for ``inputs`` (tests/kernels.py's dicts)."""
+    grads = {name: result.get(name) for name in GRADIENTS}
+    return testing.verify(
+        result.get("out"), inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"],
+        kernels.EPS, grad_out=inputs.get("grad_out"), **grads, **options,
+    )  # fmt: skip
+
+
+def assert_judged_close(inputs, result, **options) -> None:
+    grads = {name: result.get(name) for name in GRADIENTS}
+    testing.assert_close(
+        result.get("out"), inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"],
+        kernels.EPS, grad_out=inputs.get("grad_out"), **grads, **options,
+    )  # fmt: skip
+
+
+def float64_truth(inputs):
+    """out and the gradients in float64, by maskln's op under autograd."""
+    leaves = [inputs[k].double().requires_grad_() for k in ("x", "scale", "bias")]
+    out = kernels.masked_layer_normalization(
+        leaves[0], inputs["valid"], leaves[1], leaves[2], kernels.EPS
+    )
+    grads = torch.autograd.grad(out, leaves, inputs["grad_out"].double())
+    return {"out": out.detach(), **dict(zip(GRADIENTS, grads, strict=True))}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "offset"), [("float16", 0.0), ("bfloat16", 100.0), ("float32", 1e4)]
+)
+def test_a_correct_kernel_passes_where_a_fixed_tolerance_fails(dtype, offset):
+    """PyTorch's own F.layer_norm, result and gradients: torch.testing.assert_close against the
+    float64 truth fails it (float16 gradients, float32 rows at an offset), the budget does
+    not."""
+    inputs = kernels.offset_batch(offset, dtype=dtype, shape=(4, 64, 64))
+    result = kernels.zero_padding(kernels.run(kernels.torch_layer_norm, inputs), inputs["valid"])
+    truth = float64_truth(inputs)
+    refused = []
+    for name, value in result.items():
+        try:
+            torch.testing.assert_close(value, truth[name].to(value.dtype))
+        except AssertionError:
+            refused.append(name)
+    assert refused, "the fixed tolerance was expected to refuse a correct kernel here"
+    assert_judged_close(inputs, result)  # raises on failure
+    report = judged(inputs, result)
+    assert [t.name for t in report.tensors] == ["out", *GRADIENTS]
+    assert all(t.passed and t.budget_ratio <= 1 for t in report.tensors)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "offset", "failing", "diagnosis"),
+    [
+        (kernels.one_pass, 1e3, ["out", "grad_x"], "one-pass variance"),
+        (kernels.eps_outside, 0.0, ["out", "grad_x"], "eps added outside the square root"),
+        (kernels.unbiased, 0.0, ["out", "grad_x"], "unbiased variance"),
+        (kernels.padding_returns_bias, 0.0, ["out"], "invalid rows return bias"),
+        (kernels.nan_leak, 0.0, ["grad_x", "grad_scale"], "NaN or inf from the padding"),
+    ],
+    ids=["one-pass", "eps outside", "unbiased", "padding", "NaN leak"],
+)
+def test_a_wrong_kernel_fails_with_the_tensor_named(kernel, offset, failing, diagnosis):
+    inputs = kernels.offset_batch(offset, shape=(4, 64, 64))
+    result = kernels.run(kernel, inputs)
+    with pytest.raises(AssertionError) as raised:
+        assert_judged_close(inputs, result)
+    message = str(raised.value)
+    report = raised.value.report
+    failed = [t for t in report.tensors if not t.passed]
+    assert set(failing) <= {t.name for t in failed} and failed[0].name == failing[0]
+    assert message.startswith(f"FAIL: {len(failed)} of 4 tensors: {failing[0]} (")
+    for name in failing:
+        assert f"\nFAIL {name} " in message
+    assert diagnosis in failed[0].diagnosis[0]["description"]
+    assert re.search(f"^  diagnosis +likely {re.escape(diagnosis)}", message, re.M)
+
+
+def test_a_wrong_grad_scale_alone_is_caught():
+    """A backward whose loop over the batch stops one sequence short in grad_scale's sum (an
+    off-by-one): out, grad_x and grad_bias right, grad_scale short of 43 of 179 rows."""
+    inputs = kernels.offset_batch(0.0, shape=(4, 64, 64))
+    result = kernels.zero_padding(kernels.run(kernels.two_pass, inputs), inputs["valid"])
+    x, valid = inputs["x"].reshape(-1, 64), inputs["valid"].reshape(-1)
+    xhat = kernels.two_pass(x, valid, torch.ones(64), torch.zeros(64))  # 0 on the padding
+    dy = inputs["grad_out"].reshape(-1, 64)
+    short = (dy * xhat)[: 3 * 64].sum(0)  # the last sequence left out
+    assert (short - result["grad_scale"]).abs().max() > 1e-2  # the mistake is not rounding
+    assert_judged_close(inputs, result)  # the right kernel passes
+    with pytest.raises(AssertionError) as raised:
+        assert_judged_close(inputs, dict(result, grad_scale=short))
+    assert raised.value.args[0].startswith("FAIL: 1 of 4 tensors: grad_scale (")
+    assert [t.passed for t in raised.value.report.tensors] == [True, True, False, True]
+
+
+def _figures(document: dict) -> str:
+    """A report's JSON without what names the inputs (paths, or the in-memory names); as
+    text, where NaN is NaN."""
+    document = dict(document)
+    for key in ("actual", "expected", "eps_source"):
+        document.pop(key)
+    return json.dumps(document, sort_keys=True)
+
+
+@pytest.mark.parametrize("kernel", [kernels.two_pass, kernels.unbiased, kernels.nan_leak])
+def test_files_and_memory_get_the_same_verdict_and_figures(tmp_path, kernel):
+    """The same tensors, saved for `maskln verify` and given to verify/assert_close: the same
+    report, figure for figure, and the same text but for the lines naming the inputs."""
+    inputs = kernels.offset_batch(1e3, shape=(4, 32, 64))
+    result = kernels.run(kernel, inputs)
+    source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
+    target = write(tmp_path / "result.safetensors", result)
+    from_files = verify_file(str(source), str(target))
+    in_memory = judged(inputs, result)
+    assert from_files.passed == in_memory.passed
+    assert _figures(in_memory.to_dict()) == _figures(from_files.to_dict())
+
+    printed = invoke("verify", source, target)
+    assert printed.exit_code == (0 if from_files.passed else 1), printed.stderr
+    text = report_text(in_memory)
+    names = [(str(target), "the kernel's tensors"), (str(source), "the inputs given"),
+             ("from metadata 'eps'", "from the eps argument")]  # fmt: skip
+    expected = printed.stdout.rstrip("\n")
+    for path, name in names:
+        expected = expected.replace(path, name)
+    assert text == expected
+    if not in_memory.passed:
+        with pytest.raises(AssertionError) as raised:
+            assert_judged_close(inputs, result)
+        assert str(raised.value) == failure_message(in_memory)
+        verdict, _, body = str(raised.value).partition("\n\n")
+        assert f"{body}\n\n{verdict}" == text  # the report, its verdict line first
+
+
+def test_any_strides_and_devices_give_the_same_report():
+    inputs = kernels.offset_batch(1e2, shape=(2, 16, 32))
+    result = kernels.run(kernels.unbiased, inputs)  # a failing kernel: the most figures
+    contiguous = _figures(judged(inputs, result).to_dict())
+
+    def strided(t: torch.Tensor) -> torch.Tensor:  # the same values, the channels outermost
+        return t.movedim(-1, 0).contiguous().movedim(0, -1) if t.dim() > 1 else t[::1]
+
+    def every_other(t: torch.Tensor) -> torch.Tensor:
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    for layout in (strided, every_other):
+        moved = {k: layout(v) if v.dtype != torch.bool else v for k, v in inputs.items()}
+        again = {k: layout(v) for k, v in result.items()}
+        assert not moved["x"].is_contiguous() and not again["grad_x"].is_contiguous()
+        assert _figures(judged(moved, again).to_dict()) == contiguous
+    requiring = {k: v.requires_grad_() for k, v in result.items()}
+    assert _figures(judged(inputs, requiring).to_dict()) == contiguous
+    if torch.cuda.is_available():
+        on_gpu = {k: v.cuda() for k, v in inputs.items()}
+        again = {k: v.cuda() for k, v in result.items()}
+        assert _figures(judged(on_gpu, again).to_dict()) == contiguous
+
+
+def test_the_message_is_the_plain_text_report():
+    inputs = kernels.offset_batch(0.0, shape=(2, 16, 32))
+    result = kernels.run(kernels.with_eps(1e-3), inputs)
+    with pytest.raises(VerifyFailed) as raised:
+        assert_judged_close(inputs, result)
+    message = str(raised.value)
+    assert isinstance(raised.value, AssertionError)
+    assert "\x1b[" not in message and "[bold" not in message  # no colour, no markup
+    assert not any(line != line.rstrip() for line in message.split("\n"))
+    for line in ("result     the kernel's tensors (actual)", "FAIL out ", "worst rows of out"):
+        assert line in message
+    assert re.search(r"^  row +channel +actual +expected +abs diff +budget$", message, re.M)
+    # the report as data beside it: JSON-ready, as `maskln verify --json` prints it
+    assert json.loads(json.dumps(raised.value.report.to_dict()))["passed"] is False
+
+
+def test_factor_is_verify_s():
+    inputs = kernels.offset_batch(0.0, shape=(2, 16, 32))
+    result = kernels.run(kernels.with_eps(2e-5), inputs)
+    needed = judged(inputs, result).tensors[0].factor_needed
+    assert needed is not None and 3 < needed < 1e6
+    assert not judged(inputs, result, factor=needed * 0.9).tensors[0].passed
+    report = judged(inputs, result, factor=needed * 1.1)
+    assert report.tensors[0].budget_ratio <= 1 and report.context["factor"] == needed * 1.1
+
+
+X = torch.zeros(2, 3, 4)
+VALID = torch.ones(2, 3, dtype=torch.bool)
+ONES, ZEROS = torch.ones(4), torch.zeros(4)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "options", "error", "words"),
+    [
+        ((X, X.numpy(), VALID, ONES, ZEROS), {}, TypeError, "x must be a torch.Tensor"),
+        ((X, X.long(), VALID, ONES, ZEROS), {}, TypeError, "x must be a float32"),
+        ((X, X, VALID[0], ONES, ZEROS), {}, ValueError, "valid must have x's leading shape"),
+        ((X, X, VALID.float() * 2, ONES, ZEROS), {}, ValueError, "valid must hold only 0 and 1"),
+        ((X, X, VALID, torch.ones(5), ZEROS), {}, ValueError, "scale must have shape [4]"),
+        ((X, X, VALID, ONES, ZEROS.long()), {}, TypeError, "bias must be a floating tensor"),
+        ((X, X, VALID, ONES, ZEROS, -1.0), {}, ValueError, "eps must be a finite positive"),
+        ((X, X, VALID, ONES, ZEROS, "1e-5"), {}, TypeError, "eps must be a finite positive"),
+        ((X, X, VALID, ONES, ZEROS, 1e-50), {}, ValueError, "eps 1e-50 rounds to 0"),
+        ((X, X, VALID, ONES, ZEROS), {"factor": 0.5}, ValueError, "factor must be a finite"),
+        ((X, X, VALID, ONES, ZEROS), {"grad_x": X}, ValueError, "grad_x given without grad_out"),
+        ((X, X, VALID, ONES, ZEROS), {"grad_out": X[0]}, ValueError, "grad_out must have x's"),
+        ((None, X, VALID, ONES, ZEROS), {}, ValueError, "nothing to judge"),
+        ((X, X, VALID, ONES, ZEROS), {"grad_out": X, "grad_bias": 0}, TypeError, "grad_bias must"),
+        ((X.to_sparse(), X, VALID, ONES, ZEROS), {}, TypeError, "out must be a dense"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(arguments, options, error, words):
+    for function in (testing.assert_close, testing.verify):
+        with pytest.raises(error) as raised:
+            function(*arguments, **options)
+        assert words in str(raised.value)
+
+
+def test_a_wrong_result_shape_or_dtype_is_a_failure_not_an_error():
+    """The result is the kernel's: a shape or dtype that is wrong fails, as in verify."""
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(AssertionError, match=r"FAIL: 1 of 1 tensors: out \(shape"):
+        testing.assert_close(x[0], x, None, None, None)
+    with pytest.raises(AssertionError, match="not a floating-point result"):
+        testing.assert_close(x.long(), x, None, None, None)
