@@ -57,7 +57,7 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def traced(*tensors: torch.Tensor) -> bool:
     """Fake, meta or other tensor subclasses (tracing, export): the registered op's path."""
-    for t in tensors:  # a loop, not any(): this runs on every eager call
+    for t in tensors:  # noqa: SIM110 (a loop, not any(): this runs on every eager call)
         if type(t) not in PLAIN or t.is_meta:
             return True
     return False
@@ -217,12 +217,10 @@ def run_backward(
     else the registered backward op."""
     if plain(dy, x, valid, scale, mean, rstd):
         return backend.backward(dy, x, valid, scale, mean, rstd, eps, needs)
-    computed = iter(
-        torch.ops.maskln.masked_layer_norm_backward(
-            dy, x, valid, scale, mean, rstd, eps, list(needs)
-        )
+    computed = torch.ops.maskln.masked_layer_norm_backward(
+        dy, x, valid, scale, mean, rstd, eps, list(needs)
     )
-    return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
+    return backend.spread(computed, needs)
 
 
 def composite_forward(

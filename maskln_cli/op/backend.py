@@ -40,6 +40,7 @@ __all__ = [
     "forward",
     "native_kernels",
     "set_backend",
+    "spread",
 ]
 
 BACKEND_ENV = "MASKLN_BACKEND"
@@ -249,8 +250,7 @@ def backward(
     layout, dscale and dbias in scale's dtype; +0.0 from invalid rows."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
     if kernels is not None and x.device.type == "cpu":
-        computed = iter(kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs)))
-        return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
+        return spread(kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs)), needs)
     # The raw-op kernels, as forward's.
     import torch
 
@@ -270,6 +270,15 @@ def backward(
         dx = dx.to(x.dtype)
     dscale, dbias = (None if g is None else g.to(scale.dtype) for g in (dscale, dbias))
     return dx, dscale, dbias
+
+
+def spread(
+    computed: list[torch.Tensor], needs: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dscale, dbias)`` from the list a backward kernel or op returns (the requested
+    ones, in that order), None where ``needs`` did not request one."""
+    given = iter(computed)
+    return tuple(next(given) if need else None for need in needs)  # type: ignore[return-value]
 
 
 class _autocast_off:

@@ -134,8 +134,7 @@ def _forward_call(x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
 
 
 def _backward_call(dy, x, valid, scale, mean, rstd, eps, needs):  # type: ignore[no-untyped-def]
-    computed = iter(backward_op(dy, x, valid, scale, mean, rstd, eps, list(needs)))
-    return tuple(next(computed) if need else None for need in needs)
+    return backend.spread(backward_op(dy, x, valid, scale, mean, rstd, eps, list(needs)), needs)
 
 
 def _forward_vmap(info, in_dims, x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
