@@ -33,7 +33,8 @@ max of the per-repetition ratios. "peer" is
 12. ``maskln grade`` of a correct solution, ``--strict``: absolute wall seconds, each run
     interleaved with a ``python -c "import torch"`` run, whose seconds are shown beside it.
 13. The op compiled / the peer compiled (both ``torch.compile``, inductor, fullgraph), forward
-    without grad and forward + backward.
+    without grad and forward + backward; targets: at most 1.00 on the tiny calls, 0.80 on the
+    rest (issue 30).
 14. torch.func on [64, 128, 768] float32: ``vmap`` of the op over the leading axis, and
     ``grad`` of a weighted sum of its output w.r.t. x / the same computation eager.
 15. ``maskln verify in res`` with gradients (in: a 512 MiB x with grad_out, ``generate
@@ -441,13 +442,18 @@ def figure_13(settings: Settings, report: Report) -> None:
 
     backward_calls = training_calls(ours_compiled, peer_compiled)
 
+    def compiled_target(case: Case) -> tuple[str, float]:
+        """<= 1.00 on every shape, <= 0.80 on all but the tiny calls (issue 30)."""
+        bound = 1.00 if case.shape in TINY_SHAPES else 0.80
+        return f"<= {bound:.2f}", bound
+
     for figure, make_calls in (
         ("13 compiled fwd, no grad", forward_calls),
         ("13 compiled fwd+bwd", backward_calls),
     ):
-        rows = timing_rows(figure, make_calls, settings, lambda _: ("<= 1.00", 1.00), OP_CASES)
+        rows = timing_rows(figure, make_calls, settings, compiled_target, OP_CASES)
         met = all(r.met for r in rows)
-        report.rows += [*rows, summary_row(figure, rows, "each <= 1.00", met)]
+        report.rows += [*rows, summary_row(figure, rows, "each its target", met)]
     report.notes.append("13: both compiled by inductor (fullgraph); compile time excluded")
 
 

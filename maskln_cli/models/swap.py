@@ -29,24 +29,38 @@ POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR
 
 
 class ModelMask:
-    """The bool mask of the model's forward call in progress, which its swapped layer norms
-    read; None between calls, so that a layer norm called on its own never reads an earlier
-    batch's mask.
+    """The mask of the model's forward call in progress, which its swapped layer norms read;
+    None between calls, so that a layer norm called on its own never reads an earlier batch's
+    mask.
 
     ``argument`` names the forward's argument that carries the mask, and ``position`` is its
     index among the positional arguments (None when it can only be given by name).
+
+    The hooks only hold the call's mask (no tensor operation): the first layer norm that reads
+    it converts it by the one mask rule, once per call. So under torch.compile the hooks,
+    which run as frames of their own, make no graph, and the conversion is traced into the
+    model's graph: one graph for the whole forward.
     """
 
     def __init__(self, argument: str, position: int | None) -> None:
         self.argument = argument
         self.position = position
-        self.mask: torch.Tensor | None = None
-        self._outer: list[torch.Tensor | None] = []  # a forward inside a forward of the model
+        self.given: torch.Tensor | None = None
+        self.converted: torch.Tensor | None = None
+        # The masks of the calls outside this one (a forward inside a forward of the model).
+        self._outer: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The call's mask as a bool tensor (converted on first use), or None between calls."""
+        if self.converted is None and self.given is not None:
+            self.converted = as_valid_mask(self.given, self.argument)
+        return self.converted
 
     def take(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The model's forward pre-hook: the call's mask, by the one mask rule."""
-        self._outer.append(self.mask)  # first: drop() runs even when this raises
-        self.mask = None
+        """The model's forward pre-hook: the call's mask."""
+        self._outer.append((self.given, self.converted))  # first: drop() runs if this raises
+        self.given = self.converted = None
         mask = kwargs.get(self.argument)
         if mask is None and self.position is not None and self.position < len(args):
             mask = args[self.position]
@@ -56,11 +70,13 @@ class ModelMask:
                 f" norms (swapped by maskln_cli.swap_layer_norms) need to zero the padding:"
                 f" pass {self.argument}= (all ones when nothing is padded)"
             )
-        self.mask = as_valid_mask(mask, self.argument)
+        if not isinstance(mask, torch.Tensor):
+            as_valid_mask(mask, self.argument)  # its TypeError, naming the argument, now
+        self.given = mask
 
     def drop(self, model: nn.Module, args: object, kwargs: object, output: object) -> None:
         """The model's forward hook, also called when the forward raised."""
-        self.mask = self._outer.pop() if self._outer else None
+        self.given, self.converted = self._outer.pop() if self._outer else (None, None)
 
 
 class SwappedLayerNorm(MaskedLayerNorm):

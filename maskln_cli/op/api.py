@@ -8,10 +8,10 @@ import maskln_cli.op.library  # noqa: F401  (defines torch.ops.maskln.masked_lay
 from maskln_cli.op import backend
 from maskln_cli.op.autograd import (
     MaskedLayerNormFunction,
+    Way,
     apply_eager,
-    observed,
-    traced,
-    transformed,
+    composite_forward,
+    forward_way,
 )
 from maskln_cli.op.checks import as_valid_mask, check_inputs
 
@@ -58,15 +58,14 @@ def masked_layer_normalization(
     """
     valid = as_valid_mask(valid)
     eps = check_inputs(x, valid, scale, bias, eps)
-    if (
-        torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or traced(x, valid, scale, bias)
-        or observed()
-    ):  # a graph is being made, or ops watched: the registered op, one node calling the kernels
-        return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]
-    if transformed():  # torch.func or forward-mode AD: the op's autograd and vmap rules
-        return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]
-    if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or bias.requires_grad):
+    way = forward_way(x, valid, scale, bias)
+    if way is Way.KERNELS:
+        return backend.forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
+    if way is Way.AUTOGRAD:
         return apply_eager(MaskedLayerNormFunction, x, valid, scale, bias, eps)[0]
-    return backend.forward(x, valid, scale, bias, eps, keep_statistics=False)[0]
+    if way is Way.FUNCTION:  # torch.func, forward-mode AD: torch's route through the transforms
+        return MaskedLayerNormFunction.apply(x, valid, scale, bias, eps)[0]
+    if way is Way.COMPOSITE:
+        return composite_forward(x, valid, scale, bias, eps)[0]
+    # a graph is made, or ops watched: the registered op, one node calling the kernels
+    return torch.ops.maskln.masked_layer_norm(x, valid, scale, bias, eps)[0]

@@ -1,42 +1,78 @@
-"""The op's derivatives: two autograd.Functions over the kernels of :mod:`maskln_cli.op.backend`.
+"""The op's derivatives: two autograd.Functions over the kernels, and the rule that picks a way.
 
 :class:`MaskedLayerNormFunction` is the op with its derivatives of both modes:
 
-- ``backward`` (reverse mode) calls the backward kernel, directly when no graph is to be built
-  (the common case), else through the registered backward op, whose own autograd is
-  :class:`MaskedLayerNormBackwardFunction`;
-- ``jvp`` (forward mode: ``torch.func.jvp``, ``jacfwd``, dual tensors) is the backward kernel
-  again, since the Jacobian of xhat in x is symmetric: for a valid row,
+- ``backward`` (reverse mode) is the backward kernel, or, when the gradient is itself to be
+  differentiated, :class:`MaskedLayerNormBackwardFunction`, which is differentiable in turn;
+- ``jvp`` (forward mode: ``torch.func.jvp``, ``jacfwd``, dual tensors) is the backward again,
+  since the Jacobian of xhat in x is symmetric: for a valid row,
   ``J = rstd * (I - 1/C - xhat xhat^T / C)``, so ``J t`` is the backward's dx for ``dy = t``
-  and unit scale; then ``y' = scale * J x' + xhat * scale' + bias'``.
+  and unit scale; then ``y' = scale * J x' + xhat * scale' + bias'``;
+- ``vmap`` folds the batch axis into the rows: one kernel call for the whole batch.
 
-:class:`MaskedLayerNormBackwardFunction` is the backward kernel as a function of (dy, x, scale),
-so that derivatives compose over it (``create_graph=True``, ``jacrev``, ``hessian``): its own
-derivatives (second order) come from the float64 composite of :mod:`maskln_cli.op.functional`,
-which recomputes the statistics from x and so carries the terms that flow through them.
+:class:`MaskedLayerNormBackwardFunction` is the backward kernel as a function of (dy, x, scale):
+its own derivatives (second order and beyond) come from the float64 composite of
+:mod:`maskln_cli.op.functional`, which recomputes the statistics from x and so carries the
+terms that flow through them.
 
-Both are the autograd of the registered ops (:mod:`maskln_cli.op.library`), applied there at a
-single level of torch.func's transforms (the ops' dispatcher kernels unwrap one level at a time;
-vmap has the ops' own rules); the public function applies the first directly for plain tensors,
-the cheapest way in. Inside, anything but plain tensors (fake, functional, wrapped by a
-transform) goes through the ops again, so a traced graph holds the op as one node.
+Under torch.func the public function applies the Function with ``Function.apply``, torch's
+own route for autograd.Functions through its transforms: each grad or jvp level gets a node
+whose forward runs the levels below it with derivatives on, so a transform outside sees the
+op's output as a function of its inputs. (A Function applied at a single level, from a
+dispatcher kernel, runs its forward with derivatives off: an outer transform then took the
+output for a constant.) Whatever the Functions compute from a transform's tensors goes through
+a Function or plain torch ops, never a kernel directly, so that every level can differentiate
+and batch it. Two cases take the float64 composite of :mod:`maskln_cli.op.functional`, which
+every transform sees through natively: two forward-mode transforms at once (torch runs a
+Function's ``jvp`` with forward-mode AD off, so the outer one would see a constant), and the
+registered op differentiated under torch.func (inside the dispatcher, ``Function.apply``
+cannot reach the levels below).
+
+Which way each call takes is one table per direction (:data:`FORWARD_WAYS`,
+:data:`BACKWARD_WAYS`), read top to bottom: the first row whose condition holds;
+``tests/op/test_ways.py`` enumerates the contexts that reach each row.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad
-from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
+from torch._functorch.utils import unwrap_dead_wrappers
 
 from maskln_cli.op import backend
+from maskln_cli.op.batching import batched_backward, batched_forward, normalized
 from maskln_cli.op.checks import compute_dtype
-from maskln_cli.op.functional import gradients
+from maskln_cli.op.functional import gradients, masked_layer_norm_with_statistics
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+# --- the conditions ---------------------------------------------------------------------------
+
+
+def traced(*tensors: torch.Tensor) -> bool:
+    """Fake, meta or other tensor subclasses (tracing, export): the registered op's path."""
+    for t in tensors:  # noqa: SIM110 (a loop, not any(): this runs on every eager call)
+        if type(t) not in PLAIN or t.is_meta:
+            return True
+    return False
+
+
+def observed() -> bool:
+    """A TorchDispatchMode (a flop counter, a tracer) or the profiler is active: it sees ops
+    of the dispatcher only, so the op must be one, not a direct call of the kernels."""
+    return bool(torch._C._len_torch_dispatch_stack()) or torch._C._autograd._profiler_enabled()
+
+
+def graph_made(*tensors: torch.Tensor) -> bool:
+    """A graph is being made (torch.compile, torch.jit.trace, fake or meta tensors, export) or
+    the dispatcher is watched: the op must appear as the registered op, one node."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or traced(*tensors) or observed()
 
 
 def transformed() -> bool:
@@ -46,32 +82,24 @@ def transformed() -> bool:
     )
 
 
-def legacy_batched(tensor: torch.Tensor) -> bool:
-    """A batched gradient of ``autograd.grad(..., is_grads_batched=True)`` (as gradcheck's
-    ``check_batched_grad`` makes), which torch's older vmap batches outside any transform."""
-    return bool(torch._C._functorch.is_legacy_batchedtensor(tensor))
+def nested_forward_mode() -> bool:
+    """Two forward-mode transforms of torch.func are active (``jvp`` of ``jvp``, ``jacfwd`` of
+    ``jacfwd``, ``jvp`` of ``jacfwd``...).
 
+    torch runs an autograd.Function's ``jvp`` rule with forward-mode AD off (torch 2.13, any
+    Function), so a forward-mode transform outside the one the rule serves takes the rule's
+    tangent for a constant: ``jvp(jvp(f))`` comes out 0 where it is not. Under two such
+    transforms the op is the composite instead, which every transform differentiates natively;
+    under one, the Function's rule is right (reverse-mode transforms outside it still see its
+    operations, which run with gradients on).
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-def traced(*tensors: torch.Tensor) -> bool:
-    """Fake, meta or other tensor subclasses (tracing, export): the registered op's path."""
-    return any(type(t) not in PLAIN or t.is_meta for t in tensors)
-
-
-def observed() -> bool:
-    """A TorchDispatchMode (a flop counter, a tracer) or the profiler is active: it sees ops
-    of the dispatcher only, so the op must be one, not a direct call of the kernels."""
-    return bool(torch._C._len_torch_dispatch_stack()) or torch._C._autograd._profiler_enabled()
-
-
-def plain(*tensors: torch.Tensor) -> bool:
-    """Tensors the kernels can take directly: no graph being traced, no transform active,
-    nothing observing the dispatcher."""
-    return not (
-        traced(*tensors)
-        or torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-        or observed()
-    )
+    levels = retrieve_all_functorch_interpreters()
+    return sum(level.key() == TransformType.Jvp for level in levels) >= 2
 
 
 def differentiable(*tensors: torch.Tensor) -> bool:
@@ -82,32 +110,69 @@ def differentiable(*tensors: torch.Tensor) -> bool:
     return torch.autograd.forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
 
 
-def second_order(*tensors: torch.Tensor) -> bool:
-    """Under torch.func, whether the derivative being computed from ``tensors`` (a Function's
-    saved tensors and incoming derivative) will itself be differentiated: by an enclosing grad
-    or jvp transform (their tensors wrap another level that tracks derivatives: ``hessian``,
-    ``grad(grad(f))``), or by autograd outside the transforms (they require grad beneath)."""
-    functorch = torch._C._functorch
-    own = max(
-        (functorch.maybe_get_level(t) for t in tensors if functorch.is_gradtrackingtensor(t)),
-        default=None,
-    )
-    for tensor in tensors:
-        while functorch.is_functorch_wrapped_tensor(tensor):
-            if functorch.is_gradtrackingtensor(tensor) and functorch.maybe_get_level(tensor) != own:
-                return True
-            tensor = functorch.get_unwrapped(tensor)
-        if tensor.requires_grad:
-            return True
-    return False
+def legacy_batched(tensor: torch.Tensor | None) -> bool:
+    """A batched gradient of ``autograd.grad(..., is_grads_batched=True)`` (as gradcheck's
+    ``check_batched_grad`` makes), which torch's older vmap batches outside any transform."""
+    return tensor is not None and bool(torch._C._functorch.is_legacy_batchedtensor(tensor))
 
 
-def apply_one_level(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function`` applied at the current level of torch.func's transforms only, as from a
-    dispatcher kernel, where the transforms have already unwrapped the levels above (plain
-    ``apply`` would route through all of them again)."""
-    with enable_single_level_autograd_function():
-        return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
+def gradients_differentiated() -> bool:
+    """The gradient being computed may itself be differentiated: a graph of the backward is
+    being built (``create_graph=True``), or torch.func's transforms are active (a transform
+    outside may differentiate or batch what the backward computes)."""
+    return torch.is_grad_enabled() or transformed()
+
+
+def plain(*tensors: torch.Tensor) -> bool:
+    """Tensors the kernels can take directly: no graph being made, no transform active."""
+    return not (graph_made(*tensors) or torch._C._are_functorch_transforms_active())
+
+
+# --- the ways, and the rule -------------------------------------------------------------------
+
+
+class Way(enum.Enum):
+    """How a call reaches the kernels."""
+
+    OP = "the registered op: one node of the graph being made or watched"
+    COMPOSITE = "the float64 composite of plain torch ops, which every transform sees through"
+    FUNCTION = "Function.apply: torch.func's route through its transforms"
+    AUTOGRAD = "the Function's C apply: eager autograd, the least overhead"
+    KERNELS = "the kernels directly"
+    DIFFERENTIABLE = "MaskedLayerNormBackwardFunction: a gradient differentiable in turn"
+
+
+Condition = Callable[..., bool]
+FORWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
+    ("a graph is made or ops are watched", lambda x, v, s, b: graph_made(x, v, s, b), Way.OP),
+    ("two forward-mode transforms", lambda x, v, s, b: nested_forward_mode(), Way.COMPOSITE),
+    ("torch.func or forward-mode AD", lambda x, v, s, b: transformed(), Way.FUNCTION),
+    ("grad needed", lambda x, v, s, b: differentiable(x, s, b), Way.AUTOGRAD),
+    ("otherwise", lambda x, v, s, b: True, Way.KERNELS),
+)
+"""The public function's way in, by (x, valid, scale, bias)."""
+BACKWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
+    ("older vmap's batched gradients", lambda g: legacy_batched(g), Way.COMPOSITE),
+    ("a differentiable gradient", lambda g: gradients_differentiated(), Way.DIFFERENTIABLE),
+    ("otherwise", lambda g: True, Way.KERNELS),
+)
+"""The Function's way to a derivative, by the incoming gradient (backward) or tangent (jvp)."""
+
+
+def forward_way(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
+) -> Way:
+    for _, holds, way in FORWARD_WAYS:  # a loop, not next(genexpr): every eager call runs it
+        if holds(x, valid, scale, bias):
+            return way
+    raise AssertionError("FORWARD_WAYS ends with a row that always holds")
+
+
+def backward_way(incoming: torch.Tensor | None) -> Way:
+    for _, holds, way in BACKWARD_WAYS:
+        if holds(incoming):
+            return way
+    raise AssertionError("BACKWARD_WAYS ends with a row that always holds")
 
 
 def apply_eager(function: type[torch.autograd.Function], *args: Any) -> Any:
@@ -116,6 +181,17 @@ def apply_eager(function: type[torch.autograd.Function], *args: Any) -> Any:
     on every call, which costs more than the whole op on a small tensor."""
     args = unwrap_dead_wrappers(args)  # as Function.apply does
     return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
+
+
+def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function`` applied as autograd needs here: through torch.func's levels when a transform
+    is active (``Function.apply``), else the cheapest way."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return apply_eager(function, *args)
+
+
+# --- the kernels, or the registered ops on anything but plain tensors -------------------------
 
 
 def run_forward(
@@ -141,12 +217,87 @@ def run_backward(
     else the registered backward op."""
     if plain(dy, x, valid, scale, mean, rstd):
         return backend.backward(dy, x, valid, scale, mean, rstd, eps, needs)
-    computed = iter(
-        torch.ops.maskln.masked_layer_norm_backward(
-            dy, x, valid, scale, mean, rstd, eps, list(needs)
-        )
+    computed = torch.ops.maskln.masked_layer_norm_backward(
+        dy, x, valid, scale, mean, rstd, eps, list(needs)
     )
-    return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
+    return backend.spread(computed, needs)
+
+
+def composite_forward(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)`` from the float64 composite (:mod:`maskln_cli.op.functional`)."""
+    return masked_layer_norm_with_statistics(x, valid, scale, bias, eps, compute_dtype(x.dtype))
+
+
+def composite_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    needs: tuple[bool, bool, bool],
+) -> Grads:
+    """``(dx, dscale, dbias)`` from the float64 composite, in x's and scale's dtypes."""
+    dx, dscale, dbias = gradients(dy.double(), x.double(), valid, scale.double(), eps, needs)
+    return (
+        None if dx is None else dx.to(x.dtype),
+        None if dscale is None else dscale.to(scale.dtype),
+        None if dbias is None else dbias.to(scale.dtype),
+    )
+
+
+def op_autograd_forward(
+    x: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered op's autograd (``torch.ops.maskln.masked_layer_norm`` differentiated).
+
+    Under torch.func this runs inside the dispatcher, at the one level the transforms have
+    unwrapped so far, where torch.func's route for a Function (``Function.apply``) is closed to
+    the levels below: the composite, whose every operation each level differentiates in turn.
+    Elsewhere (eager, and the graphs torch.compile and export trace) the Function.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return composite_forward(x, valid, scale, bias, eps)
+    return apply_eager(MaskedLayerNormFunction, x, valid, scale, bias, eps)
+
+
+def op_autograd_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    needs: tuple[bool, bool, bool],
+) -> Grads:
+    """The registered backward op's autograd, as :func:`op_autograd_forward`."""
+    if torch._C._are_functorch_transforms_active():
+        return composite_backward(dy, x, valid, scale, eps, needs)
+    return apply_eager(MaskedLayerNormBackwardFunction, dy, x, valid, scale, mean, rstd, eps, needs)
+
+
+def differentiable_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    needs: tuple[bool, bool, bool],
+) -> Grads:
+    """The gradients by the rule of :data:`BACKWARD_WAYS` for the incoming ``dy``."""
+    way = backward_way(dy)
+    if way is Way.COMPOSITE:
+        return composite_backward(dy, x, valid, scale, eps, needs)
+    if way is Way.DIFFERENTIABLE:
+        return apply(MaskedLayerNormBackwardFunction, dy, x, valid, scale, mean, rstd, eps, needs)
+    return run_backward(dy, x, valid, scale, mean, rstd, eps, needs)
+
+
+# --- the Functions ----------------------------------------------------------------------------
 
 
 class MaskedLayerNormFunction(torch.autograd.Function):
@@ -172,25 +323,7 @@ class MaskedLayerNormFunction(torch.autograd.Function):
         x, valid, scale, mean, rstd = ctx.saved_tensors
         need_dx, _, need_dscale, need_dbias, _ = ctx.needs_input_grad
         needs = (need_dx, need_dscale, need_dbias)
-        if legacy_batched(dy) or (
-            torch._C._are_functorch_transforms_active() and second_order(dy, x, scale)
-        ):
-            # The float64 composite, differentiable by every transform: second derivatives
-            # under torch.func (which cannot nest its own transforms inside the backward op's
-            # derivatives), and torch's older vmap (gradcheck's batched gradients).
-            dx, dscale, dbias = gradients(dy.double(), x.double(), valid, scale.double(),
-                                          ctx.eps, needs)  # fmt: skip
-            dx = None if dx is None else dx.to(x.dtype)
-            dscale = None if dscale is None else dscale.to(scale.dtype)
-        elif torch.is_grad_enabled() or transformed():  # a graph of the gradients is built
-            computed = iter(
-                torch.ops.maskln.masked_layer_norm_backward(
-                    dy, x, valid, scale, mean, rstd, ctx.eps, list(needs)
-                )
-            )
-            dx, dscale, dbias = (next(computed) if need else None for need in needs)
-        else:
-            dx, dscale, dbias = run_backward(dy, x, valid, scale, mean, rstd, ctx.eps, needs)
+        dx, dscale, dbias = differentiable_backward(dy, x, valid, scale, mean, rstd, ctx.eps, needs)
         if dbias is not None and dbias.dtype != ctx.bias_dtype:  # bias may be x's dtype
             dbias = dbias.to(ctx.bias_dtype)
         return dx, None, dscale, dbias, None
@@ -199,32 +332,11 @@ class MaskedLayerNormFunction(torch.autograd.Function):
     def jvp(
         ctx: Any, tx: Any, _tvalid: Any, tscale: Any, tbias: Any, _teps: Any
     ) -> tuple[Any, ...]:
-        x, valid, scale, mean, rstd = ctx.saved_tensors
-        ones = torch.ones_like(scale)
-        ty = None
-        if tx is not None and (
-            legacy_batched(tx)
-            or (torch._C._are_functorch_transforms_active() and second_order(tx, x, scale))
-        ):  # the composite, as in backward
-            needs = (True, False, False)
-            jx = gradients(tx.double(), x.double(), valid, ones.double(), ctx.eps, needs)[0]
-            ty = jx.to(tx.dtype) * scale  # type: ignore[union-attr]
-        elif tx is not None:  # scale * J tx, J symmetric: the backward kernel, unit scale
-            (jx,) = torch.ops.maskln.masked_layer_norm_backward(
-                tx, x, valid, ones, mean, rstd, ctx.eps, [True, False, False]
-            )
-            ty = jx * scale
-        if tscale is not None:
-            compute = compute_dtype(x.dtype)
-            unit = torch.ones_like(scale, dtype=compute)
-            xhat, _, _ = torch.ops.maskln.masked_layer_norm(
-                x.to(compute), valid, unit, torch.zeros_like(unit), ctx.eps
-            )
-            ty = xhat * tscale if ty is None else ty + xhat * tscale
-        if tbias is not None:
-            ty = tbias.expand(x.shape) if ty is None else ty + tbias
-        assert ty is not None  # forward AD asks only when some input has a tangent
-        return ty.masked_fill(~valid.unsqueeze(-1), 0.0).to(x.dtype), None, None
+        return _tangent(ctx, tx, tscale, tbias), None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+        return batched_forward(info.batch_size, in_dims, *args, forward=_forward)
 
 
 class MaskedLayerNormBackwardFunction(torch.autograd.Function):
@@ -270,6 +382,37 @@ class MaskedLayerNormBackwardFunction(torch.autograd.Function):
         (out,) = vjp_of_vjp(tangents)
         computed = iter(out)
         return tuple(next(computed) if i in wanted else None for i in range(3))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+        return batched_backward(
+            info.batch_size, in_dims, *args, forward=_forward, backward=_backward
+        )
+
+
+def _tangent(ctx: Any, tx: Any, tscale: Any, tbias: Any) -> torch.Tensor:
+    """The op's output tangent, ``scale * J tx + xhat * tscale + tbias``."""
+    x, valid, scale, mean, rstd = ctx.saved_tensors
+    ty = None
+    if tx is not None:  # scale * J tx, J symmetric: the backward with unit scale
+        ones = torch.ones_like(scale)
+        jx = differentiable_backward(tx, x, valid, ones, mean, rstd, ctx.eps, (True, False, False))
+        ty = jx[0] * scale  # type: ignore[operator]
+    if tscale is not None:
+        xhat = normalized(x, valid, ctx.eps, _forward)
+        ty = xhat * tscale if ty is None else ty + xhat * tscale
+    if tbias is not None:
+        ty = tbias.expand(x.shape) if ty is None else ty + tbias
+    assert ty is not None  # forward AD asks only when some input has a tangent
+    return ty.masked_fill(~valid.unsqueeze(-1), 0.0).to(x.dtype)
+
+
+def _forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return apply(MaskedLayerNormFunction, *args)
+
+
+def _backward(*args: Any) -> Grads:
+    return apply(MaskedLayerNormBackwardFunction, *args)
 
 
 def _composite(ctx: Any, valid: torch.Tensor) -> tuple[Callable[..., Any], list[int]]:

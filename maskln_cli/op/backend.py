@@ -40,6 +40,7 @@ __all__ = [
     "forward",
     "native_kernels",
     "set_backend",
+    "spread",
 ]
 
 BACKEND_ENV = "MASKLN_BACKEND"
@@ -76,6 +77,18 @@ _native: ModuleType | None = None
 _native_tried = False
 _failure: str | None = None
 """Why loading the native kernels failed in this process."""
+_python_autograd: tuple[object, object] | None = None
+"""use_python_autograd's kernels."""
+
+
+def use_python_autograd(forward: object, backward: object) -> None:
+    """The registered ops' Python autograd kernels (:mod:`maskln_cli.op.library`), which the
+    native library's C++ autograd kernels call back when a derivative may be taken; given before
+    the native kernels load (they are registered with them)."""
+    global _python_autograd
+    _python_autograd = (forward, backward)
+    if _native is not None:
+        _native.set_python_autograd(forward, backward)
 
 
 def requested() -> str:
@@ -187,6 +200,8 @@ def _load(build: bool) -> ModuleType | None:
         from maskln_cli.op.checks import raise_contract_error
 
         module.set_contract_error(raise_contract_error)
+        if _python_autograd is not None:
+            module.set_python_autograd(*_python_autograd)
         module.register_maskln_kernels(True)
         _native = module
         _native_tried = True
@@ -235,8 +250,7 @@ def backward(
     layout, dscale and dbias in scale's dtype; +0.0 from invalid rows."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
     if kernels is not None and x.device.type == "cpu":
-        computed = iter(kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs)))
-        return tuple(next(computed) if need else None for need in needs)  # type: ignore[return-value]
+        return spread(kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs)), needs)
     # The raw-op kernels, as forward's.
     import torch
 
@@ -256,6 +270,15 @@ def backward(
         dx = dx.to(x.dtype)
     dscale, dbias = (None if g is None else g.to(scale.dtype) for g in (dscale, dbias))
     return dx, dscale, dbias
+
+
+def spread(
+    computed: list[torch.Tensor], needs: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dscale, dbias)`` from the list a backward kernel or op returns (the requested
+    ones, in that order), None where ``needs`` did not request one."""
+    given = iter(computed)
+    return tuple(next(given) if need else None for need in needs)  # type: ignore[return-value]
 
 
 class _autocast_off:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import torch
 
-from maskln_cli.op.functional import gradients, normalized_rows, row_means
+from maskln_cli.op.functional import gradients, ldexp_exact, normalized_rows, row_means
 from maskln_cli.op.threads import map_blocks
 
 BLOCK_BYTES = 8 << 20
@@ -214,9 +214,14 @@ def _forward_rows(
             tensor.index_fill_(0, invalid, 0.0)
     # Non-finite statistics: an invalid row holding NaN or inf (zeroed above), or a valid row
     # whose arithmetic overflowed (float32 |x| from about 1e19, float64 from about 1e154) or
-    # that holds NaN or inf: those are redone, scaled, in float64.
-    if not sum_of_squares.add(shift).isfinite().all():
+    # that holds NaN or inf; and float64 rows whose squares underflowed (rstd above
+    # _LARGEST_EXACT_RSTD): those are redone, scaled, in float64.
+    underflowed = rstd > _LARGEST_EXACT_RSTD if x.dtype == torch.float64 else None
+    finite = bool(sum_of_squares.add(shift).isfinite().all())
+    if not finite or (underflowed is not None and underflowed.any()):
         rescued = valid & ~(sum_of_squares.isfinite() & shift.isfinite()).squeeze(1)
+        if underflowed is not None:
+            rescued |= underflowed.squeeze(1)
         if rescued.any():
             rows = rescued.nonzero().squeeze(1)
             _forward_rows_rescued(y, x, rows, scale, bias, eps, mean, rstd)
@@ -266,7 +271,7 @@ def _forward_rows_rescued(
     out = xhat[:count] * scale.double() + bias.double()
     y.index_copy_(0, rows, out.to(y.dtype))
     mean.index_copy_(0, rows, row_means(x64)[:count].to(mean.dtype))
-    rstd.index_copy_(0, rows, torch.ldexp(rs, -exponent)[:count].to(rstd.dtype))
+    rstd.index_copy_(0, rows, ldexp_exact(rs, -exponent)[:count].to(rstd.dtype))
 
 
 def _two_rows_at_least(rows: torch.Tensor) -> torch.Tensor:
@@ -494,6 +499,9 @@ def _backward_rows(
         _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
 
 
+_LARGEST_EXACT_RSTD = 1e146
+"""Above this, var + eps is below float64's smallest normal number over its epsilon (about
+1e-292): the squares of the deviations were subnormal, or nearly, and lost precision."""
 _SMALLEST_EXACT_RSTD = {
     dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps
     for dtype in (torch.float32, torch.float64)

@@ -158,7 +158,9 @@ def as_valid_mask(valid: object, name: str = "valid") -> torch.Tensor:
     likely additive (0 where valid, -inf where masked), and the message says so.
 
     A bool mask costs nothing (no pass over it, nothing torch.compile would break on). Under
-    torch.compile a mask of numbers is checked in the graph, by an assertion naming ``name``.
+    torch.compile a mask of numbers is checked in the graph, by an assertion naming ``name``;
+    under torch.func's transforms (``vmap`` over a batch of attention masks), the values beneath
+    the transforms are checked, so the rule and its message are the same everywhere.
 
     Example:
         >>> as_valid_mask(torch.tensor([1, 0, 1])).tolist()
@@ -179,22 +181,41 @@ def as_valid_mask(valid: object, name: str = "valid") -> torch.Tensor:
             f" (1 = valid); got {dtype_name(valid.dtype)}"
         )
     rule = f"{name} must hold only 0 and 1 (1 = valid), or be bool"
-    if torch.compiler.is_compiling() or _symbolic(values):
+    # Under torch.func the values are checked outside the transforms, on the tensor beneath
+    # their wrappers (a branch on a batched tensor is refused by vmap); converted inside.
+    checked = _beneath_transforms(values)
+    if torch.compiler.is_compiling() or _symbolic(checked):
         # No data-dependent branch in a graph, nor on fake or meta tensors: assert in it.
-        torch._assert_async(((values == 0) | (values == 1)).all(), rule)
+        torch._assert_async(((checked == 0) | (checked == 1)).all(), rule)
         return values != 0
+    _refuse_other_values(checked, valid.is_floating_point(), rule)
+    return values != 0
+
+
+def _refuse_other_values(values: torch.Tensor, floating: bool, rule: str) -> None:
     other = (values != 0) & (values != 1)  # NaN too
     if other.any():
         index = [int(i) for i in other.nonzero()[0]]
         message = f"{rule}; found {values[tuple(index)].item()!r} at index {index}"
-        if valid.is_floating_point():
+        if floating:
             message += (
                 ": a floating mask holding other values is most likely additive (0 where valid,"
                 " -inf or a large negative number where masked); make it a 0/1 or bool mask"
                 " first, e.g. mask == 0"
             )
         raise ValueError(message)
-    return values != 0
+
+
+def _beneath_transforms(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor beneath torch.func's wrappers (vmap's batched tensors, grad's), whose
+    values are all the values the transforms see; ``tensor`` itself outside them."""
+    if not torch._C._are_functorch_transforms_active():
+        return tensor
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+
+    while is_functorch_wrapped_tensor(tensor):
+        tensor = get_unwrapped(tensor)
+    return tensor
 
 
 def _symbolic(tensor: torch.Tensor) -> bool:

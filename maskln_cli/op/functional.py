@@ -30,7 +30,14 @@ import math
 
 import torch
 
-__all__ = ["gradients", "masked_layer_norm_functional", "normalized_rows", "row_means"]
+__all__ = [
+    "gradients",
+    "ldexp_exact",
+    "masked_layer_norm_functional",
+    "masked_layer_norm_with_statistics",
+    "normalized_rows",
+    "row_means",
+]
 
 _EXPONENT_LIMIT = 960
 """Scalings stay within 2**+-960, so that the factors themselves are finite float64 numbers."""
@@ -43,6 +50,17 @@ def _row_exponent(magnitude: torch.Tensor) -> torch.Tensor:
     exponent = torch.floor(torch.log2(magnitude)) + 1
     exponent = torch.where(magnitude > 0, exponent, -math.inf)
     return torch.where(magnitude.isfinite(), exponent, 0.0)
+
+
+def ldexp_exact(t: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """``t * 2**exponent`` for exponents up to 4 * 960 in magnitude, exactly where the result
+    is a normal number: in four steps, each factor finite (torch.ldexp multiplies by
+    ``2**exponent``, which is inf from 2**1024). The steps go monotonically from t to the
+    result, so none overflows or underflows where the result does not."""
+    quarter = torch.trunc(exponent / 4)
+    for _ in range(3):
+        t = torch.ldexp(t, quarter)
+    return torch.ldexp(t, exponent - 3 * quarter)
 
 
 def _magnitude_exponent(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +112,7 @@ def normalized_rows(
     e2 = e2.clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
     d = torch.ldexp(xc, -e2)
     exponent = e1 + e2
-    scaled_eps = torch.ldexp(torch.full_like(deviation, eps), -2 * exponent)
+    scaled_eps = ldexp_exact(torch.full_like(deviation, eps), -2 * exponent)
     # Positive by construction (var >= max(d**2) / C, or eps term about 1); the clamp only
     # guards eps and magnitudes both at float64's limits.
     tiny = torch.finfo(torch.float64).tiny
@@ -127,6 +145,35 @@ def masked_layer_norm_functional(
     # In x's layout, as the eager op's output (reductions along the way made y contiguous): a
     # binary op's result takes its first operand's layout. Out of place, for vmap's sake.
     return torch.zeros_like(x) + y.to(x.dtype)
+
+
+def masked_layer_norm_with_statistics(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    statistics_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)`` as the registered op returns them, composite: y as
+    :func:`masked_layer_norm_functional` (differentiable), mean and rstd ``[..., 1]`` in
+    ``statistics_dtype``, 0 on invalid rows, detached (the op's are not differentiable).
+
+    Example:
+        >>> y, mean, rstd = masked_layer_norm_with_statistics(
+        ...     torch.tensor([[1.0, 3.0], [9.0, -9.0]]), torch.tensor([True, False]),
+        ...     torch.ones(2), torch.zeros(2), 3.0, torch.float32)
+        >>> mean.flatten().tolist(), rstd.flatten().tolist()
+        ([2.0, 0.0], [0.5, 0.0])
+    """
+    y = masked_layer_norm_functional(x, valid, scale, bias, eps)
+    with torch.no_grad():
+        keep = valid.unsqueeze(-1)
+        clean = torch.where(keep, x.double(), 0.0)
+        _, rs, exponent = normalized_rows(clean, valid, eps)
+        mean = torch.where(keep, row_means(clean), 0.0) if x.shape[-1] else torch.zeros_like(rs)
+        rstd = torch.where(keep, ldexp_exact(rs, -exponent), 0.0)
+    return y, mean.to(statistics_dtype), rstd.to(statistics_dtype)
 
 
 def gradients(
@@ -166,7 +213,7 @@ def gradients(
         c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
         c2 = wdy.mean(dim=-1, keepdim=True)
         # rstd = rs * 2**-e: scaled last, so that tiny results round once.
-        dx = torch.where(keep, torch.ldexp((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
+        dx = torch.where(keep, ldexp_exact((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
         dx = dx.to(dtype)
     return dx, dscale, dbias
 

@@ -33,11 +33,11 @@ import torch
 
 from maskln_cli.op import backend
 from maskln_cli.op.autograd import (
-    MaskedLayerNormBackwardFunction,
-    MaskedLayerNormFunction,
-    apply_one_level,
     differentiable,
+    op_autograd_backward,
+    op_autograd_forward,
 )
+from maskln_cli.op.batching import batched_backward, batched_forward
 from maskln_cli.op.checks import check_backward_inputs, check_inputs, compute_dtype
 
 __all__ = ["BACKWARD_SCHEMA", "FORWARD_SCHEMA", "backward_op", "forward_op"]
@@ -102,7 +102,7 @@ _library.impl("masked_layer_norm_backward", _backward, "CompositeExplicitAutogra
 def _forward_autograd(keyset, x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
     if differentiable(x, scale, bias):
         eps = check_inputs(x, valid, scale, bias, eps)  # the Function may call kernels directly
-        return apply_one_level(MaskedLayerNormFunction, x, valid, scale, bias, eps)
+        return op_autograd_forward(x, valid, scale, bias, eps)
     with torch._C._AutoDispatchBelowAutograd():
         return forward_op.redispatch(keyset & _AFTER_AUTOGRAD, x, valid, scale, bias, eps)
 
@@ -110,10 +110,8 @@ def _forward_autograd(keyset, x, valid, scale, bias, eps):  # type: ignore[no-un
 def _backward_autograd(keyset, dy, x, valid, scale, mean, rstd, eps, output_mask):  # type: ignore[no-untyped-def]
     if differentiable(dy, x, scale):
         eps = check_backward_inputs(dy, x, valid, scale, mean, rstd, eps, output_mask)
-        grads = apply_one_level(
-            MaskedLayerNormBackwardFunction, dy, x, valid, scale, mean, rstd, eps,
-            tuple(output_mask),
-        )  # fmt: skip
+        needs = tuple(output_mask)
+        grads = op_autograd_backward(dy, x, valid, scale, mean, rstd, eps, needs)  # type: ignore[arg-type]
         return [g for g in grads if g is not None]
     with torch._C._AutoDispatchBelowAutograd():
         return backward_op.redispatch(
@@ -123,71 +121,34 @@ def _backward_autograd(keyset, dy, x, valid, scale, mean, rstd, eps, output_mask
 
 _library.impl("masked_layer_norm", _forward_autograd, "Autograd", with_keyset=True)
 _library.impl("masked_layer_norm_backward", _backward_autograd, "Autograd", with_keyset=True)
+# On the CPU, the native library's C++ autograd kernels stand in front of these, and call them
+# back only when a derivative may be taken (no Python per call in compiled graphs).
+backend.use_python_autograd(_forward_autograd, _backward_autograd)
 
 
-# --- vmap: the batch axis becomes one more leading axis of x, one call for the batch ----------
+# --- vmap: the rules of batching.py, the op itself computing the batch -----------------------
 
 
-def _batch_first(tensor: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
-    """``tensor`` with its batch axis first, expanded to ``size`` when it has none."""
-    if dim is None:
-        return tensor.unsqueeze(0).expand(size, *tensor.shape)
-    return tensor.movedim(dim, 0)
+def _forward_call(x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
+    return tuple(forward_op(x, valid, scale, bias, eps))
 
 
-def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unit scale and zero bias in x's compute dtype."""
-    ones = torch.ones(x.shape[-1], dtype=compute_dtype(x.dtype), device=x.device)
-    return ones, torch.zeros_like(ones)
+def _backward_call(dy, x, valid, scale, mean, rstd, eps, needs):  # type: ignore[no-untyped-def]
+    return backend.spread(backward_op(dy, x, valid, scale, mean, rstd, eps, list(needs)), needs)
 
 
 def _forward_vmap(info, in_dims, x, valid, scale, bias, eps):  # type: ignore[no-untyped-def]
-    """Batched scale and bias apply to the normalized rows, computed with unit parameters."""
-    size = info.batch_size
-    x = _batch_first(x, in_dims[0], size)
-    valid = _batch_first(valid, in_dims[1], size)
-    if in_dims[2] is None and in_dims[3] is None:
-        return forward_op(x, valid, scale, bias, eps), (0, 0, 0)
-    compute = compute_dtype(x.dtype)
-    xhat, mean, rstd = forward_op(x.to(compute), valid, *_unit(x), eps)
-    view = (size,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-    scale = _batch_first(scale, in_dims[2], size).reshape(view)
-    bias = _batch_first(bias, in_dims[3], size).reshape(view)
-    y = (xhat * scale + bias).masked_fill(~valid.unsqueeze(-1), 0.0)
-    return (y.to(x.dtype), mean, rstd), (0, 0, 0)
+    return batched_forward(
+        info.batch_size, in_dims, x, valid, scale, bias, eps, forward=_forward_call
+    )
 
 
 def _backward_vmap(info, in_dims, dy, x, valid, scale, mean, rstd, eps, output_mask):  # type: ignore[no-untyped-def]
-    """dx from one backward call over the whole batch (a batched scale multiplies dy first, and
-    the call takes unit scale); dscale and dbias summed per batch element over its own rows."""
-    size = info.batch_size
-    batched = (*in_dims[:3], *in_dims[4:6])
-    dy, x, valid, mean, rstd = (
-        _batch_first(t, d, size) for t, d in zip((dy, x, valid, mean, rstd), batched, strict=True)
-    )
-    need_dx, need_dscale, need_dbias = output_mask
-    grads: list[torch.Tensor] = []
-    if need_dx:
-        wdy, weight = dy, scale
-        if in_dims[3] is not None:
-            view = (size,) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-            wdy = (dy * _batch_first(scale, in_dims[3], size).reshape(view)).to(dy.dtype)
-            weight = torch.ones(x.shape[-1], dtype=scale.dtype, device=x.device)
-        grads += backward_op(wdy, x, valid, weight, mean, rstd, eps, [True, False, False])
-    if need_dscale or need_dbias:
-        kept = dy.masked_fill(~valid.unsqueeze(-1), 0.0)  # invalid rows count for nothing
-        rows = tuple(range(1, dy.dim() - 1))
-
-        def per_element(t: torch.Tensor) -> torch.Tensor:
-            total = t.sum(dim=rows, dtype=torch.float64) if rows else t.double()
-            return total.to(scale.dtype)
-
-        if need_dscale:
-            xhat = forward_op(x.to(compute_dtype(x.dtype)), valid, *_unit(x), eps)[0]
-            grads.append(per_element(kept * xhat))
-        if need_dbias:
-            grads.append(per_element(kept))
-    return grads, [0] * len(grads)
+    grads, dims = batched_backward(
+        info.batch_size, in_dims, dy, x, valid, scale, mean, rstd, eps, tuple(output_mask),
+        forward=_forward_call, backward=_backward_call,
+    )  # fmt: skip
+    return [g for g in grads if g is not None], [d for d in dims if d is not None]
 
 
 torch.library.register_vmap("maskln::masked_layer_norm", _forward_vmap, lib=_library)

@@ -145,6 +145,23 @@ def test_torch_compile_fullgraph_with_masks_that_change():
             )
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast bfloat16"])
+def test_a_swapped_bert_compiles_to_one_graph(autocast):
+    """The forward pre-hook converted the mask (a graph of its own, since torch.compile runs a
+    module's hooks as frames apart): 2 graphs and a break, where the stock BERT has 1."""
+    model, _ = build("bert")
+    swap_layer_norms(model)
+    input_ids, attention_mask = batch(BATCHES[0], seed=0)
+    torch._dynamo.reset()
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.no_grad()
+    with context:
+        explained = torch._dynamo.explain(model)(input_ids, attention_mask=attention_mask)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        compiled = torch.compile(model)(input_ids, attention_mask=attention_mask)
+        eager = model(input_ids, attention_mask=attention_mask)
+    torch.testing.assert_close(compiled.last_hidden_state, eager.last_hidden_state)
+
+
 class Encoder(nn.Module):
     """A block that takes its mask by name, inside a model that compiles it whole."""
 

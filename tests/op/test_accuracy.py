@@ -177,19 +177,38 @@ HUGE_ROWS = {
 @pytest.mark.parametrize("row", HUGE_ROWS.values(), ids=HUGE_ROWS.keys())
 def test_float64_rows_of_any_magnitude_match_exact_arithmetic(row):
     """Rows of 1e154 and up once returned bias (their squares overflowed) or NaN."""
+    assert_matches_exact_arithmetic(row, 1e-5)
+
+
+TINY_VARIANCE_ROWS = {
+    "1e-158, eps 1e-316": ([1e-158, -2e-158, 3e-158, 0.5e-158], 1e-316),
+    "1e-160, eps 3e-320": ([1e-160, -1e-160, 2.5e-160], 3e-320),
+    "3e-162, eps 1e-323": ([3e-162, 0.0, -3e-162, 1e-162, 2e-162], 1e-323),
+    "1e-155 on an offset, eps 1e-310": ([1e-140 + k * 1e-155 for k in (1, -2, 3, 0)], 1e-310),
+}
+
+
+@pytest.mark.parametrize(("row", "eps"), TINY_VARIANCE_ROWS.values(), ids=TINY_VARIANCE_ROWS.keys())
+def test_float64_rows_whose_squares_underflow_match_exact_arithmetic(row, eps):
+    """Deviations of 1e-158 square to subnormal numbers: with an eps as tiny, the native kernel
+    lost all precision (it rescued only rows whose squares overflowed)."""
+    assert_matches_exact_arithmetic(row, eps)
+
+
+def assert_matches_exact_arithmetic(row: list[float], eps: float) -> None:
     channels = len(row)
     generator = torch.Generator().manual_seed(channels)
     scale = (1 + torch.rand(channels, generator=generator, dtype=torch.float64)).tolist()
     bias = torch.randn(channels, generator=generator, dtype=torch.float64).tolist()
     dy = torch.randn(channels, generator=generator, dtype=torch.float64).tolist()
-    (want_y, want_dx, want_dscale), scales = exact_row(row, scale, bias, 1e-5, dy)
+    (want_y, want_dx, want_dscale), scales = exact_row(row, scale, bias, eps, dy)
     # Row 0 is the row under test; row 1 an invalid copy, which must not change anything.
     x = torch.tensor([row, row], dtype=torch.float64)
     valid = torch.tensor([True, False])
     leaves = [x.clone().requires_grad_(), torch.tensor(scale, dtype=torch.float64),
               torch.tensor(bias, dtype=torch.float64)]  # fmt: skip
     leaves[1].requires_grad_()
-    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2])
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2], eps)
     grad_out = torch.tensor([dy, dy], dtype=torch.float64)
     first = torch.autograd.grad(out, leaves[:2], grad_out, retain_graph=True)
     graph = torch.autograd.grad(out, leaves[:2], grad_out, create_graph=True)

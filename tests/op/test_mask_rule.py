@@ -116,3 +116,45 @@ def test_torch_compile_fullgraph_takes_bool_and_integer_masks():
         compiled(x, VALID.long() * 2, scale, bias)
     explained = torch._dynamo.explain(masked_layer_normalization)(x, VALID, scale, bias)
     assert explained.graph_break_count == 0
+
+
+def batched_masks(dtype: torch.dtype) -> torch.Tensor:
+    """Three masks of VALID's shape, as a batch of attention masks would come (the NaN
+    padding of inputs() invalid in each)."""
+    fewer = VALID.clone()
+    fewer[0, 0] = False
+    return torch.stack([VALID, fewer, torch.zeros_like(VALID)]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bool])
+def test_vmap_over_a_mask_of_0_and_1_is_vmap_over_the_bool_mask(dtype):
+    """Under vmap the 0/1 check was a data-dependent branch, which vmap refuses."""
+    x, scale, bias = inputs()
+    masks = batched_masks(dtype)
+    out = torch.func.vmap(lambda v: masked_layer_normalization(x, v, scale, bias))(masks)
+    for got, mask in zip(out, masks, strict=True):
+        assert torch.equal(got, masked_layer_normalization(x, mask.bool(), scale, bias))
+    mapped = torch.func.vmap(lambda v: module(scale, bias)(x, v))(masks)
+    assert torch.equal(mapped, out)
+
+
+def test_vmap_and_grad_with_a_mask_of_0_and_1():
+    """grad inside vmap, the mask batched and x too: the same gradients as the bool mask's."""
+    x, scale, bias = inputs()
+    masks = batched_masks(torch.int64)
+
+    def loss(a, v):  # type: ignore[no-untyped-def]
+        return (masked_layer_normalization(a, v, scale, bias) ** 2).sum()
+
+    xs = torch.stack([x, x * 2, x - 1])
+    got = torch.func.vmap(torch.func.grad(loss))(xs, masks)
+    want = torch.func.vmap(torch.func.grad(loss))(xs, masks.bool())
+    assert torch.equal(got, want)
+
+
+def test_under_vmap_any_other_value_is_refused_naming_it():
+    x, scale, bias = inputs()
+    masks = batched_masks(torch.int64)
+    masks[1, 0, 2] = 2
+    with pytest.raises(ValueError, match=r"^valid must hold only 0 and 1 \(1 = valid\), or be"):
+        torch.func.vmap(lambda v: masked_layer_normalization(x, v, scale, bias))(masks)

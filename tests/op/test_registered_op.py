@@ -106,6 +106,100 @@ def test_opcheck_aot_dispatch_of_both_ops(name):
                           test_utils="test_aot_dispatch_dynamic")  # fmt: skip
 
 
+def maskln_ops() -> list[str]:
+    """Every op the dispatcher has in a namespace of maskln's ("maskln", "maskln_native"...)."""
+    names = torch._C._dispatch_get_all_op_names()
+    return sorted(name for name in names if name.split("::")[0].startswith("maskln"))
+
+
+FULL_OPCHECK = {
+    "maskln::masked_layer_norm": lambda: (OP, SAMPLES["3-d float64 permuted"]),
+    "maskln::masked_layer_norm_backward": lambda: (BACKWARD_OP,
+                                                   backward_arguments("transposed x.t()")),
+}  # fmt: skip
+
+
+def test_every_op_in_maskln_namespaces_has_a_full_opcheck():
+    """The native library defined two more dispatcher ops (maskln_native::forward and
+    ::backward) with no fake or autograd kernel: opcheck failed on them, and so did a compiled
+    graph calling them. Any op in a namespace of ours must be listed here, and pass."""
+    assert maskln_ops() == sorted(FULL_OPCHECK)
+
+
+@pytest.mark.parametrize("name", sorted(FULL_OPCHECK))
+def test_full_opcheck_of_each_op(name):
+    """Every test of opcheck (schema, autograd registration, fake tensors, AOT dispatch with
+    static and dynamic shapes)."""
+    op, sample = FULL_OPCHECK[name]()
+    torch.library.opcheck(op, sample)
+
+
+@pytest.fixture
+def python_autograd_calls(monkeypatch):
+    """Calls of the registered ops' Python autograd kernels, which the native library's C++
+    autograd kernels call back (native backend only)."""
+    from maskln_cli.op import backend, library
+
+    if backend.active_backend().name != "native":
+        pytest.skip("the C++ autograd kernels come with the native kernels")
+    calls: list[str] = []
+
+    def forward(*args):  # type: ignore[no-untyped-def]
+        calls.append("forward")
+        return library._forward_autograd(*args)
+
+    def backward(*args):  # type: ignore[no-untyped-def]
+        calls.append("backward")
+        return library._backward_autograd(*args)
+
+    backend.use_python_autograd(forward, backward)
+    yield calls
+    backend.use_python_autograd(library._forward_autograd, library._backward_autograd)
+
+
+def test_no_python_runs_per_call_where_no_derivative_can_be_taken(python_autograd_calls):
+    """The ops' autograd kernel was Python, and ran on every call of a CPU tensor: in compiled
+    graphs (inputs requiring grad, called under no_grad), 10-15 us a call."""
+    x, valid, scale, bias, eps = arguments((6, 32), grads=(False, False, False))
+    y, mean, rstd = OP(x, valid, scale, bias, eps)
+    BACKWARD_OP(torch.ones_like(y), x, valid, scale, mean, rstd, eps, [True, True, True])
+    leaves = tuple(t.clone().requires_grad_() for t in (x, scale, bias))
+    with torch.no_grad():
+        OP(leaves[0], valid, leaves[1], leaves[2], eps)
+    assert python_autograd_calls == []
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, s, b: masked_layer_normalization(a, valid, s, b),
+                             backend="inductor", fullgraph=True)  # fmt: skip
+    torch.autograd.grad(compiled(*leaves).square().sum(), leaves)  # traced: Python autograd
+    python_autograd_calls.clear()
+    got = torch.autograd.grad(compiled(*leaves).square().sum(), leaves)
+    assert python_autograd_calls == []  # the compiled graphs' calls at run time
+    want = torch.autograd.grad(masked_layer_normalization(leaves[0], valid, *leaves[1:])
+                               .square().sum(), leaves)  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_derivative_through_the_op_takes_the_python_autograd(python_autograd_calls):
+    x, valid, scale, bias, eps = arguments((6, 32), torch.float64)
+    y = OP(x, valid, scale, bias, eps)[0]
+    got = torch.autograd.grad(y.square().sum(), (x, scale, bias), create_graph=True)
+    assert python_autograd_calls == ["forward"]
+    clean = torch.where(valid[..., None], x, 0.0)
+    want = torch.autograd.grad(reference_masked_layer_norm(clean, valid, scale, bias)
+                               .square().sum(), (x, scale, bias))  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+    _, mean, rstd = OP(x.detach(), valid, scale.detach(), bias.detach(), eps)
+    dy = torch.ones_like(x, requires_grad=True)
+    BACKWARD_OP(dy, x, valid, scale, mean, rstd, eps, [True, True, True])
+    assert python_autograd_calls[-1] == "backward"
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x.detach(), torch.ones_like(x))
+        OP(dual, valid, scale.detach(), bias.detach(), eps)
+    assert python_autograd_calls[-1] == "forward"
+
+
 def test_inductor_trains_on_transposed_inputs():
     """Conv1d -> transpose(1, 2) -> norm, compiled with inductor, forward and backward: this
     crashed on the backward op's strides (expected size 50==50, stride 1==32)."""

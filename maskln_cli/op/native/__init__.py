@@ -30,8 +30,9 @@ The module exposes plain functions, callable without the dispatcher::
     set_contract_error(report)   # the Python function that raises the op's own errors
     isa() -> "avx512" | "avx2" | "base";  set_isa(name) -> previous name
 
-and the dispatcher ops ``torch.ops.maskln_native.forward`` and ``.backward`` (the schemas of
-``maskln::masked_layer_norm`` and ``maskln::masked_layer_norm_backward``). Inputs of the plain
+and, once ``register_maskln_kernels`` is called, the CPU kernels of maskln's own ops
+``maskln::masked_layer_norm`` and ``maskln::masked_layer_norm_backward`` (defined in
+:mod:`maskln_cli.op.library`; the extension defines no ops of its own). Inputs of the plain
 functions follow the op's contract (:func:`maskln_cli.op.checks.check_inputs`): they check only
 what memory safety needs. :mod:`maskln_cli.op.backend` decides when they are used.
 

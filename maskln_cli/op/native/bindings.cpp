@@ -9,12 +9,17 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "maskln's native CPU kernels for masked layer normalization";
+  // The kernels run without Python's lock (arguments are converted before it is released, the
+  // results after it is taken again): other Python threads, a data loader's or a server's, go
+  // on meanwhile, as they do beside torch's own ops. Nothing in them calls Python.
   m.def("forward", &maskln_native::forward_impl, py::arg("x"), py::arg("valid"),
         py::arg("scale"), py::arg("bias"), py::arg("eps"), py::arg("keep_statistics") = true,
+        py::call_guard<py::gil_scoped_release>(),
         "(y, mean, rstd); mean and rstd are None without keep_statistics");
   m.def("backward", &maskln_native::backward_py, py::arg("dy"), py::arg("x"), py::arg("valid"),
         py::arg("scale"), py::arg("mean"), py::arg("rstd"), py::arg("eps"),
-        py::arg("output_mask"), "The requested of (dx, dscale, dbias), in that order");
+        py::arg("output_mask"), py::call_guard<py::gil_scoped_release>(),
+        "The requested of (dx, dscale, dbias), in that order");
   m.def("register_maskln_kernels", &maskln_native::register_maskln_kernels,
         py::arg("enable") = true,
         "Make forward and backward the CPU kernels of maskln::masked_layer_norm(_backward)"
@@ -34,6 +39,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("report"),
       "The Python function the dispatcher ops call, for its error, on inputs outside the"
       " op's contract");
+  m.def(
+      "set_python_autograd",
+      [](py::function forward, py::function backward) {
+        // Held for the life of the process, as the contract error's function.
+        auto* held_forward = new py::function(std::move(forward));
+        auto* held_backward = new py::function(std::move(backward));
+        maskln_native::set_python_autograd(
+            [held_forward](c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& valid,
+                           const at::Tensor& scale, const at::Tensor& bias, double eps) {
+              py::gil_scoped_acquire gil;
+              return (*held_forward)(keys, x, valid, scale, bias, eps)
+                  .cast<std::tuple<at::Tensor, at::Tensor, at::Tensor>>();
+            },
+            [held_backward](c10::DispatchKeySet keys, const at::Tensor& dy, const at::Tensor& x,
+                            const at::Tensor& valid, const at::Tensor& scale,
+                            const at::Tensor& mean, const at::Tensor& rstd, double eps,
+                            std::vector<bool> output_mask) {
+              py::gil_scoped_acquire gil;
+              return (*held_backward)(keys, dy, x, valid, scale, mean, rstd, eps, output_mask)
+                  .cast<std::vector<at::Tensor>>();
+            });
+      },
+      py::arg("forward"), py::arg("backward"),
+      "The ops' Python autograd kernels, which the C++ ones call when a derivative may be"
+      " taken: forward(keyset, x, valid, scale, bias, eps), backward(keyset, dy, x, valid,"
+      " scale, mean, rstd, eps, output_mask)");
   m.def("isa", &maskln_native::isa, "The instruction set the kernels run with");
   m.def("intra_op_parallel", &maskln_native::intra_op_parallel,
         "Whether the kernels' loops run on torch's intra-op threads (built with OpenMP)");

@@ -43,25 +43,47 @@ struct Kernels {
   void (*backward_dbias)(const BackwardArgs<T>&, int64_t, int64_t, double*);
 };
 
+// Short rows of these lengths get kernels with the length known at compile time (the loops
+// over a row unroll); any other length, the general kernels. The bits are the same.
+#define MASKLN_BY_LENGTH(EXPRESSION)               \
+  switch (a.C) {                                   \
+    case 16: {                                     \
+      constexpr int64_t kC = 16;                   \
+      return EXPRESSION;                           \
+    }                                              \
+    case 32: {                                     \
+      constexpr int64_t kC = 32;                   \
+      return EXPRESSION;                           \
+    }                                              \
+    case 64: {                                     \
+      constexpr int64_t kC = 64;                   \
+      return EXPRESSION;                           \
+    }                                              \
+    default: {                                     \
+      constexpr int64_t kC = 0;                    \
+      return EXPRESSION;                           \
+    }                                              \
+  }
+
 #define MASKLN_VARIANT(NAME, ATTRIBUTES, W)                                                    \
   template <typename T>                                                                       \
   ATTRIBUTES void forward_##NAME(const ForwardArgs<T>& a, int64_t begin, int64_t end) {       \
-    forward_rows<T, W>(a, begin, end);                                                        \
+    MASKLN_BY_LENGTH((forward_rows<T, W, kC>(a, begin, end)))                                 \
   }                                                                                           \
   template <typename T>                                                                       \
   ATTRIBUTES void backward_##NAME(                                                            \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    backward_rows<T, W, true, true>(a, begin, end, dscale, dbias);                            \
+    MASKLN_BY_LENGTH((backward_rows<T, W, true, true, kC>(a, begin, end, dscale, dbias)))     \
   }                                                                                           \
   template <typename T>                                                                       \
   ATTRIBUTES void backward_sums_##NAME(                                                       \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    backward_rows<T, W, false, true>(a, begin, end, dscale, dbias);                           \
+    MASKLN_BY_LENGTH((backward_rows<T, W, false, true, kC>(a, begin, end, dscale, dbias)))    \
   }                                                                                           \
   template <typename T>                                                                       \
   ATTRIBUTES void backward_dx_##NAME(                                                         \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    backward_rows<T, W, true, false>(a, begin, end, dscale, dbias);                           \
+    MASKLN_BY_LENGTH((backward_rows<T, W, true, false, kC>(a, begin, end, dscale, dbias)))    \
   }                                                                                           \
   template <typename T>                                                                       \
   ATTRIBUTES void backward_dbias_##NAME(                                                      \

@@ -7,10 +7,11 @@
 // y and dx have x's layout (torch.empty_like(x)); mean and rstd are [..., 1] in the compute
 // dtype (float32 for float32, float16 and bfloat16; float64 for float64), 0 on invalid rows;
 // dscale and dbias have scale's dtype. Two ways in: pybind functions (bindings.cpp: the
-// cheapest call, which maskln's eager path and its autograd.Function take), and dispatcher ops
-// with the schemas of maskln's custom ops: torch.ops.maskln_native.forward / .backward, and the
-// same kernels as the CPU implementation of maskln::masked_layer_norm(_backward) once
+// cheapest call, which maskln's eager path and its autograd.Function take), and the CPU
+// kernels of maskln's own custom ops, maskln::masked_layer_norm(_backward), once
 // register_maskln_kernels is called (what graphs from torch.compile and torch.export call).
+// The library defines no ops of its own (no TORCH_LIBRARY): the ops, their fake kernels,
+// autograd and vmap rules are defined once, in maskln_cli/op/library.py.
 // No C++ autograd node: maskln's autograd is a Python autograd.Function, which torch.func
 // transforms and second-order gradients need (a C++ node saved about 20 us per call but
 // supported neither).
@@ -19,8 +20,13 @@
 // compile): the three translation units compile side by side.
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
+
+#include <initializer_list>
 
 #include <cmath>
 #include <memory>
@@ -298,6 +304,81 @@ std::vector<at::Tensor> backward_py(
                        output_mask[2]);
 }
 
+// --- autograd on CPU: no Python when no derivative can be taken -------------------------------
+//
+// The ops' autograd is Python (maskln_cli/op/library.py, through autograd.py's Functions), and a
+// Python autograd kernel runs on every call of an op whose tensors have autograd's keys, which
+// every CPU tensor has: the calls in graphs that torch.compile made (whose inputs require grad,
+// under no_grad), or plain torch.ops calls. These kernels, registered for AutogradCPU beside the
+// CPU kernels, go below autograd at once when no derivative can be taken, and call the Python
+// kernel back otherwise: an input requiring grad with grad mode on, a forward-mode tangent, or
+// tensors that only Python can judge (torch.func's wrappers, fake, functional or subclass
+// tensors, as when a graph is being traced).
+
+PythonForward* python_forward = nullptr;  // set once from Python, never destroyed
+PythonBackward* python_backward = nullptr;
+
+void set_python_autograd(PythonForward forward, PythonBackward backward) {
+  delete python_forward;
+  delete python_backward;
+  python_forward = new PythonForward(std::move(forward));
+  python_backward = new PythonBackward(std::move(backward));
+}
+
+bool derivative_possible(std::initializer_list<const at::Tensor*> differentiable,
+                         std::initializer_list<const at::Tensor*> others) {
+  constexpr c10::DispatchKeySet python_judges({
+      c10::DispatchKey::FuncTorchGradWrapper,
+      c10::DispatchKey::FuncTorchBatched,
+      c10::DispatchKey::Functionalize,
+      c10::DispatchKey::Python,
+  });
+  for (auto list : {differentiable, others}) {
+    for (const at::Tensor* t : list) {
+      if (t->key_set().has_any(python_judges)) {
+        return true;
+      }
+    }
+  }
+  const bool grad_mode = at::GradMode::is_enabled();
+  for (const at::Tensor* t : differentiable) {
+    if ((grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, const at::Tensor& bias, double eps) {
+  if (derivative_possible({&x, &scale, &bias}, {&valid})) {
+    TORCH_CHECK(python_forward != nullptr, "maskln native: set_python_autograd was not called");
+    return (*python_forward)(keys, x, valid, scale, bias, eps);
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("maskln::masked_layer_norm", "")
+                             .typed<decltype(forward)>();
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset);
+  return op.redispatch(keys & c10::after_autograd_keyset, x, valid, scale, bias, eps);
+}
+
+std::vector<at::Tensor> backward_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, const at::Tensor& mean, const at::Tensor& rstd, double eps,
+    c10::List<bool> output_mask) {
+  if (derivative_possible({&dy, &x, &scale}, {&valid, &mean, &rstd})) {
+    TORCH_CHECK(python_backward != nullptr, "maskln native: set_python_autograd was not called");
+    return (*python_backward)(keys, dy, x, valid, scale, mean, rstd, eps, output_mask.vec());
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("maskln::masked_layer_norm_backward", "")
+                             .typed<decltype(backward)>();
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset);
+  return op.redispatch(keys & c10::after_autograd_keyset, dy, x, valid, scale, mean, rstd, eps,
+                       std::move(output_mask));
+}
+
 // --- the CPU kernels of maskln's own custom ops -------------------------------------------------
 
 // Registers (or, with enable false, withdraws) forward and backward as the CPU kernels of
@@ -306,35 +387,28 @@ std::vector<at::Tensor> backward_py(
 // ops' Python implementation (CompositeExplicitAutograd), under their Python autograd and fake
 // kernels. Returns whether they were registered before.
 bool register_maskln_kernels(bool enable) {
-  // The registrations last as long as the Library; never destroyed at exit (after the
+  // The registrations last as long as the Libraries; never destroyed at exit (after the
   // dispatcher, perhaps), only when withdrawn. Called with Python's lock held.
-  static torch::Library* library = nullptr;
-  const bool was = library != nullptr;
+  static torch::Library* cpu = nullptr;
+  static torch::Library* autograd = nullptr;
+  const bool was = cpu != nullptr;
   if (enable && !was) {
-    auto created = std::make_unique<torch::Library>(torch::Library::IMPL, "maskln",
+    auto kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "maskln",
                                                     c10::DispatchKey::CPU, __FILE__, __LINE__);
-    created->impl("masked_layer_norm", TORCH_FN(forward));
-    created->impl("masked_layer_norm_backward", TORCH_FN(backward));
-    library = created.release();
+    kernels->impl("masked_layer_norm", TORCH_FN(forward));
+    kernels->impl("masked_layer_norm_backward", TORCH_FN(backward));
+    auto derivatives = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "maskln", c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+    derivatives->impl("masked_layer_norm", TORCH_FN(forward_autograd));
+    derivatives->impl("masked_layer_norm_backward", TORCH_FN(backward_autograd));
+    cpu = kernels.release();
+    autograd = derivatives.release();
   } else if (!enable && was) {
-    delete library;
-    library = nullptr;
+    delete autograd;
+    delete cpu;
+    autograd = cpu = nullptr;
   }
   return was;
 }
 
 }  // namespace maskln_native
-
-// The dispatcher's ops, with the schemas of maskln::masked_layer_norm and
-// maskln::masked_layer_norm_backward, so that either can call or replace the other.
-TORCH_LIBRARY(maskln_native, m) {
-  m.def("forward(Tensor x, Tensor valid, Tensor scale, Tensor bias, float eps)"
-        " -> (Tensor, Tensor, Tensor)");
-  m.def("backward(Tensor dy, Tensor x, Tensor valid, Tensor scale, Tensor mean, Tensor rstd,"
-        " float eps, bool[] output_mask) -> Tensor[]");
-}
-
-TORCH_LIBRARY_IMPL(maskln_native, CPU, m) {
-  m.impl("forward", &maskln_native::forward);
-  m.impl("backward", &maskln_native::backward);
-}

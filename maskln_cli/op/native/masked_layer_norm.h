@@ -18,8 +18,9 @@
 //
 // Invalid rows are written +0.0 (and their statistics 0) without reading them, so whatever they
 // hold never reaches an output or a gradient. Rows whose arithmetic overflows (float64 |x| from
-// about 1e154), or whose saved rstd is too small to be exact, are redone by normalized_row:
-// scaled by powers of two, as maskln_cli/functional.py does.
+// about 1e154) or underflows (deviations of 1e-146 and less, with an eps as tiny), or whose
+// saved rstd is too small to be exact, are redone by normalized_row: scaled by powers of two,
+// as maskln_cli/functional.py does.
 //
 // mean is computed as sum * (1 / C): shift takes up its rounding. The statistics' second pass
 // and the backward's second pass read rows from cache (rows go in L1-sized batches, see
@@ -261,6 +262,11 @@ MASKLN_INLINE int64_t batch_rows(int64_t row_bytes) {
 
 constexpr int kExponentLimit = 960;  // scalings stay within 2**+-960: finite factors
 
+// Above this rstd, var + eps is below DBL_MIN / DBL_EPSILON (about 1e-292): the squares of the
+// deviations (float64 rows of 1e-146 and less, with an eps as small) were subnormal numbers,
+// or close to them, and lost precision. float32 statistics never get here (eps > 2**-150).
+constexpr double kLargestExactRstd = 1e146;
+
 // e with magnitude * 2**-e in [1/2, 1); -inf (as kExponentLimit below) for 0; 0 for NaN, inf.
 inline int row_exponent(double magnitude) {
   if (!std::isfinite(magnitude)) {
@@ -388,11 +394,14 @@ MASKLN_NOINLINE void forward_row_rescued(const ForwardArgs<T>& a, int64_t i) {
 
 // Rows [begin, end), a batch of rows at a time: each row is read twice for its statistics (the
 // second time from cache) and once more to write y.
-template <typename T, int W>
+// kC: the row length when the caller knows it at compile time (0: a.C, read at run time). The
+// loops over a row then unroll, which short rows need (C = 16: their loops' overhead cost as
+// much as their arithmetic); the bits are the same either way.
+template <typename T, int W, int64_t kC = 0>
 MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
   using P = typename ForwardArgs<T>::P;
   using V = typename Vec<W>::d;
-  const int64_t C = a.C;
+  const int64_t C = kC != 0 ? kC : a.C;
   const double inverse = 1.0 / static_cast<double>(C);
   const P* scale = a.scale;
   const P* bias = a.bias;
@@ -447,8 +456,10 @@ MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t 
         }
         continue;
       }
-      // Non-finite: the row holds NaN or inf, or (float64) its sum or squares overflowed.
-      if (!std::isfinite(centered[r][0]) || !std::isfinite(centered[r][1])) {
+      // Non-finite: the row holds NaN or inf, or (float64) its sum or squares overflowed; or
+      // (float64) its squares underflowed.
+      if (!std::isfinite(centered[r][0]) || !std::isfinite(centered[r][1]) ||
+          rstd[r] > kLargestExactRstd) {
         forward_row_rescued(a, i);
         continue;
       }
@@ -537,12 +548,12 @@ MASKLN_NOINLINE void backward_row_rescued(
 // kSums the rows' dscale and dbias terms added to dscale and dbias [C] (the caller's float64
 // block sums). Each row is read twice (the second time from cache): for shift, c1 and c2, then
 // for xhat, dx and the terms.
-template <typename T, int W, bool kDx, bool kSums>
+template <typename T, int W, bool kDx, bool kSums, int64_t kC = 0>
 MASKLN_INLINE void backward_rows(
     const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {
   using P = typename BackwardArgs<T>::P;
   using V = typename Vec<W>::d;
-  const int64_t C = a.C;
+  const int64_t C = kC != 0 ? kC : a.C;  // as forward_rows
   const double inverse = 1.0 / static_cast<double>(C);
   const P* scale = a.scale;
   const int64_t batch = batch_rows(2 * C * static_cast<int64_t>(sizeof(T)));

@@ -28,4 +28,15 @@ using ContractError = std::function<void(const at::Tensor& x, const at::Tensor& 
                                          double eps)>;
 void set_contract_error(ContractError report);
 
+// The ops' autograd kernels written in Python (maskln_cli.op.library), which the C++ autograd
+// kernels call back whenever a derivative may be taken, with the same arguments.
+using PythonForward = std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, const at::Tensor& bias, double eps)>;
+using PythonBackward = std::function<std::vector<at::Tensor>(
+    c10::DispatchKeySet keys, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, const at::Tensor& mean, const at::Tensor& rstd, double eps,
+    std::vector<bool> output_mask)>;
+void set_python_autograd(PythonForward forward, PythonBackward backward);
+
 }  // namespace maskln_native
