@@ -212,6 +212,8 @@ class BlockWork:
         on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``)."""
         import math
 
+        import torch
+
         problem = self.problem
         rows = valid if keep is None else valid & keep
         if checked.name == "grad_x":
@@ -227,9 +229,11 @@ class BlockWork:
         e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
         offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         second_order = (offset * e0).square_()
-        stored = None
-        if checked.name == "out":
-            stored = reference.square().mean(dim=1).sqrt_().mul_(precision.store)
+        # Each row's stored rounding: relative, and absolute below the dtype's smallest normal
+        # (a float16 grad_x of 1e-6 rounds by 3e-8, a twentieth of it).
+        info = torch.finfo(precision.dtype)
+        stored = reference.square().mean(dim=1).sqrt_().mul_(precision.store)
+        stored += info.tiny * info.eps / 2
         sums = fit_rows(error, z, rstd, problem.eps, second_order, rows, offset, e0, stored)
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0

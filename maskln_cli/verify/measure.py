@@ -268,8 +268,10 @@ class StreamingPass:
                 # grad_bias sums grad_out alone: no row statistic's rounding reaches it.
                 second = budget.second_order if name == "grad_scale" else 0.0
                 squares = budget.scale_squares if name == "grad_scale" else budget.bias_squares
+                # grad_scale's terms move with each row's xhat (the model's first term).
+                noise = budget.moved_squares.sqrt() * budget.e0 if name == "grad_scale" else None
                 self.fits[name] = fit_elements(
-                    actual.double() - total, total, second, squares.sqrt()
+                    actual.double() - total, total, second, squares.sqrt(), noise, budget.rows
                 )
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}

@@ -105,6 +105,8 @@ class FitSums:
     we2: float = 0.0  # the rows' second-order rounding, weighted as the factors
     va: float = 0.0  # the rows' offsets A (mean |x| * rstd), weighted as the shifts
     wn: float = 0.0  # the rows' modelled rounding noise of their factors, weighted as them
+    ws: float = 0.0  # the rows' stored rounding relative to their normalized part, likewise
+    sources: int = 0  # the valid rows a sum over rows sums (fit_elements); 0 for rows
     # Each row's (f_r, var + eps, weight), for the first KEPT_ROWS usable rows: the models
     # are told apart on them.
     kept: list[torch.Tensor] = field(default_factory=list)
@@ -112,7 +114,7 @@ class FitSums:
 
     def add(self, other: FitSums) -> None:
         for item in fields(self):
-            if item.name not in ("kept", "kept_rows"):
+            if item.name not in ("kept", "kept_rows", "sources"):
                 setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
         for part in other.kept:
             room = KEPT_ROWS - self.kept_rows
@@ -182,6 +184,12 @@ def fit_rows(
         if stored is not None:
             noise += stored[usable] / w.sqrt()
         sums.wn = float((w * noise).sum())
+    if stored is not None:
+        # Rounding to the stored dtype biases a row's factor by up to its stored rounding over
+        # the size of its normalized part: a bias far larger than that part (var far below
+        # eps) erases it, a factor of -1, whatever the kernel.
+        rms_z = (szz / channels).sqrt()
+        sums.ws = float((w * (stored[usable] / rms_z)).sum())
     spread = rstd[usable].square().reciprocal()  # var + eps
     sums.kept = [torch.stack([f, spread, w], dim=1)]
     sums.kept_rows = len(f)
@@ -193,12 +201,17 @@ def fit_elements(
     truth: torch.Tensor,
     second_order: float = 0.0,
     terms: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    sources: int = 0,
 ) -> FitSums:
     """The sums of a sum over rows (grad_scale, grad_bias: ``[C]``, float64), each element a
     regression of its own: ``error_c ~ f * truth_c``, weighted by ``truth_c**2``. Elements
     that are not finite, whose truth is 0, or (given ``terms``, the norm of the terms each
     sums) whose truth is the near-cancellation of its terms, below :data:`CANCELLED` of them,
     are left out (their rounding, relative to them, is unbounded); there is no shift.
+    ``noise`` is each element's modelled first-order rounding (the budget's, from the rows'
+    statistics), ``sources`` the number of valid rows summed: the elements of a sum over few
+    rows share those rows' rounding, and are no more independent than the rows are.
 
     Example:
         >>> import torch
@@ -219,6 +232,9 @@ def fit_elements(
     sums.w, sums.wf, sums.wff = (float((w * f**k).sum()) for k in (0, 1, 2))
     sums.w2, sums.w2f, sums.w2ff = (float((w.square() * f**k).sum()) for k in (0, 1, 2))
     sums.we2 = second_order * sums.w
+    if noise is not None:
+        sums.wn = float((w * noise[usable] / t.abs()).sum())
+    sums.sources = sources
     return sums
 
 
@@ -290,12 +306,16 @@ class Finding:
         return " ".join(parts) + ": systematic, not rounding"
 
 
-def systematic_gate(precision: Precision, second_order: float, bias_to_scale: float) -> float:
+def systematic_gate(
+    precision: Precision, second_order: float, bias_to_scale: float, stored: float | None = None
+) -> float:
     """How large a pooled relative factor a correct kernel in ``precision`` may show: a few
     units of its reductions' rounding; the rounding of its stored output, which on rows of
     nearly equal values (C of 2 to 16, in a half dtype) is as much systematic as not, by up to
     an ulp of the output, bias included (``bias_to_scale``: rms(bias) / rms(scale)); plus the
     rows' second-order rounding (a row mean off by d inflates the variance by d**2).
+    ``stored``, when the rows give it, is their own stored rounding relative to their normalized
+    part, which replaces the estimate from bias and scale.
 
     Example:
         >>> import torch
@@ -303,8 +323,9 @@ def systematic_gate(precision: Precision, second_order: float, bias_to_scale: fl
         >>> round(systematic_gate(Precision.of(torch.float32), 0.0, 1.0) / 2**-24)
         16
     """
-    stored = 2 * precision.store * (1 + bias_to_scale)
-    return max(SYSTEMATIC_ULPS * precision.reduce, stored) + second_order
+    if stored is None:
+        stored = precision.store * (1 + bias_to_scale)
+    return max(SYSTEMATIC_ULPS * precision.reduce, 2 * stored) + second_order
 
 
 def pooled(
@@ -338,8 +359,14 @@ def pooled(
         )
         shift_spread = math.sqrt(max(0.0, sums.vgg / sums.v - shift**2))
     ratio = bias_size / scale_size if scale_size > 0 else math.inf
-    gate = systematic_gate(precision, sums.we2 / sums.w, ratio)
-    few = sums.rows < MIN_ROWS
+    stored = sums.ws / sums.w if sums.ws > 0 else None
+    gate = systematic_gate(precision, sums.we2 / sums.w, ratio, stored)
+    # Rows that are copies of each other round their statistics alike (whatever grad_out):
+    # only distinct rows, told by their variance, are evidence.
+    distinct = sums.rows
+    if sums.kept:
+        distinct = len(torch.unique(torch.cat(sums.kept)[:, 1]))
+    few = distinct < MIN_ROWS or (elements and sums.sources < MIN_ROWS)
     # What one row of a correct kernel may err by: the gate of few rows and of sums.
     one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
     if few:  # without a standard error: twice the gate (6 rows of 16 channels of F.layer_norm
@@ -359,7 +386,9 @@ def pooled(
         same_sign = bool((torch.cat(sums.kept)[:, 0] * factor > 0).all()) if sums.kept else True
         systematic_factor = abs(factor) > threshold and same_sign
     elif elements:
-        threshold = max(SYSTEMATIC_Z * factor_error, one_row, factor_spread / SUM_AGREEMENT)
+        # The rows' first-order rounding, each row's own, averages over the rows summed.
+        noise = sums.wn / sums.w / math.sqrt(max(sums.sources, 1))
+        threshold = max(SYSTEMATIC_Z * factor_error, one_row, factor_spread / SUM_AGREEMENT, noise)
         systematic_factor = abs(factor) > threshold
     else:
         threshold = max(SYSTEMATIC_Z * factor_error, gate, factor_spread / AGREEMENT)
