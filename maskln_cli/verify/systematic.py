@@ -345,6 +345,7 @@ def pooled(
     if sums.rows < 1 or sums.w <= 0:
         return None
     elements = not sums.kept and sums.v <= 0
+    kept = torch.cat(sums.kept) if sums.kept else None  # each row's (f_r, var + eps, weight)
     if elements and sums.rows < MIN_ROWS:
         return None
     factor = sums.wf / sums.w
@@ -364,8 +365,8 @@ def pooled(
     # Rows that are copies of each other round their statistics alike (whatever grad_out):
     # only distinct rows, told by their variance, are evidence.
     distinct = sums.rows
-    if sums.kept:
-        distinct = len(torch.unique(torch.cat(sums.kept)[:, 1]))
+    if kept is not None:
+        distinct = len(torch.unique(kept[:, 1]))
     few = distinct < MIN_ROWS or (elements and sums.sources < MIN_ROWS)
     # What one row of a correct kernel may err by: the gate of few rows and of sums.
     one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
@@ -377,13 +378,13 @@ def pooled(
     model, eps_found, eps_at_most, left = "factor", None, None, None
     # The models only matter to a factor beyond the other thresholds (a passing run's is not).
     beyond = abs(factor) > (one_row if few else max(SYSTEMATIC_Z * factor_error, gate))
-    if sums.kept and (beyond or ALWAYS_REPORT):
-        model, eps_found, eps_at_most, left = explain_factors(torch.cat(sums.kept), eps, channels)
+    if kept is not None and (beyond or ALWAYS_REPORT):
+        model, eps_found, eps_at_most, left = explain_factors(kept, eps, channels)
     factor_spread = math.sqrt(max(0.0, sums.wff / sums.w - factor**2)) if left is None else left
     limit = one_row if few else None
     if few:  # no credible standard error
         threshold = max(one_row, factor_spread / AGREEMENT)
-        same_sign = bool((torch.cat(sums.kept)[:, 0] * factor > 0).all()) if sums.kept else True
+        same_sign = bool((kept[:, 0] * factor > 0).all()) if kept is not None else True
         systematic_factor = abs(factor) > threshold and same_sign
     elif elements:
         # The rows' first-order rounding, each row's own, averages over the rows summed.
