@@ -104,3 +104,17 @@ def test_float16_values_below_the_smallest_normal_round_absolutely(
     judge(x, valid, scale, bias, eps)
     out = masked_layer_normalization(x, valid, scale, bias, eps)
     testing.assert_close(out, x, valid, scale, bias, eps)
+
+
+def test_a_mistake_among_copies_of_eight_distinct_rows_is_still_named():
+    """Copies count once, not zero: eight distinct rows, each four times, of eps added outside
+    the square root still fail (within the budget: the systematic test alone sees it; rows of
+    so alike a variance cannot tell that mistake from a common factor)."""
+    channels = 768
+    x = draw((8, channels), seed=15).repeat_interleave(4, 0).float()
+    scale, bias = (draw(channels, seed=16).abs() + 0.5).float(), draw(channels, seed=17).float()
+    centered = x - x.mean(-1, keepdim=True)
+    wrong = centered / (centered.square().mean(-1, keepdim=True).sqrt() + 1e-5) * scale + bias
+    valid = torch.ones(32, dtype=torch.bool)
+    with pytest.raises(AssertionError, match=r"out: (eps added outside|all 32 valid rows scaled)"):
+        testing.assert_close(wrong, x, valid, scale, bias, 1e-5)
