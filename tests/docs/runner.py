@@ -17,6 +17,9 @@ A page's blocks run in order, in a fresh folder of their own (``sample_data``, `
   followed by a remark in parentheses) stands for any number of lines, and ``...`` inside a line
 for any text (a version number, say).
 
+Pages are made and checked in a process whose torch, MKL and oneDNN compute alike on every
+x86-64 CPU (``NUMERIC_ENV``): run otherwise, the runner starts itself again so.
+
 Before comparing, both sides are normalized alike: timings (``0.05 s``, ``"seconds": 0.265``,
 ``in 3.21s``) become ``<t>``, the folder's own path is dropped, trailing spaces are ignored.
 
@@ -36,6 +39,7 @@ import contextlib
 import doctest
 import io
 import itertools
+import json
 import os
 import re
 import shlex
@@ -43,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +67,36 @@ PAGE_THREADS = 2
 """torch's thread count while a page's Python runs in this process: a figure a page shows can
 depend on it (a sum over rows in a model's backward), and pytest's workers run torch on one
 thread each (tests/conftest.py). Pages are made (``--update``) and checked with this count."""
+
+NUMERIC_ENV = {
+    # torch's CPU kernels without the CPU's vector extensions (AVX2 and AVX-512 sum in other
+    # orders), MKL's and oneDNN's code paths the same on every x86-64 CPU, and one thread count
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "OMP_NUM_THREADS": str(PAGE_THREADS),
+    "MKL_NUM_THREADS": str(PAGE_THREADS),
+    # torch 2.13's compiled-graph cache is not keyed by ATEN_CPU_CAPABILITY: a graph cached by a
+    # process with AVX-512 kernels, run by one without, computes garbage. A cache of their own.
+    "TORCHINDUCTOR_CACHE_DIR": os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.environ.get('USER', 'maskln')}_docs"
+    ),
+}
+"""The figures a page shows are rounding: the last digits of a float32 kernel's error depend on
+the order its sums run in, which torch, MKL and oneDNN choose by the CPU's instruction set (and
+by the thread count). Pages are made and checked in a process with this environment, set before
+torch is imported, so that what they show is what every x86-64 CPU prints, bit for bit (on
+AVX-512, on AVX2 only, on the portable path), and a comparison can stay exact: a real change of
+output still fails. maskln's own kernels give the same bits on every instruction set."""
+
+
+def pinned(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a process with this environment computes as the pages were made."""
+    return all(env.get(key) == value for key, value in NUMERIC_ENV.items())
+
+
+def pinned_environment() -> dict[str, str]:
+    return {**os.environ, **NUMERIC_ENV}
 
 
 def pages() -> list[Path]:
@@ -156,6 +191,7 @@ def environment() -> dict[str, str]:
         if not key.startswith(("PYTEST", "COV_", "MASKLN_")) and key not in ("FORCE_COLOR",)
     }
     env.update(
+        NUMERIC_ENV,
         PATH=bin_dir + os.pathsep + env.get("PATH", ""),
         COLUMNS=str(COLUMNS),
         NO_COLOR="1",
@@ -422,11 +458,40 @@ def run_doctest(text: str, namespace: dict[str, object], label: str) -> None:
         raise ExampleFailed("".join(report))
 
 
+def serve() -> None:
+    """Run the pages whose paths come on stdin, a line each, and answer each with a JSON line on
+    stdout: ``{"blocks": N}``, or ``{"failed": "what differs"}``. What the pages themselves
+    write to stdout goes to stderr. The tests run their pages through one such process per
+    pytest worker (tests/docs/test_examples.py): torch is imported once, with NUMERIC_ENV."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        page = Path(line.strip())
+        with tempfile.TemporaryDirectory(prefix="maskln-docs-") as folder:
+            try:
+                answer: dict[str, object] = {"blocks": run_page(page, Path(folder))}
+            except ExampleFailed as failure:
+                answer = {"failed": str(failure)}
+            except Exception:  # the page's own code raised: say what, and go on
+                answer = {"failed": traceback.format_exc()}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("pages", nargs="*", type=Path, help="default: every page")
     parser.add_argument("--update", action="store_true", help="rewrite console blocks' output")
+    parser.add_argument("--serve", action="store_true", help="run the pages named on stdin")
     args = parser.parse_args(argv)
+    if not pinned():  # torch reads NUMERIC_ENV when it is imported: run again with it set
+        again = sys.argv[1:] if argv is None else argv
+        command = [sys.executable, "-m", "tests.docs.runner", *again]
+        return subprocess.run(command, env=pinned_environment(), cwd=ROOT).returncode
+    if args.serve:
+        serve()
+        return 0
     failed = 0
     for page in [p.resolve() for p in args.pages] or pages():
         with tempfile.TemporaryDirectory(prefix="maskln-docs-") as folder:
