@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-raw lint bench native docs docs-examples docs-serve sample-data checkpoint-example clean
+.PHONY: demo test test-slow test-raw test-isa lint bench native docs docs-examples docs-serve sample-data checkpoint-example clean
 
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,15 @@ test-slow: $(INSTALLED)
 # and results rounded by the native kernel).
 test-raw: $(INSTALLED)
 	MASKLN_BACKEND=raw $(PYTEST) --ignore tests/docs/test_examples.py
+
+# The suite as an AVX2-only CPU runs it (torch's, MKL's, oneDNN's and maskln's AVX2 code paths;
+# torch's compiled graphs cached apart, since torch's cache does not tell the paths apart), then
+# the op's tests and the documentation's examples on maskln's portable kernels (CI runs it).
+AVX2_MACHINE := MASKLN_NATIVE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	ONEDNN_MAX_CPU_ISA=AVX2 TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.pytest_cache/torchinductor-avx2
+test-isa: $(INSTALLED)
+	$(AVX2_MACHINE) $(PYTEST) -m "not slow"
+	MASKLN_NATIVE_ISA=base $(PYTEST) -m "not slow" tests/op tests/docs
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
