@@ -12,7 +12,7 @@ import torch
 from maskln_cli import testing
 from maskln_cli.testing.judging import VerifyFailed
 from maskln_cli.testing.text import failure_message, report_text
-from maskln_cli.verify.job import verify_file
+from maskln_cli.verify.job import VerifyOptions, verify_file
 from tests import kernels
 from tests.clitools import invoke, write
 
@@ -124,21 +124,33 @@ def _figures(document: dict) -> str:
     return json.dumps(document, sort_keys=True)
 
 
-@pytest.mark.parametrize("kernel", [kernels.two_pass, kernels.unbiased, kernels.nan_leak])
+def negative_zero_padding(x, valid, scale, bias):
+    """A right kernel whose padding is -0.0: it fails the contract's +0.0 (--strict)."""
+    out = kernels.two_pass(x, valid, scale, bias)
+    return torch.where(valid[..., None], out, -0.0)
+
+
+@pytest.mark.parametrize(
+    "kernel", [kernels.two_pass, kernels.unbiased, kernels.nan_leak, negative_zero_padding]
+)
 def test_files_and_memory_get_the_same_verdict_and_figures(tmp_path, kernel):
-    """The same tensors, saved for `maskln verify` and given to verify/assert_close: the same
-    report, figure for figure, and the same text but for the lines naming the inputs."""
+    """The same tensors, saved for `maskln verify --strict` and given to verify/assert_close:
+    the same report, figure for figure, and the same text but for the lines naming the inputs;
+    and with strict=False, `maskln verify`'s without --strict."""
     inputs = kernels.offset_batch(1e3, shape=(4, 32, 64))
     result = kernels.run(kernel, inputs)
     source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
     target = write(tmp_path / "result.safetensors", result)
-    from_files = verify_file(str(source), str(target))
-    in_memory = judged(inputs, result)
-    assert from_files.passed == in_memory.passed
-    assert _figures(in_memory.to_dict()) == _figures(from_files.to_dict())
+    for strict in (True, False):
+        from_files = verify_file(str(source), str(target), verify=VerifyOptions(strict=strict))
+        in_memory = judged(inputs, result, strict=strict)
+        assert from_files.passed == in_memory.passed
+        assert _figures(in_memory.to_dict()) == _figures(from_files.to_dict())
 
-    printed = invoke("verify", source, target)
-    assert printed.exit_code == (0 if from_files.passed else 1), printed.stderr
+    printed = invoke("verify", source, target, "--strict")
+    in_memory = judged(inputs, result)
+    assert kernel is not negative_zero_padding or not in_memory.passed  # -0.0 fails
+    assert printed.exit_code == (0 if in_memory.passed else 1), printed.stderr
     text = report_text(in_memory)
     names = [(str(target), "the kernel's tensors"), (str(source), "the inputs given"),
              ("from metadata 'eps'", "from the eps argument")]  # fmt: skip
@@ -245,3 +257,48 @@ def test_a_wrong_result_shape_or_dtype_is_a_failure_not_an_error():
         testing.assert_close(x[0], x, None, None, None)
     with pytest.raises(AssertionError, match="not a floating-point result"):
         testing.assert_close(x.long(), x, None, None, None)
+
+
+# --- the padding: exactly +0.0 ---------------------------------------------------------------
+
+
+def negative_zeros(tensor: torch.Tensor, valid: torch.Tensor, everywhere: bool) -> torch.Tensor:
+    """``tensor`` with -0.0 at every element of its padding, or at one element of one padded
+    row (its last channel, of the last padded row)."""
+    changed = tensor.clone()
+    if everywhere:
+        changed[~valid] = -0.0
+    else:
+        row = tuple(int(i) for i in (~valid).nonzero()[-1])
+        changed[row][-1] = -0.0
+    return changed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_negative_zero_in_the_padding_fails_unless_strict_is_false(dtype):
+    """The contract: invalid rows of out and grad_x exactly +0.0. -0.0 in every padding
+    element, or in one, fails by default (as `maskln verify --strict`), naming the tensor and
+    the count; strict=False judges as `maskln verify` does by default (reported, not failed)."""
+    inputs = kernels.offset_batch(0.0, dtype=dtype, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    assert_judged_close(inputs, right)  # +0.0 everywhere: passes
+    valid = inputs["valid"]
+    for name in ("out", "grad_x"):
+        for everywhere in (True, False):
+            wrong = dict(right, **{name: negative_zeros(right[name], valid, everywhere)})
+            count = int((~valid).sum()) * 16 if everywhere else 1
+            with pytest.raises(VerifyFailed) as raised:
+                assert_judged_close(inputs, wrong)
+            failed = [t for t in raised.value.report.tensors if not t.passed]
+            assert [t.name for t in failed] == [name], (name, everywhere)
+            assert failed[0].negative_zeros == count
+            verdict = str(raised.value).split("\n", 1)[0]
+            assert verdict.startswith(f"FAIL: 1 of 4 tensors: {name}: -0.0 at {count:,} padded")
+            lenient = judged(inputs, wrong, strict=False)
+            assert lenient.passed and lenient.context["strict"] is False
+            assert {t.name: t.negative_zeros for t in lenient.tensors}[name] == count
+
+
+def test_strict_must_be_a_bool():
+    with pytest.raises(TypeError, match="strict must be True or False, got str"):
+        testing.assert_close(X, X, VALID, ONES, ZEROS, strict="no")
