@@ -71,7 +71,7 @@ def problem_and_result(
 
     from maskln_cli.op.checks import SUPPORTED_DTYPES, as_valid_mask
 
-    x = _tensor(x, "x")
+    x = plain_tensor(x, "x")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"x must be a float32, float64, float16 or bfloat16 tensor, got {dtype_name(x.dtype)}"
@@ -85,7 +85,7 @@ def problem_and_result(
     if valid is None:
         mask = torch.ones(leading, dtype=torch.bool)
     else:
-        mask = as_valid_mask(_tensor(valid, "valid"), "valid")
+        mask = as_valid_mask(plain_tensor(valid, "valid"), "valid")
         if tuple(mask.shape) != leading:
             raise ValueError(
                 f"valid must have x's leading shape {list(leading)}, got {list(mask.shape)}"
@@ -100,7 +100,7 @@ def problem_and_result(
     given = {name: value for name, value in gradients.items() if value is not None}
     upstream = None
     if grad_out is not None:
-        upstream = _tensor(grad_out, "grad_out")
+        upstream = plain_tensor(grad_out, "grad_out")
         if not upstream.is_floating_point():
             raise TypeError(f"grad_out must be a floating tensor, got {dtype_name(upstream.dtype)}")
         if upstream.shape != x.shape:
@@ -116,7 +116,7 @@ def problem_and_result(
     results.update(given)
     if not results:
         raise ValueError("nothing to judge: give out, or grad_out and a gradient")
-    tensors = {name: _cpu(_tensor(value, name)) for name, value in results.items()}
+    tensors = {name: _cpu(plain_tensor(value, name)) for name, value in results.items()}
 
     ones, zeros = torch.ones(channels), torch.zeros(channels)
     scale64 = (ones if params["scale"] is None else _cpu(params["scale"])).double()
@@ -144,11 +144,30 @@ def checked_names(out: object, gradients: Mapping[str, object]) -> tuple[str, ..
     return names + tuple(name for name in GRADIENT_KEYS if gradients.get(name) is not None)
 
 
-def _tensor(value: object, name: str) -> torch.Tensor:
+def plain_tensor(value: object, name: str) -> torch.Tensor:
+    """``value``, checked to be a plain dense tensor holding values: a ``torch.Tensor`` or an
+    ``nn.Parameter``, strided, not nested, not on the meta device (a TypeError or ValueError
+    naming ``name`` otherwise).
+
+    Any other Tensor subclass is refused: its ``__torch_function__``, ``__torch_dispatch__``
+    or methods decide what each operation the judge runs on it returns, so what the judge would
+    read need not be what it holds (a wrong result could show the truth)."""
     import torch
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    kind = type(value)
+    if kind not in (torch.Tensor, torch.nn.Parameter):
+        if _is_nested(value):  # torch.nested's jagged layout is a subclass
+            raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
+        raise TypeError(
+            f"{name} must be a plain torch.Tensor (or nn.Parameter), got {kind.__name__}: a"
+            " Tensor subclass decides what reading it returns, so it is not judged; pass its"
+            f" values as a plain tensor ({name}.as_subclass(torch.Tensor), or the subclass's"
+            " own conversion)"
+        )
+    if value.is_nested:
+        raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
     if value.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if value.device.type == "meta":
@@ -156,10 +175,17 @@ def _tensor(value: object, name: str) -> torch.Tensor:
     return value
 
 
+def _is_nested(value: torch.Tensor) -> bool:
+    try:
+        return value.is_nested is True
+    except Exception:  # a subclass's own property: whatever it raises, it is no nested tensor
+        return False
+
+
 def _parameter(value: object, name: str, channels: int) -> torch.Tensor | None:
     if value is None:  # verify's default for a file without it: ones, zeros
         return None
-    tensor = _tensor(value, name)
+    tensor = plain_tensor(value, name)
     if not tensor.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {dtype_name(tensor.dtype)}")
     if tuple(tensor.shape) != (channels,):

@@ -133,7 +133,9 @@ def assert_close(
 
     Every tensor may be on any device (the reference is computed in float64 on the CPU) and in
     any floating dtype; each result is judged by its own dtype's budget, as verify judges
-    the tensors of a file.
+    the tensors of a file. Tensors are judged plain: a ``torch.Tensor`` or an
+    ``nn.Parameter``; any other Tensor subclass decides what reading it returns (a wrong result
+    could show the truth), so it is refused with a TypeError naming it, as is a nested tensor.
 
     Raises:
         AssertionError: a tensor fails (a :class:`VerifyFailed`): the message is the report

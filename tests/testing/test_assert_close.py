@@ -302,3 +302,132 @@ def test_negative_zero_in_the_padding_fails_unless_strict_is_false(dtype):
 def test_strict_must_be_a_bool():
     with pytest.raises(TypeError, match="strict must be True or False, got str"):
         testing.assert_close(X, X, VALID, ONES, ZEROS, strict="no")
+
+
+# --- plain tensors only -----------------------------------------------------------------------
+
+
+class ShowsTheTruth(torch.Tensor):
+    """A subclass whose __torch_function__ hands back ``shown`` from every operation that reads
+    its data (detach, to, contiguous, clone...): its memory holds something else."""
+
+    shown: torch.Tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        liar = next((a for a in args if isinstance(a, ShowsTheTruth)), None)
+        if liar is not None and isinstance(result, torch.Tensor) and result.shape == liar.shape:
+            return liar.shown.clone()
+        return result
+
+
+class DetachesToTheTruth(torch.Tensor):
+    """A subclass that overrides methods in Python: detach and to hand back ``shown``."""
+
+    shown: torch.Tensor
+
+    def detach(self):
+        return self.shown.clone()
+
+    def to(self, *args, **kwargs):
+        return self.shown.clone()
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (__torch_dispatch__, no storage of its own) whose every operation
+    runs on ``shown``."""
+
+    @staticmethod
+    def __new__(cls, shown):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shown.shape, dtype=shown.dtype, device=shown.device
+        )
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.shown if isinstance(t, Wrapper) else t
+
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class ParameterShowsTheTruth(torch.nn.Parameter):
+    """A Parameter subclass with its own __torch_function__ (Parameter's own disables it)."""
+
+    shown: torch.Tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return ShowsTheTruth.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+def disguised(kind: str, data: torch.Tensor, shown: torch.Tensor) -> torch.Tensor:
+    """``data`` in a subclass that shows ``shown`` to whoever reads it through torch."""
+    if kind == "wrapper":
+        return Wrapper(shown)
+    if kind == "parameter":
+        tensor = ParameterShowsTheTruth(data, requires_grad=False)
+    else:
+        cls = {"torch_function": ShowsTheTruth, "methods": DetachesToTheTruth}[kind]
+        tensor = data.as_subclass(cls)
+    tensor.shown = shown
+    return tensor
+
+
+SUBCLASSES = ["torch_function", "methods", "wrapper", "parameter"]
+
+
+@pytest.mark.parametrize("kind", SUBCLASSES)
+def test_a_tensor_subclass_is_refused_not_judged_by_what_it_shows(kind):
+    """A wrong out (twice the truth) in a subclass that shows the truth to torch's operations
+    passed; any Tensor subclass but nn.Parameter is refused by name, in every argument."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    assert_judged_close(inputs, right)
+    wrong = dict(right, out=disguised(kind, right["out"] * 2, right["out"]))
+    for function in (assert_judged_close, judged):
+        with pytest.raises(TypeError) as raised:
+            function(inputs, wrong)
+        assert str(raised.value).startswith("out must be a plain torch.Tensor")
+        assert type(wrong["out"]).__name__ in str(raised.value)
+    for name in ("x", "valid", "scale", "grad_out"):  # the inputs: judged as the kernel saw them?
+        given = dict(inputs, **{name: disguised(kind, inputs[name], inputs[name])})
+        with pytest.raises(TypeError, match=f"^{name} must be a plain torch.Tensor"):
+            assert_judged_close(given, right)
+    for name in GRADIENTS:
+        given = dict(right, **{name: disguised(kind, right[name] * 2, right[name])})
+        with pytest.raises(TypeError, match=f"^{name} must be a plain torch.Tensor"):
+            assert_judged_close(inputs, given)
+
+
+def test_parameters_and_plain_tensors_are_judged():
+    """nn.Parameter (scale and bias as a module holds them; an out that is one) is plain."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    held = dict(
+        inputs, scale=torch.nn.Parameter(inputs["scale"]), bias=torch.nn.Buffer(inputs["bias"])
+    )
+    assert_judged_close(held, dict(right, out=torch.nn.Parameter(right["out"])))
+    with pytest.raises(VerifyFailed):
+        assert_judged_close(held, dict(right, out=torch.nn.Parameter(right["out"] * 2)))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("name", ["out", "x", "valid", "scale", "grad_out", "grad_x"])
+def test_a_nested_tensor_is_a_type_error_naming_the_argument(layout, name):
+    """A nested tensor's sizes cannot be read (`Internal error: NestedTensorImpl doesn't support
+    sizes`): refused by name."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    given = right if name in ("out", "grad_x") else inputs
+    rows = given[name].unbind(0) if given[name].dim() > 1 else [given[name]] * 2
+    nested = dict(given, **{name: torch.nested.nested_tensor(list(rows), layout=layout)})
+    arguments = (inputs, nested) if given is right else (nested, right)
+    with pytest.raises(TypeError, match=f"^{name} must be a dense tensor, got a nested tensor"):
+        assert_judged_close(*arguments)
