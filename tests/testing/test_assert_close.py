@@ -431,3 +431,22 @@ def test_a_nested_tensor_is_a_type_error_naming_the_argument(layout, name):
     arguments = (inputs, nested) if given is right else (nested, right)
     with pytest.raises(TypeError, match=f"^{name} must be a dense tensor, got a nested tensor"):
         assert_judged_close(*arguments)
+
+
+def test_the_report_says_when_no_row_is_valid(tmp_path):
+    """With every row invalid, out and grad_x are 0 whatever a kernel computes there: a PASS
+    says that nothing but the padding was checked, in memory and in files alike."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    inputs["valid"] = torch.zeros_like(inputs["valid"])
+    result = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    assert_judged_close(inputs, result)  # zeros are right: it passes
+    said = "no row is valid: only the padding was checked, no normalized value"
+    report = judged(inputs, result)
+    assert report.passed and said in report.context["not_checked"]
+    assert said in report_text(report).rsplit("\n", 1)[1]  # the verdict line
+    source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
+    target = write(tmp_path / "result.safetensors", result)
+    assert said in verify_file(str(source), str(target)).context["not_checked"]
+    some = dict(inputs, valid=inputs["valid"].clone())
+    some["valid"][0, 0] = True  # one valid row: no such words
+    assert said not in str(judged(some, kernels.run(kernels.maskln, some)).context)
