@@ -67,6 +67,15 @@ def problem_and_result(
 ) -> tuple[Problem, TensorResult]:
     """Check the arguments and make the problem and the result verify judges; ``gradients``
     holds ``grad_x``, ``grad_scale`` and ``grad_bias`` (None: not checked)."""
+    problem = problem_of(x, valid, scale, bias, eps, grad_out)
+    return problem, result_of(out, gradients, problem)
+
+
+def problem_of(
+    x: object, valid: object, scale: object, bias: object, eps: object, grad_out: object
+) -> Problem:
+    """Check the inputs (a TypeError or ValueError naming the argument) and make the problem:
+    x and grad_out in their own dtype, scale and bias in float64, all on the CPU."""
     import torch
 
     from maskln_cli.op.checks import SUPPORTED_DTYPES, as_valid_mask
@@ -97,7 +106,6 @@ def problem_and_result(
     param_dtype = min(stored, key=lambda d: torch.finfo(d).eps) if stored else None
     eps = _eps(eps, x.dtype)
 
-    given = {name: value for name, value in gradients.items() if value is not None}
     upstream = None
     if grad_out is not None:
         upstream = plain_tensor(grad_out, "grad_out")
@@ -107,21 +115,11 @@ def problem_and_result(
             raise ValueError(
                 f"grad_out must have x's shape {list(x.shape)}, got {list(upstream.shape)}"
             )
-    elif given:
-        raise ValueError(
-            f"{', '.join(given)} given without grad_out: the gradients are those of"
-            " sum(out * grad_out); give grad_out"
-        )
-    results = {} if out is None else {"out": out}
-    results.update(given)
-    if not results:
-        raise ValueError("nothing to judge: give out, or grad_out and a gradient")
-    tensors = {name: _cpu(plain_tensor(value, name)) for name, value in results.items()}
 
     ones, zeros = torch.ones(channels), torch.zeros(channels)
     scale64 = (ones if params["scale"] is None else _cpu(params["scale"])).double()
     bias64 = (zeros if params["bias"] is None else _cpu(params["bias"])).double()
-    problem = Problem(
+    return Problem(
         source=INPUTS_NAME,
         shape=tuple(x.shape),
         x=_cpu(x).reshape(-1, channels),
@@ -135,7 +133,22 @@ def problem_and_result(
         eps_source=EPS_SOURCE,
         param_dtype=param_dtype,
     )
-    return problem, TensorResult(tensors)
+
+
+def result_of(out: object, gradients: Mapping[str, object], problem: Problem) -> TensorResult:
+    """The kernel's tensors as verify reads a RESULT file (each a plain tensor, copied to the
+    CPU); a gradient needs the problem's grad_out."""
+    given = {name: value for name, value in gradients.items() if value is not None}
+    if given and problem.grad_out is None:
+        raise ValueError(
+            f"{', '.join(given)} given without grad_out: the gradients are those of"
+            " sum(out * grad_out); give grad_out"
+        )
+    results = {} if out is None else {"out": out}
+    results.update(given)
+    if not results:
+        raise ValueError("nothing to judge: give out, or grad_out and a gradient")
+    return TensorResult({name: _cpu(plain_tensor(value, name)) for name, value in results.items()})
 
 
 def checked_names(out: object, gradients: Mapping[str, object]) -> tuple[str, ...]:

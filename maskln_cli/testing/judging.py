@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.compare.data import ComparisonReport
+    from maskln_cli.files.problem import Problem
+    from maskln_cli.testing.inputs import TensorResult
 
 DEFAULT_FACTOR = 3.0
 """As ``maskln verify --factor`` (:data:`maskln_cli.verify.budget.DEFAULT_FACTOR`)."""
@@ -64,24 +66,34 @@ def verify(
         >>> x = torch.randn(4, 8)
         >>> valid = torch.tensor([True, True, True, False])
         >>> scale, bias = torch.ones(8), torch.zeros(8)
-        >>> out = F.layer_norm(x, (8,), scale, bias, 1e-5) * valid[:, None]
+        >>> out = torch.where(valid[:, None], F.layer_norm(x, (8,), scale, bias, 1e-5), 0.0)
         >>> report = verify(out, x, valid, scale, bias, 1e-5)
         >>> report.passed, [t.name for t in report.tensors], report.tensors[0].budget_ratio < 1
         (True, ['out'], True)
     """
+    from maskln_cli.testing.inputs import checked_names, problem_and_result
+
+    gradients = {"grad_x": grad_x, "grad_scale": grad_scale, "grad_bias": grad_bias}
+    check_judging(factor, strict)
+    problem, result = problem_and_result(out, x, valid, scale, bias, eps, gradients, grad_out)
+    return judge(problem, result, checked_names(out, gradients), factor, strict)
+
+
+def judge(
+    problem: Problem,
+    result: TensorResult,
+    names: tuple[str, ...],
+    factor: float = DEFAULT_FACTOR,
+    strict: bool = True,
+) -> ComparisonReport:
+    """verify's judgement of the tensors ``names`` of ``result`` for ``problem`` (made by
+    :mod:`.inputs`), with ``factor`` and ``strict`` as :func:`assert_close` has them."""
     from maskln_cli.errors import MasklnError
     from maskln_cli.files.problem import NormalizeOptions
-    from maskln_cli.testing.inputs import checked_names, problem_and_result
     from maskln_cli.verify.job import verify_problem
     from maskln_cli.verify.options import VerifyOptions
 
-    gradients = {"grad_x": grad_x, "grad_scale": grad_scale, "grad_bias": grad_bias}
-    _check_factor(factor)
-    _check_strict(strict)
-    problem, result = problem_and_result(out, x, valid, scale, bias, eps, gradients, grad_out)
-    options = VerifyOptions(
-        check=checked_names(out, gradients), factor=float(factor), strict=strict
-    )
+    options = VerifyOptions(check=names, factor=float(factor), strict=strict)
     try:
         return verify_problem(problem, result, NormalizeOptions(), options)
     except MasklnError as error:  # what verify refuses of files, here of arguments
@@ -167,13 +179,12 @@ def assert_close(
         raise VerifyFailed(failure_message(report), report)
 
 
-def _check_strict(strict: object) -> None:
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
-
-
-def _check_factor(factor: object) -> None:
+def check_judging(factor: object, strict: object) -> None:
+    """``factor`` and ``strict`` as the judging takes them (a TypeError or ValueError naming
+    the one that is not)."""
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
         raise TypeError(f"factor must be a number >= 1, got {type(factor).__name__}")
     if not (math.isfinite(float(factor)) and factor >= 1):
         raise ValueError(f"factor must be a finite number >= 1, got {factor!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
