@@ -115,13 +115,12 @@ def layer_norm_inputs(
     Example:
         >>> import torch
         >>> from hypothesis import given, settings
-        >>> from maskln_cli.testing import assert_close
+        >>> from maskln_cli.testing import check_kernel
         >>> from maskln_cli import masked_layer_normalization
         >>> @settings(max_examples=20)
-        ... @given(layer_norm_inputs([torch.float32, torch.float16]))
+        ... @given(layer_norm_inputs([torch.float32, torch.float16], grad_out=True))
         ... def test_my_kernel(inputs):
-        ...     out = masked_layer_normalization(*inputs)  # your kernel here
-        ...     assert_close(out, *inputs)
+        ...     check_kernel(masked_layer_normalization, *inputs)  # your kernel here
         >>> test_my_kernel()
     """
     import torch
