@@ -171,12 +171,13 @@ class _Copy:
     layout: tuple[object, ...]
 
     @classmethod
-    def of(cls, original: torch.Tensor, requires_grad: bool) -> _Copy:
-        original = original.detach()
+    def of(cls, given: torch.Tensor, requires_grad: bool) -> _Copy:
+        """A copy of ``given``, a leaf that requires grad when asked or when ``given`` does."""
+        original = given.detach()
         span = _span(original)
         memory = original.as_strided((span,), (1,), original.storage_offset()).clone()
         tensor = memory.as_strided(original.shape, original.stride(), 0).detach()
-        if requires_grad:
+        if requires_grad or given.requires_grad:
             tensor.requires_grad_()
         return cls(original, tensor, memory, _layout(tensor))
 

@@ -100,6 +100,34 @@ def test_correct_kernels_pass_with_their_gradients(kernel, dtype, param_dtype, l
     assert seen == {i: (a.dtype, a.stride(), a.device) for i, a in enumerate(given)}
 
 
+def test_negative_zero_padding_fails_unless_strict_is_false():
+    def negative_zeros(x, valid, scale, bias, eps):
+        return torch.where(valid[..., None], masked_fill_kernel(x, valid, scale, bias, eps), -0.0)
+
+    with pytest.raises(VerifyFailed, match=r"^FAIL: 1 of 1 tensors: out: -0\.0 at 96 padded"):
+        check_kernel(negative_zeros, *batch())
+    check_kernel(negative_zeros, *batch(), strict=False)
+
+
+def test_the_copies_require_grad_as_the_inputs_do():
+    """With grad_out, x, scale and bias; without, as given (a kernel may take another path)."""
+    seen = []
+
+    def recorded(x, valid, scale, bias, eps):
+        seen.append((x.requires_grad, scale.requires_grad, bias.requires_grad, x.is_leaf))
+        return masked_layer_normalization(x, valid, scale, bias, eps)
+
+    x, valid, scale, bias, eps, grad_out = batch(grad=True)
+    check_kernel(recorded, x, valid, scale, bias, eps, grad_out)
+    check_kernel(recorded, x, valid, scale, bias, eps)
+    check_kernel(recorded, x.requires_grad_(), valid, scale, bias, eps)
+    assert seen == [
+        (True, True, True, True),
+        (False, False, False, True),
+        (True, False, False, True),
+    ]
+
+
 def test_the_strategy_s_tuple_is_the_arguments():
     """check_kernel(kernel, *inputs), with and without grad_out, as the strategies draw them."""
     check_kernel(masked_fill_kernel, *batch())
