@@ -3,9 +3,10 @@ place. Run them with
 
     python -m pytest examples/test_my_kernel.py
 
-assert_close judges the output and the gradients as `maskln verify` judges files: each element
-within its error budget of maskln's float64 result, the padding exactly +0.0. The strategy
-draws the inputs that break kernels (Hypothesis: pip install 'maskln[testing]').
+check_kernel calls the kernel on copies of the inputs and judges its output and its gradients
+(by autograd) as `maskln verify --strict` judges files: each element within its error budget
+of maskln's float64 result, the padding exactly +0.0, and every input left as it was given.
+The strategy draws the inputs that break kernels (Hypothesis: pip install 'maskln[testing]').
 """
 
 import sys
@@ -15,19 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from maskln_cli.testing import assert_close
+from maskln_cli.testing import check_kernel
 from maskln_cli.testing.strategies import layer_norm_inputs
 
 sys.path.insert(0, str(Path(__file__).parent))  # my_kernel.py lies beside this file
 from my_kernel import masked_layer_normalization as kernel  # yours here
-
-
-def run_kernel(x, valid, scale, bias, eps, grad_out):
-    """The kernel's output, and its gradients of sum(out * grad_out) by autograd."""
-    leaves = [t.detach().requires_grad_() for t in (x, scale, bias)]
-    out = kernel(leaves[0], valid, leaves[1], leaves[2], eps)
-    grad_x, grad_scale, grad_bias = torch.autograd.grad(out, leaves, grad_out)
-    return {"out": out, "grad_x": grad_x, "grad_scale": grad_scale, "grad_bias": grad_bias}
 
 
 @pytest.mark.parametrize("offset", [0.0, 1e4])
@@ -40,15 +33,10 @@ def test_a_padded_batch(offset):
     x[~valid] = float("nan")
     scale, bias = torch.randn(64, generator=generator), torch.randn(64, generator=generator)
     grad_out = torch.randn(8, 128, 64, generator=generator)
-    result = run_kernel(x, valid, scale, bias, 1e-5, grad_out)
-    out = result.pop("out")
-    assert_close(out, x, valid, scale, bias, 1e-5, grad_out=grad_out, **result)
+    check_kernel(kernel, x, valid, scale, bias, 1e-5, grad_out)
 
 
 @settings(max_examples=150, deadline=None)
 @given(layer_norm_inputs([torch.float32, torch.float64], grad_out=True))
 def test_the_inputs_that_break_kernels(inputs):
-    x, valid, scale, bias, eps, grad_out = inputs
-    result = run_kernel(x, valid, scale, bias, eps, grad_out)
-    out = result.pop("out")
-    assert_close(out, x, valid, scale, bias, eps, grad_out=grad_out, **result)
+    check_kernel(kernel, *inputs)

@@ -1,6 +1,9 @@
 """maskln in a kernel author's own test suite: tensors in memory judged as ``maskln verify``
 judges files.
 
+- :func:`check_kernel` (:mod:`.checking`): a kernel called on copies of its inputs, its output
+  and gradients judged against the inputs as given, and any change it made to an input a
+  failure (:class:`InputModified`). The one to use when the kernel can be called.
 - :func:`assert_close` (:mod:`.judging`): ``out`` and the gradients given, judged by the error
   budget; raises an AssertionError whose message is the plain-text report. :func:`verify`
   returns that report as data.
@@ -24,12 +27,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from maskln_cli.testing.checking import InputModified, check_kernel
     from maskln_cli.testing.judging import VerifyFailed, assert_close, verify
     from maskln_cli.testing.text import report_text
 
-__all__ = ["VerifyFailed", "assert_close", "report_text", "verify"]
+__all__ = [
+    "InputModified",
+    "VerifyFailed",
+    "assert_close",
+    "check_kernel",
+    "report_text",
+    "verify",
+]
 
 _HOMES = {
+    "check_kernel": "maskln_cli.testing.checking",
+    "InputModified": "maskln_cli.testing.checking",
     "assert_close": "maskln_cli.testing.judging",
     "verify": "maskln_cli.testing.judging",
     "VerifyFailed": "maskln_cli.testing.judging",

@@ -67,11 +67,20 @@ def problem_and_result(
 ) -> tuple[Problem, TensorResult]:
     """Check the arguments and make the problem and the result verify judges; ``gradients``
     holds ``grad_x``, ``grad_scale`` and ``grad_bias`` (None: not checked)."""
+    problem = problem_of(x, valid, scale, bias, eps, grad_out)
+    return problem, result_of(out, gradients, problem)
+
+
+def problem_of(
+    x: object, valid: object, scale: object, bias: object, eps: object, grad_out: object
+) -> Problem:
+    """Check the inputs (a TypeError or ValueError naming the argument) and make the problem:
+    x and grad_out in their own dtype, scale and bias in float64, all on the CPU."""
     import torch
 
     from maskln_cli.op.checks import SUPPORTED_DTYPES, as_valid_mask
 
-    x = _tensor(x, "x")
+    x = plain_tensor(x, "x")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"x must be a float32, float64, float16 or bfloat16 tensor, got {dtype_name(x.dtype)}"
@@ -85,7 +94,7 @@ def problem_and_result(
     if valid is None:
         mask = torch.ones(leading, dtype=torch.bool)
     else:
-        mask = as_valid_mask(_tensor(valid, "valid"), "valid")
+        mask = as_valid_mask(plain_tensor(valid, "valid"), "valid")
         if tuple(mask.shape) != leading:
             raise ValueError(
                 f"valid must have x's leading shape {list(leading)}, got {list(mask.shape)}"
@@ -97,31 +106,20 @@ def problem_and_result(
     param_dtype = min(stored, key=lambda d: torch.finfo(d).eps) if stored else None
     eps = _eps(eps, x.dtype)
 
-    given = {name: value for name, value in gradients.items() if value is not None}
     upstream = None
     if grad_out is not None:
-        upstream = _tensor(grad_out, "grad_out")
+        upstream = plain_tensor(grad_out, "grad_out")
         if not upstream.is_floating_point():
             raise TypeError(f"grad_out must be a floating tensor, got {dtype_name(upstream.dtype)}")
         if upstream.shape != x.shape:
             raise ValueError(
                 f"grad_out must have x's shape {list(x.shape)}, got {list(upstream.shape)}"
             )
-    elif given:
-        raise ValueError(
-            f"{', '.join(given)} given without grad_out: the gradients are those of"
-            " sum(out * grad_out); give grad_out"
-        )
-    results = {} if out is None else {"out": out}
-    results.update(given)
-    if not results:
-        raise ValueError("nothing to judge: give out, or grad_out and a gradient")
-    tensors = {name: _cpu(_tensor(value, name)) for name, value in results.items()}
 
     ones, zeros = torch.ones(channels), torch.zeros(channels)
     scale64 = (ones if params["scale"] is None else _cpu(params["scale"])).double()
     bias64 = (zeros if params["bias"] is None else _cpu(params["bias"])).double()
-    problem = Problem(
+    return Problem(
         source=INPUTS_NAME,
         shape=tuple(x.shape),
         x=_cpu(x).reshape(-1, channels),
@@ -135,7 +133,22 @@ def problem_and_result(
         eps_source=EPS_SOURCE,
         param_dtype=param_dtype,
     )
-    return problem, TensorResult(tensors)
+
+
+def result_of(out: object, gradients: Mapping[str, object], problem: Problem) -> TensorResult:
+    """The kernel's tensors as verify reads a RESULT file (each a plain tensor, copied to the
+    CPU); a gradient needs the problem's grad_out."""
+    given = {name: value for name, value in gradients.items() if value is not None}
+    if given and problem.grad_out is None:
+        raise ValueError(
+            f"{', '.join(given)} given without grad_out: the gradients are those of"
+            " sum(out * grad_out); give grad_out"
+        )
+    results = {} if out is None else {"out": out}
+    results.update(given)
+    if not results:
+        raise ValueError("nothing to judge: give out, or grad_out and a gradient")
+    return TensorResult({name: _cpu(plain_tensor(value, name)) for name, value in results.items()})
 
 
 def checked_names(out: object, gradients: Mapping[str, object]) -> tuple[str, ...]:
@@ -144,11 +157,30 @@ def checked_names(out: object, gradients: Mapping[str, object]) -> tuple[str, ..
     return names + tuple(name for name in GRADIENT_KEYS if gradients.get(name) is not None)
 
 
-def _tensor(value: object, name: str) -> torch.Tensor:
+def plain_tensor(value: object, name: str) -> torch.Tensor:
+    """``value``, checked to be a plain dense tensor holding values: a ``torch.Tensor`` or an
+    ``nn.Parameter``, strided, not nested, not on the meta device (a TypeError or ValueError
+    naming ``name`` otherwise).
+
+    Any other Tensor subclass is refused: its ``__torch_function__``, ``__torch_dispatch__``
+    or methods decide what each operation the judge runs on it returns, so what the judge would
+    read need not be what it holds (a wrong result could show the truth)."""
     import torch
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    kind = type(value)
+    if kind not in (torch.Tensor, torch.nn.Parameter):
+        if _is_nested(value):  # torch.nested's jagged layout is a subclass
+            raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
+        raise TypeError(
+            f"{name} must be a plain torch.Tensor (or nn.Parameter), got {kind.__name__}: a"
+            " Tensor subclass decides what reading it returns, so it is not judged; pass its"
+            f" values as a plain tensor ({name}.as_subclass(torch.Tensor), or the subclass's"
+            " own conversion)"
+        )
+    if value.is_nested:
+        raise TypeError(f"{name} must be a dense tensor, got a nested tensor")
     if value.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if value.device.type == "meta":
@@ -156,10 +188,17 @@ def _tensor(value: object, name: str) -> torch.Tensor:
     return value
 
 
+def _is_nested(value: torch.Tensor) -> bool:
+    try:
+        return value.is_nested is True
+    except Exception:  # a subclass's own property: whatever it raises, it is no nested tensor
+        return False
+
+
 def _parameter(value: object, name: str, channels: int) -> torch.Tensor | None:
     if value is None:  # verify's default for a file without it: ones, zeros
         return None
-    tensor = _tensor(value, name)
+    tensor = plain_tensor(value, name)
     if not tensor.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {dtype_name(tensor.dtype)}")
     if tuple(tensor.shape) != (channels,):

@@ -3,8 +3,10 @@ judges them in files.
 
 Both make a problem and a result of the tensors (:mod:`.inputs`) and hand them to
 :func:`maskln_cli.verify.job.verify_problem`, the judgement ``maskln verify`` makes once its
-files are open: the same error budget and yardstick, the same padding rule (invalid rows exactly
-+0.0), the same systematic-error test and diagnosis, the same figures.
+files are open: the same error budget and yardstick, the same padding rule, the same
+systematic-error test and diagnosis, the same figures. By default they judge as ``maskln verify
+--strict``: the contract's invalid rows are exactly +0.0, so -0.0 there fails
+(``strict=False``: as ``maskln verify`` without it, where -0.0 is reported and passes).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.compare.data import ComparisonReport
+    from maskln_cli.files.problem import Problem
+    from maskln_cli.testing.inputs import TensorResult
 
 DEFAULT_FACTOR = 3.0
 """As ``maskln verify --factor`` (:data:`maskln_cli.verify.budget.DEFAULT_FACTOR`)."""
@@ -44,6 +48,7 @@ def verify(
     grad_scale: torch.Tensor | None = None,
     grad_bias: torch.Tensor | None = None,
     factor: float = DEFAULT_FACTOR,
+    strict: bool = True,
 ) -> ComparisonReport:
     """Judge a kernel's ``out`` (and each gradient given) for these inputs, as ``maskln
     verify`` judges the same tensors saved in files, and return the report as data.
@@ -61,21 +66,34 @@ def verify(
         >>> x = torch.randn(4, 8)
         >>> valid = torch.tensor([True, True, True, False])
         >>> scale, bias = torch.ones(8), torch.zeros(8)
-        >>> out = F.layer_norm(x, (8,), scale, bias, 1e-5) * valid[:, None]
+        >>> out = torch.where(valid[:, None], F.layer_norm(x, (8,), scale, bias, 1e-5), 0.0)
         >>> report = verify(out, x, valid, scale, bias, 1e-5)
         >>> report.passed, [t.name for t in report.tensors], report.tensors[0].budget_ratio < 1
         (True, ['out'], True)
     """
+    from maskln_cli.testing.inputs import checked_names, problem_and_result
+
+    gradients = {"grad_x": grad_x, "grad_scale": grad_scale, "grad_bias": grad_bias}
+    check_judging(factor, strict)
+    problem, result = problem_and_result(out, x, valid, scale, bias, eps, gradients, grad_out)
+    return judge(problem, result, checked_names(out, gradients), factor, strict)
+
+
+def judge(
+    problem: Problem,
+    result: TensorResult,
+    names: tuple[str, ...],
+    factor: float = DEFAULT_FACTOR,
+    strict: bool = True,
+) -> ComparisonReport:
+    """verify's judgement of the tensors ``names`` of ``result`` for ``problem`` (made by
+    :mod:`.inputs`), with ``factor`` and ``strict`` as :func:`assert_close` has them."""
     from maskln_cli.errors import MasklnError
     from maskln_cli.files.problem import NormalizeOptions
-    from maskln_cli.testing.inputs import checked_names, problem_and_result
     from maskln_cli.verify.job import verify_problem
     from maskln_cli.verify.options import VerifyOptions
 
-    gradients = {"grad_x": grad_x, "grad_scale": grad_scale, "grad_bias": grad_bias}
-    _check_factor(factor)
-    problem, result = problem_and_result(out, x, valid, scale, bias, eps, gradients, grad_out)
-    options = VerifyOptions(check=checked_names(out, gradients), factor=float(factor))
+    options = VerifyOptions(check=names, factor=float(factor), strict=strict)
     try:
         return verify_problem(problem, result, NormalizeOptions(), options)
     except MasklnError as error:  # what verify refuses of files, here of arguments
@@ -95,11 +113,12 @@ def assert_close(
     grad_scale: torch.Tensor | None = None,
     grad_bias: torch.Tensor | None = None,
     factor: float = DEFAULT_FACTOR,
+    strict: bool = True,
 ) -> None:
     """Assert that a kernel computed masked layer normalization right: each element of
     ``out`` (and of each gradient given) within its error budget of maskln's float64 result,
-    and the invalid rows exactly +0.0, exactly as ``maskln verify`` judges the same tensors in
-    files.
+    and the invalid rows of ``out`` and ``grad_x`` exactly +0.0 (-0.0 fails), exactly as
+    ``maskln verify --strict`` judges the same tensors in files.
 
     A fixed tolerance (``torch.testing.assert_close``'s) fails correct float16 kernels and
     rows with a large offset, and passes wrong kernels on easy rows; the budget is a few times
@@ -119,10 +138,16 @@ def assert_close(
             (None: not judged).
         factor: how many times the modelled rounding an element may err (``maskln verify
             --factor``; at least 1).
+        strict: -0.0 in the padding of ``out`` or ``grad_x`` fails (the contract: exactly
+            +0.0, as ``maskln verify --strict``); False reports it and passes, as ``maskln
+            verify`` does by default (for a kernel that masks by multiplying, when the sign of
+            its zeros does not matter to you).
 
     Every tensor may be on any device (the reference is computed in float64 on the CPU) and in
     any floating dtype; each result is judged by its own dtype's budget, as verify judges
-    the tensors of a file.
+    the tensors of a file. Tensors are judged plain: a ``torch.Tensor`` or an
+    ``nn.Parameter``; any other Tensor subclass decides what reading it returns (a wrong result
+    could show the truth), so it is refused with a TypeError naming it, as is a nested tensor.
 
     Raises:
         AssertionError: a tensor fails (a :class:`VerifyFailed`): the message is the report
@@ -146,7 +171,7 @@ def assert_close(
     __tracebackhide__ = True  # pytest shows the test's line, not this function's
     report = verify(
         out, x, valid, scale, bias, eps, grad_out=grad_out, grad_x=grad_x,
-        grad_scale=grad_scale, grad_bias=grad_bias, factor=factor,
+        grad_scale=grad_scale, grad_bias=grad_bias, factor=factor, strict=strict,
     )  # fmt: skip
     if not report.passed:
         from maskln_cli.testing.text import failure_message
@@ -154,8 +179,12 @@ def assert_close(
         raise VerifyFailed(failure_message(report), report)
 
 
-def _check_factor(factor: object) -> None:
+def check_judging(factor: object, strict: object) -> None:
+    """``factor`` and ``strict`` as the judging takes them (a TypeError or ValueError naming
+    the one that is not)."""
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
         raise TypeError(f"factor must be a number >= 1, got {type(factor).__name__}")
     if not (math.isfinite(float(factor)) and factor >= 1):
         raise ValueError(f"factor must be a finite number >= 1, got {factor!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")

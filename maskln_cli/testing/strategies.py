@@ -4,10 +4,11 @@
 from the families where kernels go wrong: constant rows, exact zeros, huge common offsets
 (where a one-pass variance cancels), heavy tails, variances far below eps, NaN and inf in the
 padding, every row invalid, one channel, widths around SIMD and warp sizes (primes and powers
-of two, and one either side), and layouts that are not contiguous. Hypothesis decides the
-structure (each row's family and validity, the widths, the layout, the parameters) and shrinks
-it: a failing case shrinks to a few rows of few channels in the simplest family that still
-fails. The values within a row come from a seeded torch generator.
+of two, and one either side), layouts that are not contiguous, and half-precision x with scale
+and bias in float32 (as mixed-precision models keep their weights) or in x's dtype. Hypothesis
+decides the structure (each row's family and validity, the widths, the layout, the parameters
+and their dtype) and shrinks it: a failing case shrinks to a few rows of few channels in the
+simplest family that still fails. The values within a row come from a seeded torch generator.
 
 Hypothesis is an optional dependency of maskln: ``pip install 'maskln[testing]'``.
 """
@@ -48,6 +49,9 @@ PADDING = ("values", "NaN", "inf", "-inf", "NaN and inf", "huge")
 LAYOUTS = ("contiguous", "every other channel", "channels first", "leading axes swapped")
 """How x (and grad_out) is laid out in memory: all but the first are not contiguous."""
 EPS = (1e-5, 1e-6, 1e-12, 1e-3, 0.1)
+HALF_WEIGHTS = (None, "float32")
+"""The dtypes of scale and bias drawn for float16 or bfloat16 x by default, None standing for
+x's own: mixed-precision models keep their weights (and a kernel reads them) in float32."""
 
 _OFFSETS = {"float16": 3, "bfloat16": 5}
 """The largest decade of a common offset per dtype (else 5: 1e5 + N(0, 1))."""
@@ -57,7 +61,7 @@ _MAGNITUDES = {"float16": 3}
 
 class LayerNormInputs(NamedTuple):
     """One draw: ``x`` ``[..., C]``, ``valid`` ``[...]`` (bool), ``scale`` and ``bias``
-    ``[C]`` in x's dtype, and ``eps``."""
+    ``[C]`` (in one dtype: x's, or another of ``param_dtypes``), and ``eps``."""
 
     x: torch.Tensor
     valid: torch.Tensor
@@ -86,19 +90,23 @@ def layer_norm_inputs(
     eps: Sequence[float] = EPS,
     grad_out: bool = False,
     device: str | torch.device = "cpu",
+    param_dtypes: Sequence[torch.dtype | None] | None = None,
 ) -> st.SearchStrategy[LayerNormInputs] | st.SearchStrategy[LayerNormInputsWithGrad]:
     """A strategy drawing masked layer normalization's inputs from the families that break
     kernels.
 
     Args:
-        dtypes: x's dtypes to draw from (default: float32); scale, bias and grad_out have
-            x's dtype.
+        dtypes: x's dtypes to draw from (default: float32); grad_out has x's dtype.
         max_rows: at most this many rows (x's leading shape is ``[rows]`` or
             ``[batch, rows // batch]``).
         channels: the row widths to draw from, smallest first (:data:`CHANNELS`).
         eps: the eps values to draw from (:data:`EPS`).
         grad_out: also draw an upstream gradient (a :class:`LayerNormInputsWithGrad`).
         device: where the tensors are put (drawn on the CPU).
+        param_dtypes: the dtypes scale and bias are drawn in (both in one), None standing
+            for x's dtype. Default: x's dtype, and for float16 or bfloat16 x float32 too
+            (:data:`HALF_WEIGHTS`), as mixed-precision models have them; ``[None]``: x's
+            dtype only (a kernel that takes one dtype); ``[torch.float32]``: always float32.
 
     Each valid row is one of :data:`ROW_FAMILIES`; each invalid row holds one of
     :data:`PADDING` (NaN, inf, huge values...); x is laid out one of :data:`LAYOUTS`. Every
@@ -107,13 +115,12 @@ def layer_norm_inputs(
     Example:
         >>> import torch
         >>> from hypothesis import given, settings
-        >>> from maskln_cli.testing import assert_close
+        >>> from maskln_cli.testing import check_kernel
         >>> from maskln_cli import masked_layer_normalization
         >>> @settings(max_examples=20)
-        ... @given(layer_norm_inputs([torch.float32, torch.float16]))
+        ... @given(layer_norm_inputs([torch.float32, torch.float16], grad_out=True))
         ... def test_my_kernel(inputs):
-        ...     out = masked_layer_normalization(*inputs)  # your kernel here
-        ...     assert_close(out, *inputs)
+        ...     check_kernel(masked_layer_normalization, *inputs)  # your kernel here
         >>> test_my_kernel()
     """
     import torch
@@ -128,7 +135,13 @@ def layer_norm_inputs(
         raise ValueError(f"channels must be ints >= 1, got {channels!r}")
     if not eps or not all(e > 0 for e in eps):
         raise ValueError(f"eps must be positive numbers, got {eps!r}")
-    return _inputs(tuple(dtypes), max_rows, tuple(widths), tuple(eps), grad_out, device)
+    weights = None if param_dtypes is None else tuple(param_dtypes)
+    if weights is not None and not (
+        weights
+        and all(d is None or (isinstance(d, torch.dtype) and d.is_floating_point) for d in weights)
+    ):
+        raise ValueError(f"param_dtypes must be floating torch dtypes or None, got {weights!r}")
+    return _inputs(tuple(dtypes), max_rows, tuple(widths), tuple(eps), grad_out, device, weights)
 
 
 def _row_spec() -> st.SearchStrategy[tuple[bool, str, str, int, int]]:
@@ -152,10 +165,16 @@ def _inputs(
     eps_values: tuple[float, ...],
     with_grad: bool,
     device: str | torch.device,
+    param_dtypes: tuple[torch.dtype | None, ...] | None,
 ) -> LayerNormInputs | LayerNormInputsWithGrad:
     import torch
 
     dtype = draw(st.sampled_from(dtypes))
+    name = str(dtype).removeprefix("torch.")
+    weights = param_dtypes or (HALF_WEIGHTS if name in ("float16", "bfloat16") else (None,))
+    # A name or None (x's dtype) drawn, the simplest (x's) first: it shrinks to one dtype.
+    weight = draw(st.sampled_from(weights))
+    param_dtype = dtype if weight is None else getattr(torch, str(weight).removeprefix("torch."))
     channels = draw(st.sampled_from(widths))
     rows = draw(st.lists(_row_spec(), min_size=1, max_size=max_rows))
     count = len(rows)
@@ -167,7 +186,6 @@ def _inputs(
     seed = draw(st.integers(0, 2**32 - 1))
 
     generator = torch.Generator().manual_seed(seed)
-    name = str(dtype).removeprefix("torch.")
     x64 = torch.stack([_row(spec, channels, name, generator) for spec in rows])
     valid = torch.tensor([spec[0] for spec in rows])
     # Valid rows well within the dtype's range (float16's 65,504 is near a wide spread's).
@@ -175,8 +193,8 @@ def _inputs(
     x64 = torch.where(valid[:, None], x64.clamp(-limit, limit), x64)
     leading = (count,) if batch == 1 else (batch, count // batch)
     x = _laid_out(x64.to(dtype).reshape(*leading, channels), layout)
-    scale = _parameter(scale_kind, channels, generator).to(dtype)
-    bias = _parameter(bias_kind, channels, generator).to(dtype)
+    scale = _parameter(scale_kind, channels, generator).to(param_dtype)
+    bias = _parameter(bias_kind, channels, generator).to(param_dtype)
     valid = valid.reshape(leading)
     put = {"device": device}
     if not with_grad:

@@ -32,6 +32,11 @@ def report_text(report: ComparisonReport) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip("\n").split("\n"))
 
 
+def verdict_line(report: ComparisonReport) -> str:
+    """The report's verdict line (``PASS: ...`` or ``FAIL: ...``), as verify prints it last."""
+    return report_text(report).rpartition("\n")[2]
+
+
 def failure_message(report: ComparisonReport) -> str:
     """An assertion's message: the verdict line first (what pytest's one-line summary shows),
     then the report above it."""

@@ -12,7 +12,7 @@ import torch
 from maskln_cli import testing
 from maskln_cli.testing.judging import VerifyFailed
 from maskln_cli.testing.text import failure_message, report_text
-from maskln_cli.verify.job import verify_file
+from maskln_cli.verify.job import VerifyOptions, verify_file
 from tests import kernels
 from tests.clitools import invoke, write
 
@@ -124,21 +124,33 @@ def _figures(document: dict) -> str:
     return json.dumps(document, sort_keys=True)
 
 
-@pytest.mark.parametrize("kernel", [kernels.two_pass, kernels.unbiased, kernels.nan_leak])
+def negative_zero_padding(x, valid, scale, bias):
+    """A right kernel whose padding is -0.0: it fails the contract's +0.0 (--strict)."""
+    out = kernels.two_pass(x, valid, scale, bias)
+    return torch.where(valid[..., None], out, -0.0)
+
+
+@pytest.mark.parametrize(
+    "kernel", [kernels.two_pass, kernels.unbiased, kernels.nan_leak, negative_zero_padding]
+)
 def test_files_and_memory_get_the_same_verdict_and_figures(tmp_path, kernel):
-    """The same tensors, saved for `maskln verify` and given to verify/assert_close: the same
-    report, figure for figure, and the same text but for the lines naming the inputs."""
+    """The same tensors, saved for `maskln verify --strict` and given to verify/assert_close:
+    the same report, figure for figure, and the same text but for the lines naming the inputs;
+    and with strict=False, `maskln verify`'s without --strict."""
     inputs = kernels.offset_batch(1e3, shape=(4, 32, 64))
     result = kernels.run(kernel, inputs)
     source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
     target = write(tmp_path / "result.safetensors", result)
-    from_files = verify_file(str(source), str(target))
-    in_memory = judged(inputs, result)
-    assert from_files.passed == in_memory.passed
-    assert _figures(in_memory.to_dict()) == _figures(from_files.to_dict())
+    for strict in (True, False):
+        from_files = verify_file(str(source), str(target), verify=VerifyOptions(strict=strict))
+        in_memory = judged(inputs, result, strict=strict)
+        assert from_files.passed == in_memory.passed
+        assert _figures(in_memory.to_dict()) == _figures(from_files.to_dict())
 
-    printed = invoke("verify", source, target)
-    assert printed.exit_code == (0 if from_files.passed else 1), printed.stderr
+    printed = invoke("verify", source, target, "--strict")
+    in_memory = judged(inputs, result)
+    assert kernel is not negative_zero_padding or not in_memory.passed  # -0.0 fails
+    assert printed.exit_code == (0 if in_memory.passed else 1), printed.stderr
     text = report_text(in_memory)
     names = [(str(target), "the kernel's tensors"), (str(source), "the inputs given"),
              ("from metadata 'eps'", "from the eps argument")]  # fmt: skip
@@ -245,3 +257,196 @@ def test_a_wrong_result_shape_or_dtype_is_a_failure_not_an_error():
         testing.assert_close(x[0], x, None, None, None)
     with pytest.raises(AssertionError, match="not a floating-point result"):
         testing.assert_close(x.long(), x, None, None, None)
+
+
+# --- the padding: exactly +0.0 ---------------------------------------------------------------
+
+
+def negative_zeros(tensor: torch.Tensor, valid: torch.Tensor, everywhere: bool) -> torch.Tensor:
+    """``tensor`` with -0.0 at every element of its padding, or at one element of one padded
+    row (its last channel, of the last padded row)."""
+    changed = tensor.clone()
+    if everywhere:
+        changed[~valid] = -0.0
+    else:
+        row = tuple(int(i) for i in (~valid).nonzero()[-1])
+        changed[row][-1] = -0.0
+    return changed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_negative_zero_in_the_padding_fails_unless_strict_is_false(dtype):
+    """The contract: invalid rows of out and grad_x exactly +0.0. -0.0 in every padding
+    element, or in one, fails by default (as `maskln verify --strict`), naming the tensor and
+    the count; strict=False judges as `maskln verify` does by default (reported, not failed)."""
+    inputs = kernels.offset_batch(0.0, dtype=dtype, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    assert_judged_close(inputs, right)  # +0.0 everywhere: passes
+    valid = inputs["valid"]
+    for name in ("out", "grad_x"):
+        for everywhere in (True, False):
+            wrong = dict(right, **{name: negative_zeros(right[name], valid, everywhere)})
+            count = int((~valid).sum()) * 16 if everywhere else 1
+            with pytest.raises(VerifyFailed) as raised:
+                assert_judged_close(inputs, wrong)
+            failed = [t for t in raised.value.report.tensors if not t.passed]
+            assert [t.name for t in failed] == [name], (name, everywhere)
+            assert failed[0].negative_zeros == count
+            verdict = str(raised.value).split("\n", 1)[0]
+            assert verdict.startswith(f"FAIL: 1 of 4 tensors: {name}: -0.0 at {count:,} padded")
+            lenient = judged(inputs, wrong, strict=False)
+            assert lenient.passed and lenient.context["strict"] is False
+            assert {t.name: t.negative_zeros for t in lenient.tensors}[name] == count
+
+
+def test_strict_must_be_a_bool():
+    with pytest.raises(TypeError, match="strict must be True or False, got str"):
+        testing.assert_close(X, X, VALID, ONES, ZEROS, strict="no")
+
+
+# --- plain tensors only -----------------------------------------------------------------------
+
+
+class ShowsTheTruth(torch.Tensor):
+    """A subclass whose __torch_function__ hands back ``shown`` from every operation that reads
+    its data (detach, to, contiguous, clone...): its memory holds something else."""
+
+    shown: torch.Tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        liar = next((a for a in args if isinstance(a, ShowsTheTruth)), None)
+        if liar is not None and isinstance(result, torch.Tensor) and result.shape == liar.shape:
+            return liar.shown.clone()
+        return result
+
+
+class DetachesToTheTruth(torch.Tensor):
+    """A subclass that overrides methods in Python: detach and to hand back ``shown``."""
+
+    shown: torch.Tensor
+
+    def detach(self):
+        return self.shown.clone()
+
+    def to(self, *args, **kwargs):
+        return self.shown.clone()
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (__torch_dispatch__, no storage of its own) whose every operation
+    runs on ``shown``."""
+
+    @staticmethod
+    def __new__(cls, shown):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shown.shape, dtype=shown.dtype, device=shown.device
+        )
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.shown if isinstance(t, Wrapper) else t
+
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class ParameterShowsTheTruth(torch.nn.Parameter):
+    """A Parameter subclass with its own __torch_function__ (Parameter's own disables it)."""
+
+    shown: torch.Tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return ShowsTheTruth.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+def disguised(kind: str, data: torch.Tensor, shown: torch.Tensor) -> torch.Tensor:
+    """``data`` in a subclass that shows ``shown`` to whoever reads it through torch."""
+    if kind == "wrapper":
+        return Wrapper(shown)
+    if kind == "parameter":
+        tensor = ParameterShowsTheTruth(data, requires_grad=False)
+    else:
+        cls = {"torch_function": ShowsTheTruth, "methods": DetachesToTheTruth}[kind]
+        tensor = data.as_subclass(cls)
+    tensor.shown = shown
+    return tensor
+
+
+SUBCLASSES = ["torch_function", "methods", "wrapper", "parameter"]
+
+
+@pytest.mark.parametrize("kind", SUBCLASSES)
+def test_a_tensor_subclass_is_refused_not_judged_by_what_it_shows(kind):
+    """A wrong out (twice the truth) in a subclass that shows the truth to torch's operations
+    passed; any Tensor subclass but nn.Parameter is refused by name, in every argument."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    assert_judged_close(inputs, right)
+    wrong = dict(right, out=disguised(kind, right["out"] * 2, right["out"]))
+    for function in (assert_judged_close, judged):
+        with pytest.raises(TypeError) as raised:
+            function(inputs, wrong)
+        assert str(raised.value).startswith("out must be a plain torch.Tensor")
+        assert type(wrong["out"]).__name__ in str(raised.value)
+    for name in ("x", "valid", "scale", "grad_out"):  # the inputs: judged as the kernel saw them?
+        given = dict(inputs, **{name: disguised(kind, inputs[name], inputs[name])})
+        with pytest.raises(TypeError, match=f"^{name} must be a plain torch.Tensor"):
+            assert_judged_close(given, right)
+    for name in GRADIENTS:
+        given = dict(right, **{name: disguised(kind, right[name] * 2, right[name])})
+        with pytest.raises(TypeError, match=f"^{name} must be a plain torch.Tensor"):
+            assert_judged_close(inputs, given)
+
+
+def test_parameters_and_plain_tensors_are_judged():
+    """nn.Parameter (scale and bias as a module holds them; an out that is one) is plain."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    held = dict(
+        inputs, scale=torch.nn.Parameter(inputs["scale"]), bias=torch.nn.Buffer(inputs["bias"])
+    )
+    assert_judged_close(held, dict(right, out=torch.nn.Parameter(right["out"])))
+    with pytest.raises(VerifyFailed):
+        assert_judged_close(held, dict(right, out=torch.nn.Parameter(right["out"] * 2)))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("name", ["out", "x", "valid", "scale", "grad_out", "grad_x"])
+def test_a_nested_tensor_is_a_type_error_naming_the_argument(layout, name):
+    """A nested tensor's sizes cannot be read (`Internal error: NestedTensorImpl doesn't support
+    sizes`): refused by name."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    right = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    given = right if name in ("out", "grad_x") else inputs
+    rows = given[name].unbind(0) if given[name].dim() > 1 else [given[name]] * 2
+    nested = dict(given, **{name: torch.nested.nested_tensor(list(rows), layout=layout)})
+    arguments = (inputs, nested) if given is right else (nested, right)
+    with pytest.raises(TypeError, match=f"^{name} must be a dense tensor, got a nested tensor"):
+        assert_judged_close(*arguments)
+
+
+def test_the_report_says_when_no_row_is_valid(tmp_path):
+    """With every row invalid, out and grad_x are 0 whatever a kernel computes there: a PASS
+    says that nothing but the padding was checked, in memory and in files alike."""
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    inputs["valid"] = torch.zeros_like(inputs["valid"])
+    result = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    assert_judged_close(inputs, result)  # zeros are right: it passes
+    said = "no row is valid: only the padding was checked, no normalized value"
+    report = judged(inputs, result)
+    assert report.passed and said in report.context["not_checked"]
+    assert said in report_text(report).rsplit("\n", 1)[1]  # the verdict line
+    source = write(tmp_path / "in.safetensors", inputs, eps="1e-05")
+    target = write(tmp_path / "result.safetensors", result)
+    assert said in verify_file(str(source), str(target)).context["not_checked"]
+    some = dict(inputs, valid=inputs["valid"].clone())
+    some["valid"][0, 0] = True  # one valid row: no such words
+    assert said not in str(judged(some, kernels.run(kernels.maskln, some)).context)
