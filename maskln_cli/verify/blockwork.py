@@ -161,11 +161,14 @@ class BlockWork:
             allowance_of = functools.partial(
                 streaming.allowance.of_rows, comparison, inputs, budget=budget
             )
-            # Every element of a valid row is allowed atol or more: what is always allowed
-            # (budget.floor) adds it, and the allowance is at least that.
+            # Every element of a valid row is allowed its row's atol or more: what is always
+            # allowed (budget.floor) adds it, and the allowance is at least that.
+            lower = streaming.allowance.lower(
+                comparison, valid, dy64 if name == "grad_x" else None, rstd
+            )
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
-                allowance_of=allowance_of, lower=comparison.atol,
+                allowance_of=allowance_of, lower=lower,
             )  # fmt: skip
             if measured is None:
                 return None

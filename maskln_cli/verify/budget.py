@@ -44,6 +44,7 @@ __all__ = [
     "allowance",
     "factor_needed",
     "floor",
+    "scaled_atol",
     "unit",
     "unit_roundoff",
     "yardstick",
@@ -233,6 +234,12 @@ class RowBudget:
         model += dx.abs_().mul_(e1 + self.e2 + p.store)
         return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
 
+    def grad_x_size(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """Each row's magnitude of grad_x's terms, ``rstd * rms(scale * grad_out)`` ``[R, 1]``:
+        what its atol is in units of (:func:`scaled_atol`)."""
+        wdy = self.upstream(grad_out).mul_(self.scale)
+        return wdy.square_().mean(dim=-1, keepdim=True).sqrt_().mul_(self.rstd)
+
     def share_of_sums(self, grad_out: torch.Tensor) -> SumBudget:
         """This chunk's (or block's) share of the grad_scale and grad_bias models, to be
         added to the whole one in order (:meth:`SumBudget.add`)."""
@@ -296,6 +303,12 @@ class SumBudget:
         self.bias_squares += share.bias_squares
         self.moved_squares += share.moved_squares
 
+    def size(self, name: str) -> torch.Tensor:
+        """The rms of the terms grad_scale (``name``) or grad_bias sums, per channel: what its
+        atol is in units of (:func:`scaled_atol`)."""
+        squares = self.scale_squares if name == "grad_scale" else self.bias_squares
+        return squares.div(max(self.rows, 1)).sqrt_()
+
     def grad_scale(self, total: torch.Tensor) -> torch.Tensor:
         """The model of grad_scale's error; ``total`` is the true grad_scale (float64)."""
         p = self.precision
@@ -328,11 +341,36 @@ def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Ten
     return budget
 
 
-def floor(truth: torch.Tensor, dtype: torch.dtype, rtol: float, atol: float) -> torch.Tensor:
+def floor(
+    truth: torch.Tensor, dtype: torch.dtype, rtol: float, atol: float | torch.Tensor
+) -> torch.Tensor:
     """What is always allowed: ``atol + max(rtol, ULPS * eps) * |truth|``, so at least ULPS
-    ulps of dtype (an ulp at |t| is at most eps * |t|) and assert_close's tolerance."""
-    relative = max(rtol, ULPS * torch.finfo(dtype).eps)
-    return truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative).add_(atol)
+    ulps of dtype (an ulp at |t| is at most eps * |t|, and at least the spacing of its
+    subnormals, ``tiny * eps``: a float16 gradient of 1e-6 is stored to within 3e-8) and
+    assert_close's tolerance. ``atol`` may be a tensor (per row, per channel): see
+    :func:`scaled_atol`."""
+    info = torch.finfo(dtype)
+    relative = max(rtol, ULPS * info.eps)
+    always = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
+    always.add_(atol).add_(ULPS * info.tiny * info.eps)
+    return always
+
+
+def scaled_atol(atol: float, size: float | torch.Tensor | None) -> float | torch.Tensor:
+    """``atol`` in units of a tensor's own ``size`` (the magnitude of the terms its values are
+    made of), up to ``atol`` itself: assert_close's atol is meant for values of about 1, and a
+    gradient a millionth that size gets a millionth of it (else it swallows whole terms of
+    it). None: ``atol`` as it is.
+
+    Example:
+        >>> scaled_atol(1e-5, torch.tensor([2.0, 0.5], dtype=torch.float64)).tolist()
+        [1e-05, 5e-06]
+    """
+    if size is None:
+        return atol
+    if isinstance(size, torch.Tensor):
+        return size.clamp(max=1.0).nan_to_num_(nan=1.0).mul_(atol)
+    return atol * min(1.0, size) if math.isfinite(size) else atol
 
 
 def allowance(

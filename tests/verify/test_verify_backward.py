@@ -1,0 +1,103 @@
+"""Gradient checks that catch real backward bugs (issue 37, section 3): a backward missing a term
+fails at every scale of the upstream gradient and on rows with a large offset, while correct
+backward passes (torch's own, hand-written ones with pairwise or sequential sums, torch's CPU
+form, autograd through Welford's and Kahan's loops) pass there with room to spare.
+
+Each judgement is in memory (:func:`maskln_cli.testing.verify`, verify's own); the full
+matrices are marked slow."""
+
+from __future__ import annotations
+
+import pytest
+
+from maskln_cli.testing import verify
+from tests import kernels
+
+
+def judge(kernel, inputs, dtype=None):
+    result = kernels.run(kernel, inputs, dtype)
+    report = verify(
+        result["out"], inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"], 1e-5,
+        grad_out=inputs["grad_out"], grad_x=result["grad_x"], grad_scale=result["grad_scale"],
+        grad_bias=result["grad_bias"],
+    )  # fmt: skip
+    return report, {t.name: t.to_dict() for t in report.tensors}
+
+
+def scaled(inputs, scale):
+    """The inputs with the upstream gradient times ``scale`` (rounded once, to its dtype)."""
+    upstream = inputs["grad_out"]
+    return dict(inputs, grad_out=(upstream.double() * scale).to(upstream.dtype))
+
+
+MISSING = {
+    "xhat term": kernels.written("no_xhat_term"),
+    "mean term": kernels.written("no_mean_term"),
+}
+CORRECT = {
+    "F.layer_norm": kernels.torch_layer_norm,
+    "two-pass (autograd)": kernels.two_pass,
+    **kernels.BACKWARD_CORRECT,
+}
+FAMILIES = ["N(0, 1)", "spread 1e-2..10", "heavy tails"]
+TINY = {"float32": 1e-6, "bfloat16": 1e-6, "float16": 1e-4}
+"""The smallest upstream gradient each dtype is judged at for a mistake: float16's normal
+range ends at 6e-5 (below, a value of 1e-6 is stored to within 3 %)."""
+
+
+# --- tiny gradients: the floor scales with the problem -------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e-6])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("term", list(MISSING))
+def test_a_missing_term_fails_however_small_the_gradients(term, family, scale):
+    """Before: atol 1e-5 swallowed the whole missing term at grad_out of 1e-6 (PASS)."""
+    inputs = scaled(kernels.DATA_FAMILIES[family](0), scale)
+    report, tensors = judge(MISSING[term], inputs)
+    assert not report.passed and not tensors["grad_x"]["passed"]
+    assert tensors["grad_x"]["budget_ratio"] > 3  # not by a hair
+    assert tensors["out"]["passed"] and tensors["grad_bias"]["passed"]
+
+
+@pytest.mark.parametrize("dtype", list(TINY))
+@pytest.mark.parametrize("term", list(MISSING))
+def test_a_missing_term_fails_at_tiny_gradients_in_every_dtype(term, dtype):
+    inputs = scaled(kernels.DATA_FAMILIES["N(0, 1)"](1, dtype=dtype), TINY[dtype])
+    _, tensors = judge(MISSING[term], inputs)
+    assert not tensors["grad_x"]["passed"], tensors["grad_x"]["problems"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("kernel", ["F.layer_norm", "written", "written, torch's form"])
+def test_correct_kernels_pass_at_tiny_gradients(kernel, dtype):
+    """Down to 1e-6 in every dtype (float16's gradients then subnormal: their rounding is
+    absolute, 3e-8, and allowed as such)."""
+    for scale in (1e-3, 1e-6):
+        inputs = scaled(kernels.DATA_FAMILIES["spread 1e-2..10"](2, dtype=dtype), scale)
+        report, tensors = judge(CORRECT[kernel], inputs)
+        assert report.passed, {n: t["problems"] for n, t in tensors.items()}
+        assert max(t["factor_needed"] for t in tensors.values()) <= 1.0
+
+
+IN_FLOAT32 = {"F.layer_norm": kernels.torch_layer_norm, **kernels.BACKWARD_CORRECT}
+"""Correct kernels of a half dtype: they compute in float32 (the others, in x's dtype, are
+a half dtype's arithmetic and accumulators: another matter)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e-6, 1e-9])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("family", [*FAMILIES, "offset 1e3"])
+def test_every_correct_kernel_passes_at_every_scale(family, dtype, scale):
+    correct = IN_FLOAT32 if dtype in ("float16", "bfloat16") else {
+        **CORRECT, "sequential": kernels.sequential, "Welford": kernels.welford,
+        "Kahan": kernels.kahan,
+    }  # fmt: skip
+    worst = {}
+    for name, kernel in correct.items():
+        inputs = scaled(kernels.DATA_FAMILIES[family](3, dtype=dtype), scale)
+        report, tensors = judge(kernel, inputs)
+        assert report.passed, (name, {n: t["problems"] for n, t in tensors.items()})
+        worst[name] = max(t["factor_needed"] for t in tensors.values())
+    assert max(worst.values()) <= 1.0, worst
