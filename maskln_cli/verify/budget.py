@@ -208,31 +208,53 @@ class RowBudget:
         return model.masked_fill_(~self.valid, 0.0)
 
     def grad_x(self, grad_out: torch.Tensor) -> torch.Tensor:
-        """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64).
+        """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64):
+        the sum of :meth:`grad_x_terms`, grown by the rows' second-order rounding."""
+        terms = iter(self.grad_x_terms(grad_out).values())
+        model = next(terms)
+        for term in terms:
+            model += term
+        return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
+
+    def grad_x_terms(self, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The terms of grad_x's model, each what one source of a correct kernel's rounding
+        moves dx by (docs/verify-budget.md, "The gradients' budget", measures each).
 
         dx = rstd * (wdy - xhat * c1 - c2) with wdy = scale * dy, c1 = mean(xhat * wdy) and
-        c2 = mean(wdy): xhat errs by e1 * (A + |xhat|) (the statistics stored in the dtype,
-        as torch saves them for backward), wdy and the row means by ed.
+        c2 = mean(wdy). xhat errs by a shift of its row, up to ``e1 * A`` (the mean's rounding:
+        a sequential sum's), and by a factor, up to ``e1`` (rstd's), both the same along the
+        row: they reach dx through c1 and c2 themselves, signed. A mean ``m`` of C terms
+        ``t`` (c1 and c2; in torch's own backward the sums of wdy * x and wdy they are made
+        of, which lose A times more) errs as a sum does, ``sqrt(C) * u * (|m| + rms(t) /
+        sqrt(C))``: not by the mean of ``|t|``, since an upstream gradient of random signs
+        makes c1 and c2 sqrt(C) times smaller than their terms.
+
+        - ``shift``: the shift s through c1 and c2, ``rstd * s * (|c1| + |xhat| * |c2|)``, and
+          through c2 alone (a running mean, Welford's, drifts along the row: each element's
+          own shift);
+        - ``factor``: the factor through c1, ``2 * rstd * e1 * |xhat| * |c1|``;
+        - ``sums``: the backward's own rounding, of c1, c2 and wdy;
+        - ``stored``: rstd's rounding scaling dx, and dx stored in the dtype.
         """
         p = self.precision
         e1 = self.e0 + p.store
         ed = math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
+        root = math.sqrt(self.channels)
         wdy = self.upstream(grad_out).mul_(self.scale)
         xhat_abs = self.xhat.abs()
         products = self.xhat * wdy
         c1 = products.mean(dim=-1, keepdim=True)
-        k2 = products.abs_().mean(dim=-1, keepdim=True)  # |c1| at most
-        wdy_abs = wdy.abs()
-        k3 = wdy_abs.mean(dim=-1, keepdim=True)  # |c2| at most
-        k1 = self.offset * k3 + k2  # mean((A + |xhat|) * |wdy|)
-        dx = (wdy - self.xhat * c1).sub_(wdy.mean(dim=-1, keepdim=True)).mul_(self.rstd)
-        # In place where the order of operations allows: the same bits, fewer temporaries.
-        model = (self.offset + xhat_abs).mul_(k2).mul_(e1)
-        model += (xhat_abs * k1).mul_(e1)
-        model += xhat_abs.mul_(k2).add_(k3).add_(wdy_abs).mul_(ed)
-        model.mul_(self.rstd)
-        model += dx.abs_().mul_(e1 + self.e2 + p.store)
-        return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
+        c2 = wdy.mean(dim=-1, keepdim=True)
+        # What c1 and c2 err by, per unit of a sum's relative rounding (see above).
+        n1 = products.square_().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c1.abs())
+        n2 = wdy.square().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c2.abs())
+        dx = (wdy - self.xhat * c1).sub_(c2).mul_(self.rstd).abs_()
+        rstd_e1 = self.rstd * e1
+        shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(self.offset).mul_(rstd_e1)
+        factor = (xhat_abs * n1).mul_(rstd_e1).mul_(2)
+        sums = (xhat_abs * n1).add_(n2).add_(wdy.abs_()).mul_(self.rstd).mul_(ed)
+        stored = dx.mul_(self.e2 + (e1 + p.store))
+        return {"shift": shift, "factor": factor, "sums": sums, "stored": stored}
 
     def grad_x_size(self, grad_out: torch.Tensor) -> torch.Tensor:
         """Each row's magnitude of grad_x's terms, ``rstd * rms(scale * grad_out)`` ``[R, 1]``:
