@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from maskln_cli.verify.terms import TermFinding, TermSums, pooled_terms, term_gate
+
 if TYPE_CHECKING:
     from maskln_cli.verify.budget import Precision
 
@@ -111,11 +113,16 @@ class FitSums:
     # are told apart on them.
     kept: list[torch.Tensor] = field(default_factory=list)
     kept_rows: int = 0
+    terms: TermSums | None = None  # grad_x's: the backward's terms regressed (.terms)
 
     def add(self, other: FitSums) -> None:
         for item in fields(self):
-            if item.name not in ("kept", "kept_rows", "sources"):
+            if item.name not in ("kept", "kept_rows", "sources", "terms"):
                 setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
+        if other.terms is not None:
+            if self.terms is None:
+                self.terms = TermSums()
+            self.terms.add(other.terms)
         for part in other.kept:
             room = KEPT_ROWS - self.kept_rows
             if room > 0:
@@ -277,10 +284,12 @@ class Finding:
     unit: str = "rows"  # what was regressed: "rows" (out, grad_x) or "elements" (the sums)
     limit: float | None = None
     of: int | None = None  # the valid rows, when only a sample of them was regressed
+    terms: TermFinding | None = None  # grad_x's: its backward's terms (.terms)
 
     @property
     def systematic(self) -> bool:
-        return self.systematic_factor or self.systematic_shift
+        terms = self.terms is not None and self.terms.systematic
+        return self.systematic_factor or self.systematic_shift or terms
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)  # every field, in order
@@ -303,6 +312,9 @@ class Finding:
                 f"{'and ' if parts else f'{what} '}shifted by"
                 f" {self.shift:+.2g} ± {self.shift_error:.1g}"
             )
+        if self.terms is not None and self.terms.systematic:
+            terms = self.terms.sentence(what)
+            return terms if not parts else " ".join(parts) + "; " + terms.split(": ", 1)[1]
         return " ".join(parts) + ": systematic, not rounding"
 
 
@@ -409,6 +421,10 @@ def pooled(
     )  # fmt: skip
     if systematic_factor and not systematic_shift:
         finding.model, finding.eps, finding.eps_at_most = model, eps_found, eps_at_most
+    if sums.terms is not None:
+        finding.terms = pooled_terms(sums.terms, term_gate(precision, channels, sums.we2 / sums.w))
+        if finding.terms is not None and finding.terms.model and not systematic_factor:
+            finding.model = finding.terms.model
     return finding
 
 

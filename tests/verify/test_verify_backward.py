@@ -48,7 +48,7 @@ range ends at 6e-5 (below, a value of 1e-6 is stored to within 3 %)."""
 # --- tiny gradients: the floor scales with the problem -------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [1e-3, 1e-6])
+@pytest.mark.parametrize("scale", [pytest.param(1e-3, marks=pytest.mark.slow), 1e-6])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("term", list(MISSING))
 def test_a_missing_term_fails_however_small_the_gradients(term, family, scale):
@@ -69,15 +69,15 @@ def test_a_missing_term_fails_at_tiny_gradients_in_every_dtype(term, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
-@pytest.mark.parametrize("kernel", ["F.layer_norm", "written", "written, torch's form"])
+@pytest.mark.parametrize("kernel", ["F.layer_norm", "written"])
 def test_correct_kernels_pass_at_tiny_gradients(kernel, dtype):
-    """Down to 1e-6 in every dtype (float16's gradients then subnormal: their rounding is
-    absolute, 3e-8, and allowed as such)."""
-    for scale in (1e-3, 1e-6):
-        inputs = scaled(kernels.DATA_FAMILIES["spread 1e-2..10"](2, dtype=dtype), scale)
-        report, tensors = judge(CORRECT[kernel], inputs)
-        assert report.passed, {n: t["problems"] for n, t in tensors.items()}
-        assert max(t["factor_needed"] for t in tensors.values()) <= 1.0
+    """At 1e-6 in every dtype (float16's gradients then subnormal: their rounding is
+    absolute, 3e-8, and allowed as such); every correct kernel at every scale is the slow
+    test below."""
+    inputs = scaled(kernels.DATA_FAMILIES["spread 1e-2..10"](2, dtype=dtype), 1e-6)
+    report, tensors = judge(CORRECT[kernel], inputs)
+    assert report.passed, {n: t["problems"] for n, t in tensors.items()}
+    assert max(t["factor_needed"] for t in tensors.values()) <= 1.0
 
 
 IN_FLOAT32 = {"F.layer_norm": kernels.torch_layer_norm, **kernels.BACKWARD_CORRECT}
@@ -117,24 +117,41 @@ def offset_rows(channels, seed=0, dy="random"):
     return inputs
 
 
-@pytest.mark.parametrize(
-    ("term", "channels"), [("xhat term", 64), ("mean term", 64), ("xhat term", 768)]
-)
-def test_a_missing_term_fails_on_offset_rows(term, channels):
-    """Before: at C = 768 both passed (budget ratios 0.2 and 0.25: a budget some 40 times
-    PyTorch's own error there)."""
-    _, tensors = judge(MISSING[term], offset_rows(channels))
-    assert not tensors["grad_x"]["passed"]
-
-
 @pytest.mark.parametrize("dy", ["random", "positive"])
 @pytest.mark.parametrize("channels", list(OFFSET_SHAPES))
-def test_correct_backward_passes_on_offset_rows_within_the_model(channels, dy):
+@pytest.mark.parametrize("term", list(MISSING))
+def test_a_missing_term_fails_on_offset_rows(term, channels, dy):
+    """Before: at C = 768 both passed (budget ratios 0.2 and 0.25: a budget some 250 times
+    PyTorch's own error there); the budget catches some (not the mean term at C = 768, nor the
+    xhat term with grad_out of one sign), the systematic test of the terms every one."""
+    _, tensors = judge(MISSING[term], offset_rows(channels, dy=dy))
+    grad_x = tensors["grad_x"]
+    assert not grad_x["passed"]
+    terms = grad_x["systematic"]["terms"]
+    coefficient = terms["xhat_term" if term == "xhat term" else "mean_term"]
+    assert coefficient == pytest.approx(1.0, abs=0.01)
+
+
+LOOPS = {"sequential": kernels.sequential, "Welford": kernels.welford}
+"""Kernels that loop over the channels in Python: slow to run at C = 768."""
+
+
+@pytest.mark.parametrize(
+    ("channels", "dy", "loops"),
+    [
+        (64, "random", False),
+        pytest.param(64, "random", True, marks=pytest.mark.slow),
+        pytest.param(64, "positive", True, marks=pytest.mark.slow),
+        pytest.param(768, "random", True, marks=pytest.mark.slow),
+        pytest.param(768, "positive", True, marks=pytest.mark.slow),
+    ],
+)
+def test_correct_backward_passes_on_offset_rows_within_the_model(channels, dy, loops):
     """The grad_x model covers every correct kernel's error on these rows: none needs more
     than the model itself (factor 1; the default is 3)."""
     inputs = offset_rows(channels, dy=dy)
     needed = {}
-    kernels_ = {**CORRECT, "sequential": kernels.sequential, "Welford": kernels.welford}
+    kernels_ = {**CORRECT, **(LOOPS if loops else {})}
     for name, kernel in kernels_.items():
         report, tensors = judge(kernel, inputs)
         assert report.passed, (name, tensors["grad_x"]["problems"])
