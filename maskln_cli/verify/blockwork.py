@@ -177,7 +177,7 @@ class BlockWork:
             if name in self.fits and self.fitted(start):
                 assert rstd is not None
                 fits[name] = self.fit(
-                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64
+                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start
                 )
         sums = None
         if dy64 is not None:
@@ -210,6 +210,7 @@ class BlockWork:
         x64: torch.Tensor,
         checked: Checked,
         dy64: torch.Tensor | None = None,
+        first_row: int = 0,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
@@ -241,7 +242,9 @@ class BlockWork:
         info = torch.finfo(precision.dtype)
         stored = reference.square().mean(dim=1).sqrt_().mul_(precision.store)
         stored += info.tiny * info.eps / 2
-        sums = fit_rows(error, z, rstd, problem.eps, second_order, rows, offset, e0, stored)
+        sums = fit_rows(
+            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row
+        )
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
         sums.terms = terms

@@ -25,7 +25,7 @@ import math
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.data import times
-from maskln_cli.verify.causes import Causes, where
+from maskln_cli.verify.causes import Causes, leading_index, where
 from maskln_cli.verify.options import ROW_TENSORS
 
 if TYPE_CHECKING:
@@ -146,6 +146,8 @@ class Explainer:
         finding = systematic.pooled(fit, precision, problem.eps, scale, bias, problem.channels)
         if finding is not None and finding.unit == "rows":
             finding.of = self.valid_rows  # more than its rows when a sample was regressed
+            if isinstance(finding.row, int):
+                finding.row = leading_index(finding.row, tuple(problem.shape[:-1]))
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding

@@ -144,7 +144,7 @@ class StreamingPass:
             rows = budget_in(checked.judge or self.judge)
             if name in self.work.fits and self.work.fitted(start):
                 rstd = rows.rstd.reshape(-1)
-                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked, dy64)
+                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked, dy64, start)
                 self.fits.setdefault(name, FitSums()).add(fit)
             if self.mode == "budget":
                 if name == "out":

@@ -179,16 +179,24 @@ def test_with_six_valid_rows_a_wide_mistake_is_still_caught(tmp_path, kernel):
         assert tensors["out"]["systematic"]["eps"] == pytest.approx(1e-6, rel=0.05)
 
 
-def test_with_six_valid_rows_what_could_not_be_told_is_said(tmp_path):
-    """C = 65,536, 6 valid rows, eps 3e-5 for 1e-5: a factor of 1e-5, within what one row of a
-    correct kernel may err by. It passes, and the verdict says what was not checked (before:
-    PASS, and nothing said)."""
+def test_with_six_valid_rows_eps_3e5_is_caught_and_what_could_not_be_told_is_said(tmp_path):
+    """C = 65,536, 6 valid rows: eps 3e-5 for 1e-5 scales every row by 1 - 1e-5, within what
+    one row of a correct kernel may err by (1.5e-5), and passed before issue 37. Six rows that
+    agree on it that closely (rounding's spread is half its bias or more) are evidence for half
+    of that: it fails. eps 1e-6 (4.5e-6, as much as a Welford row's rounding there) passes,
+    and the verdict says what could not be told."""
     inputs = few_rows(65536)
     with torch.no_grad():
         out = kernels.with_eps(3e-5)(inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"])
     result = kernels.zero_padding({"out": out}, inputs["valid"])
+    document, tensors, _ = judge(tmp_path, inputs, result)
+    assert not document["passed"]
+    assert tensors["out"]["systematic"]["eps"] == pytest.approx(3e-5, rel=0.05)
+    with torch.no_grad():
+        out = kernels.with_eps(1e-6)(inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"])
+    result = kernels.zero_padding({"out": out}, inputs["valid"])
     document, _, quiet = judge(tmp_path, inputs, result)
-    limit = 65536**0.5 * 2**-24
+    limit = 65536**0.5 * 2**-24 / 2  # halved: the rows agree
     assert document["passed"]
     assert document["not_checked"] == [
         f"out: with 6 valid rows, a systematic error below {limit:.1g} (relative) cannot be"
