@@ -157,3 +157,41 @@ def test_correct_backward_passes_on_offset_rows_within_the_model(channels, dy, l
         assert report.passed, (name, tensors["grad_x"]["problems"])
         needed[name] = tensors["grad_x"]["factor_needed"]
     assert max(needed.values()) <= 1.0, needed
+
+
+# --- the README's capture: a loss whose gradients exercise a backward ----------------------------
+
+
+@pytest.mark.slow
+def test_the_readmes_capture_loss_gives_gradients_that_exercise_a_backward(tmp_path, monkeypatch):
+    """Before: (hidden * mask).square().sum() made every LayerNorm's grad_x the cancellation
+    of its terms (sum(xhat**2) is all but constant), and the gradients reaching earlier ones
+    ~1e-7: a backward missing its xhat term passed 4 of 5 dumps. Now each dump's grad_x is
+    not a cancellation, and that backward fails on every dump, named as what it is."""
+    import re
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r'```python title="capture.py"\n(.*?)```', readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "capture.py", "exec"), {})
+    dumps = sorted((tmp_path / "dumps").glob("*.safetensors"))
+    assert len(dumps) == 5
+    for path in dumps:
+        t = load_file(str(path))
+        keep = t["valid"].bool()[..., None]
+        x = torch.where(keep, t["x"].double(), 0.0)
+        rstd = (x.var(-1, keepdim=True, unbiased=False) + 1e-12).rsqrt()
+        terms = rstd * t["scale"].double() * torch.where(keep, t["grad_out"].double(), 0.0)
+        ratio = float(t["grad_x"].double()[keep.expand_as(x)].norm() / terms.norm())
+        assert ratio > 0.1, (path.name, ratio)  # not the near-cancellation of its terms
+        inputs = {k: t[k] for k in ("x", "scale", "bias", "grad_out")}
+        inputs["valid"] = t["valid"].bool()
+        _, tensors = judge(MISSING["xhat term"], inputs)
+        assert not tensors["grad_x"]["passed"], path.name
+        # named as what it is (before, on a BERT dump: 'no square root'), or not at all
+        named = {d["mistake"] for t in tensors.values() for d in t["diagnosis"]}
+        assert named <= {"backward_missing_xhat_term"}, (path.name, named)
