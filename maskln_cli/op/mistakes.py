@@ -18,56 +18,35 @@ tries (``diagnose_output(..., mistakes=...)``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 
 import torch
 
+from maskln_cli.op.backward_mistakes import (
+    BACKWARD_MISTAKES,
+    STATISTICS_OVERFLOW,
+    STATISTICS_OVERFLOW_DTYPE,
+    overflow_match,
+)
+from maskln_cli.op.mistake_records import Diagnosis, Mistake
+
 __all__ = [
+    "BACKWARD_MISTAKES",
     "LOWER_PRECISION",
     "MISTAKES",
     "MORE_MISTAKES",
     "NEGATIVE_ZERO",
     "PRECISION_MISTAKES",
+    "STATISTICS_OVERFLOW",
+    "STATISTICS_OVERFLOW_DTYPE",
     "Diagnosis",
     "Mistake",
     "diagnose_gradient",
     "diagnose_nan_gradient",
     "diagnose_output",
     "diagnose_precision",
+    "overflow_match",
     "relative_distance",
 ]
-
-Formula = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Mistake:
-    """One way of getting the op wrong: its name, what it does in words, how to fix it, and the
-    output it gives (float64, from float64 inputs)."""
-
-    name: str
-    description: str
-    fix: str
-    formula: Formula
-
-
-@dataclass
-class Diagnosis:
-    """A known mistake a result matches. ``distance`` is the relative L2 distance between the
-    result and that mistake's output (for a precision mistake: between their errors' sizes)."""
-
-    mistake: str
-    description: str
-    fix: str
-    distance: float
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-    def sentence(self) -> str:
-        """``likely: unbiased variance (divides by C - 1); fix: ...``"""
-        return f"likely {self.description}; {self.fix}"
-
 
 # --- the formulas --------------------------------------------------------------------------------
 
@@ -456,12 +435,12 @@ def diagnose_output(
     if to_truth == 0.0:
         return []
 
-    def output(formula: Formula) -> torch.Tensor:
+    def output(mistake: Mistake) -> torch.Tensor:
         with torch.no_grad():
-            return formula(x64, valid, scale64, bias64, eps)
+            return mistake.formula(x64, valid, scale64, bias64, eps)
 
     tried = MISTAKES if mistakes is None else mistakes
-    found = _matching(result, to_truth, tried.values(), output, dtype, noise)
+    found = _matching(result, truth, tried.values(), output, dtype, noise)
     one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
     if one_pass is not None:
         found.append(one_pass)
@@ -576,20 +555,27 @@ def _limit(dtype: torch.dtype, noise: float | None) -> tuple[float, float]:
 
 def _matching(
     result: torch.Tensor,
-    to_truth: float,
+    truth: torch.Tensor,
     mistakes: Iterable[Mistake],
-    result_of: Callable[[Formula], torch.Tensor],
+    result_of: Callable[[Mistake], torch.Tensor],
     dtype: torch.dtype,
     noise: float | None,
 ) -> list[Diagnosis]:
     """The mistakes ``result`` matches (unsorted), by the rule of :func:`diagnose_output`:
-    ``result_of(formula)`` is what that formula gives (an output, or a gradient), and
-    ``to_truth`` the result's distance from the correct one."""
+    ``result_of(mistake)`` is what that mistake gives (an output, or a gradient), and
+    ``truth`` the correct one. A mistake that gives the truth here (bias missing where bias
+    is 0; a backward term dropped, for grad_scale) cannot be told from it, nor one within
+    ``closer`` times the dtype's rounding (or ``noise``) of it: it is not tried."""
     limit, closer = _limit(dtype, noise)
+    to_truth = _distance(result, truth)
+    finite_noise = noise if noise is not None and noise < float("inf") else 0.0
+    resolution = closer * max(torch.finfo(dtype).eps / 2, finite_noise)
     found = []
     for mistake in mistakes:
-        distance = _distance(result, result_of(mistake.formula))
-        if distance <= limit and distance * closer <= to_truth:
+        value = result_of(mistake)
+        distance = _distance(result, value)
+        told = _distance(value, truth) > resolution  # the mistake is not the truth here
+        if distance <= limit and distance * closer <= to_truth and told:
             found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
     return found
 
@@ -679,6 +665,9 @@ def _rescaled_rows(
     return len(factors) < 3 or float(factors.std()) >= 0.3 * float(factors.abs().mean())
 
 
+GRADIENTS = ("grad_x", "grad_scale", "grad_bias")
+
+
 def diagnose_gradient(
     actual: torch.Tensor,
     x: torch.Tensor,
@@ -691,10 +680,13 @@ def diagnose_gradient(
     *,
     noise: float | None = None,
     mistakes: dict[str, Mistake] | None = None,
+    name: str = "grad_x",
 ) -> list[Diagnosis]:
-    """The known mistakes a gradient w.r.t. x, ``actual``, matches, best first: the gradient of
-    ``sum(mistake(x) * grad_out)`` for each formula of :data:`MISTAKES` (or of ``mistakes``),
-    by the rule of :func:`diagnose_output` (a backward pass written from the same wrong formula).
+    """The known mistakes a gradient ``actual`` (``name``: w.r.t. x, or grad_scale or
+    grad_bias) matches, best first: for each formula of :data:`MISTAKES` the gradient of
+    ``sum(mistake(x) * grad_out)`` (a backward pass written from the same wrong formula), and
+    for each of :data:`BACKWARD_MISTAKES` its own backward (or those of ``mistakes``), by the
+    rule of :func:`diagnose_output`.
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
@@ -711,19 +703,22 @@ def diagnose_gradient(
     upstream = torch.where(valid.unsqueeze(-1), grad_out.double(), 0.0)
     upstream = upstream.nan_to_num(0.0, 0.0, 0.0)
     result = actual.double()
+    which = GRADIENTS.index(name)
 
-    def gradient(formula: Formula) -> torch.Tensor:
-        leaf = x64.detach().requires_grad_()
+    def gradient(mistake: Mistake) -> torch.Tensor:
+        if mistake.gradients is not None:
+            return mistake.gradients(x64, valid, scale64, bias64, eps, grad_out.double())[which]
+        leaves = [t.detach().requires_grad_() for t in (x64, scale64, bias64)]
         with torch.enable_grad():
-            out = formula(leaf, valid, scale64, bias64, eps)
-            (grad,) = torch.autograd.grad(out, leaf, upstream, allow_unused=True)
-        return torch.zeros_like(x64) if grad is None else grad
+            out = mistake.formula(leaves[0], valid, leaves[1], leaves[2], eps)
+            grad = torch.autograd.grad(out, leaves[which], upstream, allow_unused=True)[0]
+        return torch.zeros_like(leaves[which]) if grad is None else grad
 
-    to_truth = _distance(result, gradient(correct))
-    if to_truth == 0.0:
+    truth = gradient(Mistake("", "", "", correct))
+    if _distance(result, truth) == 0.0:
         return []
-    tried = MISTAKES if mistakes is None else mistakes
-    found = _matching(result, to_truth, tried.values(), gradient, dtype, noise)
+    tried = {**MISTAKES, **BACKWARD_MISTAKES} if mistakes is None else mistakes
+    found = _matching(result, truth, tried.values(), gradient, dtype, noise)
     return sorted(found, key=lambda d: d.distance)
 
 

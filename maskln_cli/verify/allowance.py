@@ -36,6 +36,14 @@ class Allowance:
         self.judges = plan.judges()
         # Whether the yardstick's error raises a budget (see job.YARDSTICK_RAISES).
         self.yardstick_raises = yardstick_raises
+        # The default atol is in units of each tensor's size (budget.scaled_atol); one given
+        # with --atol is taken as it is.
+        self.scaled = plan.verify.atol is None
+        problem = plan.problem
+        # out's size: its terms xhat * scale (xhat of rms 1 at most) and bias.
+        self.out_size = float(problem.scale.square().mean().sqrt()) + float(
+            problem.bias.square().mean().sqrt()
+        )
 
     def of_rows(
         self,
@@ -83,10 +91,36 @@ class Allowance:
                 budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
             else:
                 budget = budget.judged_in(precision)
-            model = budget.out() if grad_out is None else budget.grad_x(grad_out)
-            return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error)
+            if grad_out is None:
+                model, size = budget.out(), self.out_size
+            else:
+                model, size = budget.grad_x(grad_out), budget.grad_x_size(grad_out)
+            return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error, size)
         allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
         return {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
+
+    def lower(
+        self,
+        comparison: Comparison,
+        valid: torch.Tensor,
+        grad_out: torch.Tensor | None = None,
+        rstd: torch.Tensor | None = None,
+    ) -> float:
+        """At most every element's allowance on the valid rows of a block (see
+        :meth:`Comparison.measure`): the atol of its smallest row (grad_x, given the upstream
+        ``grad_out`` and the rows' ``rstd``, both float64) or out's."""
+        import torch
+
+        from maskln_cli.verify.budget import scaled_atol
+
+        atol = comparison.atol
+        if not self.scaled or self.mode != "budget":
+            return atol
+        if grad_out is None or rstd is None:
+            return float(scaled_atol(atol, self.out_size))
+        wdy = torch.where(valid.unsqueeze(1), grad_out, 0.0).mul_(self.problem.scale)
+        sizes = wdy.square_().mean(dim=1).sqrt_().mul_(rstd.reshape(-1))[valid]
+        return float(scaled_atol(atol, float(sizes.min()) if sizes.numel() else 1.0))
 
     def from_model(
         self,
@@ -96,10 +130,12 @@ class Allowance:
         reference: torch.Tensor,
         valid: torch.Tensor | None,
         error: torch.Tensor | None = None,
+        size: float | torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
         pieces it is made of, as :meth:`Comparison.update` takes them. ``error`` is the
-        yardstick's, ``|guess - reference|``, when the caller has it."""
+        yardstick's, ``|guess - reference|``, when the caller has it; ``size`` the tensor's
+        own magnitude (per row, per channel), which the default atol is in units of."""
         import torch
 
         from maskln_cli.verify import budget
@@ -108,7 +144,8 @@ class Allowance:
         if error is None and self.yardstick_raises:
             error = (guess.double() - reference).abs_()
         unit = budget.unit(model, error if self.yardstick_raises else None)
-        always = budget.floor(reference, dtype, comparison.rtol, comparison.atol)
+        atol = budget.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
+        always = budget.floor(reference, dtype, comparison.rtol, atol)
         allowed = torch.maximum(unit * self.factor, always)
         if valid is not None and not bool(valid.all()):  # else masking changes nothing
             allowed.masked_fill_(~valid, 0.0)

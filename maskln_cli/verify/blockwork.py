@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.verify.options import ROW_TENSORS
 from maskln_cli.verify.systematic import FitSums, fit_rows
+from maskln_cli.verify.terms import TermSums, fit_terms
 
 if TYPE_CHECKING:
     import torch
@@ -161,11 +162,14 @@ class BlockWork:
             allowance_of = functools.partial(
                 streaming.allowance.of_rows, comparison, inputs, budget=budget
             )
-            # Every element of a valid row is allowed atol or more: what is always allowed
-            # (budget.floor) adds it, and the allowance is at least that.
+            # Every element of a valid row is allowed its row's atol or more: what is always
+            # allowed (budget.floor) adds it, and the allowance is at least that.
+            lower = streaming.allowance.lower(
+                comparison, valid, dy64 if name == "grad_x" else None, rstd
+            )
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
-                allowance_of=allowance_of, lower=comparison.atol,
+                allowance_of=allowance_of, lower=lower,
             )  # fmt: skip
             if measured is None:
                 return None
@@ -173,7 +177,7 @@ class BlockWork:
             if name in self.fits and self.fitted(start):
                 assert rstd is not None
                 fits[name] = self.fit(
-                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64
+                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start
                 )
         sums = None
         if dy64 is not None:
@@ -206,6 +210,7 @@ class BlockWork:
         x64: torch.Tensor,
         checked: Checked,
         dy64: torch.Tensor | None = None,
+        first_row: int = 0,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
@@ -216,14 +221,17 @@ class BlockWork:
 
         problem = self.problem
         rows = valid if keep is None else valid & keep
+        error = actual.double() - reference
+        terms = None
         if checked.name == "grad_x":
             if problem.channels < GRAD_X_CHANNELS or dy64 is None:
                 return FitSums()
+            precision = self.streaming.precisions[checked.judge or self.streaming.judge]
+            terms = self._terms(error, reference, rows, rstd, x64, dy64, precision)
             rows = rows & _grad_x_resolved(reference, dy64, problem.scale, rstd)
         if not bool(rows.any()):
-            return FitSums()
+            return FitSums(terms=terms)
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
-        error = actual.double() - reference
         z = reference - problem.bias if checked.name == "out" else reference
         precision = self.streaming.precisions[checked.judge or self.streaming.judge]
         e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
@@ -234,10 +242,46 @@ class BlockWork:
         info = torch.finfo(precision.dtype)
         stored = reference.square().mean(dim=1).sqrt_().mul_(precision.store)
         stored += info.tiny * info.eps / 2
-        sums = fit_rows(error, z, rstd, problem.eps, second_order, rows, offset, e0, stored)
+        sums = fit_rows(
+            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row
+        )
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
+        sums.terms = terms
         return sums
+
+    def _terms(
+        self,
+        error: torch.Tensor,
+        truth: torch.Tensor,
+        rows: torch.Tensor,
+        rstd: torch.Tensor,
+        x64: torch.Tensor,
+        dy64: torch.Tensor,
+        precision: Precision,
+    ) -> TermSums:
+        """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
+        with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
+        and its rstd's), the upstream terms' (the backward's sums, the statistics' shift)."""
+        import math
+
+        import torch
+
+        channels = self.problem.channels
+        keep = rows.unsqueeze(1)
+        x = torch.where(keep, x64, 0.0)
+        xhat = (x - x.mean(dim=1, keepdim=True)).mul_(rstd.reshape(-1, 1))
+        wdy = torch.where(keep, dy64, 0.0).mul_(self.problem.scale)
+        p = precision
+        e1 = math.sqrt(channels) * p.reduce + p.x + p.store
+        ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
+        offset = x.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
+        info = torch.finfo(p.dtype)
+        rms = truth.square().mean(dim=1).sqrt_()
+        terms = wdy.square().mean(dim=1).sqrt_().mul_(rstd)
+        rounding = rms.mul_(e1 + p.store).add_(terms.mul_(offset.add_(1).mul_(e1).add_(ed)))
+        rounding += info.tiny * info.eps / 2
+        return fit_terms(error, truth, xhat, wdy, rstd, rows, rounding)
 
 
 GRAD_X_CHANNELS = 4

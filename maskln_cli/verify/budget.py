@@ -44,6 +44,7 @@ __all__ = [
     "allowance",
     "factor_needed",
     "floor",
+    "scaled_atol",
     "unit",
     "unit_roundoff",
     "yardstick",
@@ -207,31 +208,59 @@ class RowBudget:
         return model.masked_fill_(~self.valid, 0.0)
 
     def grad_x(self, grad_out: torch.Tensor) -> torch.Tensor:
-        """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64).
+        """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64):
+        the sum of :meth:`grad_x_terms`, grown by the rows' second-order rounding."""
+        terms = iter(self.grad_x_terms(grad_out).values())
+        model = next(terms)
+        for term in terms:
+            model += term
+        return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
+
+    def grad_x_terms(self, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The terms of grad_x's model, each what one source of a correct kernel's rounding
+        moves dx by (docs/verify-budget.md, "The gradients' budget", measures each).
 
         dx = rstd * (wdy - xhat * c1 - c2) with wdy = scale * dy, c1 = mean(xhat * wdy) and
-        c2 = mean(wdy): xhat errs by e1 * (A + |xhat|) (the statistics stored in the dtype,
-        as torch saves them for backward), wdy and the row means by ed.
+        c2 = mean(wdy). xhat errs by a shift of its row, up to ``e1 * A`` (the mean's rounding:
+        a sequential sum's), and by a factor, up to ``e1`` (rstd's), both the same along the
+        row: they reach dx through c1 and c2 themselves, signed. A mean ``m`` of C terms
+        ``t`` (c1 and c2; in torch's own backward the sums of wdy * x and wdy they are made
+        of, which lose A times more) errs as a sum does, ``sqrt(C) * u * (|m| + rms(t) /
+        sqrt(C))``: not by the mean of ``|t|``, since an upstream gradient of random signs
+        makes c1 and c2 sqrt(C) times smaller than their terms.
+
+        - ``shift``: the shift s through c1 and c2, ``rstd * s * (|c1| + |xhat| * |c2|)``, and
+          through c2 alone (a running mean, Welford's, drifts along the row: each element's
+          own shift);
+        - ``factor``: the factor through c1, ``2 * rstd * e1 * |xhat| * |c1|``;
+        - ``sums``: the backward's own rounding, of c1, c2 and wdy;
+        - ``stored``: rstd's rounding scaling dx, and dx stored in the dtype.
         """
         p = self.precision
         e1 = self.e0 + p.store
         ed = math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
+        root = math.sqrt(self.channels)
         wdy = self.upstream(grad_out).mul_(self.scale)
         xhat_abs = self.xhat.abs()
         products = self.xhat * wdy
         c1 = products.mean(dim=-1, keepdim=True)
-        k2 = products.abs_().mean(dim=-1, keepdim=True)  # |c1| at most
-        wdy_abs = wdy.abs()
-        k3 = wdy_abs.mean(dim=-1, keepdim=True)  # |c2| at most
-        k1 = self.offset * k3 + k2  # mean((A + |xhat|) * |wdy|)
-        dx = (wdy - self.xhat * c1).sub_(wdy.mean(dim=-1, keepdim=True)).mul_(self.rstd)
-        # In place where the order of operations allows: the same bits, fewer temporaries.
-        model = (self.offset + xhat_abs).mul_(k2).mul_(e1)
-        model += (xhat_abs * k1).mul_(e1)
-        model += xhat_abs.mul_(k2).add_(k3).add_(wdy_abs).mul_(ed)
-        model.mul_(self.rstd)
-        model += dx.abs_().mul_(e1 + self.e2 + p.store)
-        return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
+        c2 = wdy.mean(dim=-1, keepdim=True)
+        # What c1 and c2 err by, per unit of a sum's relative rounding (see above).
+        n1 = products.square_().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c1.abs())
+        n2 = wdy.square().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c2.abs())
+        dx = (wdy - self.xhat * c1).sub_(c2).mul_(self.rstd).abs_()
+        rstd_e1 = self.rstd * e1
+        shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(self.offset).mul_(rstd_e1)
+        factor = (xhat_abs * n1).mul_(rstd_e1).mul_(2)
+        sums = (xhat_abs * n1).add_(n2).add_(wdy.abs_()).mul_(self.rstd).mul_(ed)
+        stored = dx.mul_(self.e2 + (e1 + p.store))
+        return {"shift": shift, "factor": factor, "sums": sums, "stored": stored}
+
+    def grad_x_size(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """Each row's magnitude of grad_x's terms, ``rstd * rms(scale * grad_out)`` ``[R, 1]``:
+        what its atol is in units of (:func:`scaled_atol`)."""
+        wdy = self.upstream(grad_out).mul_(self.scale)
+        return wdy.square_().mean(dim=-1, keepdim=True).sqrt_().mul_(self.rstd)
 
     def share_of_sums(self, grad_out: torch.Tensor) -> SumBudget:
         """This chunk's (or block's) share of the grad_scale and grad_bias models, to be
@@ -296,6 +325,12 @@ class SumBudget:
         self.bias_squares += share.bias_squares
         self.moved_squares += share.moved_squares
 
+    def size(self, name: str) -> torch.Tensor:
+        """The rms of the terms grad_scale (``name``) or grad_bias sums, per channel: what its
+        atol is in units of (:func:`scaled_atol`)."""
+        squares = self.scale_squares if name == "grad_scale" else self.bias_squares
+        return squares.div(max(self.rows, 1)).sqrt_()
+
     def grad_scale(self, total: torch.Tensor) -> torch.Tensor:
         """The model of grad_scale's error; ``total`` is the true grad_scale (float64)."""
         p = self.precision
@@ -328,11 +363,36 @@ def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Ten
     return budget
 
 
-def floor(truth: torch.Tensor, dtype: torch.dtype, rtol: float, atol: float) -> torch.Tensor:
+def floor(
+    truth: torch.Tensor, dtype: torch.dtype, rtol: float, atol: float | torch.Tensor
+) -> torch.Tensor:
     """What is always allowed: ``atol + max(rtol, ULPS * eps) * |truth|``, so at least ULPS
-    ulps of dtype (an ulp at |t| is at most eps * |t|) and assert_close's tolerance."""
-    relative = max(rtol, ULPS * torch.finfo(dtype).eps)
-    return truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative).add_(atol)
+    ulps of dtype (an ulp at |t| is at most eps * |t|, and at least the spacing of its
+    subnormals, ``tiny * eps``: a float16 gradient of 1e-6 is stored to within 3e-8) and
+    assert_close's tolerance. ``atol`` may be a tensor (per row, per channel): see
+    :func:`scaled_atol`."""
+    info = torch.finfo(dtype)
+    relative = max(rtol, ULPS * info.eps)
+    always = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
+    always.add_(atol).add_(ULPS * info.tiny * info.eps)
+    return always
+
+
+def scaled_atol(atol: float, size: float | torch.Tensor | None) -> float | torch.Tensor:
+    """``atol`` in units of a tensor's own ``size`` (the magnitude of the terms its values are
+    made of), up to ``atol`` itself: assert_close's atol is meant for values of about 1, and a
+    gradient a millionth that size gets a millionth of it (else it swallows whole terms of
+    it). None: ``atol`` as it is.
+
+    Example:
+        >>> scaled_atol(1e-5, torch.tensor([2.0, 0.5], dtype=torch.float64)).tolist()
+        [1e-05, 5e-06]
+    """
+    if size is None:
+        return atol
+    if isinstance(size, torch.Tensor):
+        return size.clamp(max=1.0).nan_to_num_(nan=1.0).mul_(atol)
+    return atol * min(1.0, size) if math.isfinite(size) else atol
 
 
 def allowance(

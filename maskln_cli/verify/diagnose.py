@@ -113,18 +113,28 @@ def diagnose_rows(
     candidates: dict[str, Mistake] | None = None,
     systematic: bool = False,
     catalogue: bool = True,
+    confirmed: str | None = None,
+    forward: bool = True,
 ) -> Diagnosis | None:
-    """The mistake out or grad_x (``name``) on ``sample`` matches best: among ``candidates``
-    first (an earlier tensor's explanation, tried alone: one formula, not the catalogue),
-    then the catalogue's formulas, then the rounding of a coarser dtype (unless the tensor's
-    error is ``systematic``, which rounding is not, or an earlier tensor's was a formula's:
-    the caller says so; without ``catalogue``, its formulas are not tried). ``truth`` is the
-    sample's float64 truth, ``noise`` PyTorch's relative distance from it in ``judge``."""
+    """The mistake out or grad_x (``name``) on ``sample`` matches best: the statistics of a
+    half dtype overflowing (the rows wrong are those, and only those); among ``candidates``
+    (an earlier tensor's explanation, tried alone: one formula, not the catalogue), then the
+    catalogue's formulas (for grad_x, the forward's only when ``forward``: a forward mistake
+    shows in out, and out was right), named only when clearly the best (:data:`AMBIGUOUS`);
+    then the rounding of a coarser dtype (unless the tensor's error is ``systematic``, which
+    rounding is not, or an earlier tensor's was a formula's: the caller says so; without
+    ``catalogue``, its formulas are not tried; ``confirmed``, see
+    :func:`precision_diagnosis`). ``truth`` is the sample's float64 truth, ``noise``
+    PyTorch's relative distance from it in ``judge``."""
     from maskln_cli.op import mistakes as formulas
 
     problem = sample.problem
+    overflow = formulas.overflow_match(sample.actual, truth, sample.x, sample.valid, judge)
+    if overflow is not None:
+        return overflow
     args = (sample.x, sample.valid, problem.scale, problem.bias)
-    tries = ([candidates] if candidates else []) + ([None] if catalogue else [])
+    default = None if forward else formulas.BACKWARD_MISTAKES
+    tries = ([candidates] if candidates else []) + ([default] if catalogue else [])
     for mistakes in tries:
         if name == "out":
             found = formulas.diagnose_output(
@@ -137,64 +147,87 @@ def diagnose_rows(
                 mistakes=mistakes,
             )  # fmt: skip
         if found:
-            return found[0]
-    return None if systematic else precision_diagnosis(name, sample, truth)
+            clear = len(found) == 1 or found[1].distance >= AMBIGUOUS * found[0].distance
+            return found[0] if clear else None
+    return None if systematic else precision_diagnosis(name, sample, truth, confirmed)
 
 
-def precision_diagnosis(name: str, sample: Sample, truth: torch.Tensor) -> Diagnosis | None:
-    """Errors of the size a kernel in a coarser dtype makes, and no formula's: the finest dtype
-    of :data:`PRECISIONS` (coarser than the result's) whose rounding they are the size of.
+AMBIGUOUS = 3.0
+"""A formula is named only when the result is this many times closer to it than to the next
+formula that matches: else the evidence does not tell them apart, and none is named."""
+
+
+def precision_diagnosis(
+    name: str, sample: Sample, truth: torch.Tensor, confirmed: str | None = None
+) -> Diagnosis | None:
+    """Errors of a kernel that rounds to a coarser dtype, and no formula's: the dtype of
+    :data:`PRECISIONS` (coarser than the result's) whose granularity the result has
+    (:mod:`.granularity`: what the kernel computed lies on the dtype's grid), which a formula
+    mistake's errors, of the same size, do not have. ``confirmed``: a dtype whose granularity
+    an earlier tensor of RESULT had (out's, for grad_x, whose autograd through a kernel's
+    casts leaves no grid of its own): then errors of that dtype's rounding's size
+    (:data:`ACCUMULATED`, :data:`STORED`) are enough.
 
     Each valid row's error is split (:func:`split_errors`) into what its statistics' rounding
     makes (a factor along the row's truth, a shift, and for grad_x a part along xhat: each
-    row's own) and what is left element by element. Errors mostly of the first kind come from
-    sums over a row accumulated in a coarse dtype: their size, relative, is within
-    :data:`ACCUMULATED` units of that dtype's rounding (a sum of C terms errs by up to C of
-    them). Errors mostly of the second are values rounded to a coarse dtype on the way:
-    within :data:`STORED` units. The description gives their size in ulps of each dtype."""
+    row's own) and what is left element by element: errors mostly of the first kind come from
+    sums over a row accumulated in the coarse dtype, those of the second from values rounded
+    to it on the way. The description gives their size in ulps of each dtype."""
     import torch
 
     from maskln_cli.op.mistakes import Diagnosis
-    from maskln_cli.verify.budget import unit_roundoff
+    from maskln_cli.verify.granularity import coarsest
 
     split = split_errors(name, sample, truth)
     if split is None:
         return None
     structured, elementwise = split
-    accumulated = structured >= elementwise
-    size = structured if accumulated else elementwise
-    relative = math.hypot(structured, elementwise)
-    channels = sample.problem.channels
     stored = torch.finfo(sample.actual.dtype).eps
-    for dtype_name in PRECISIONS:
-        dtype = getattr(torch, dtype_name)
-        if torch.finfo(dtype).eps <= stored:
-            continue  # not coarser than what RESULT holds
-        u = unit_roundoff(dtype)
-        low, high = (ACCUMULATED[0] * u, ACCUMULATED[1] * channels * u) if accumulated else (
-            STORED[0] * u, STORED[1] * u)  # fmt: skip
-        if not low <= size <= high:
-            continue
-        ulps = ", ".join(
-            f"{relative / torch.finfo(getattr(torch, d)).eps:,.2g} of {d}" for d in PRECISIONS
+    coarser = [getattr(torch, d) for d in PRECISIONS]
+    coarser = [d for d in coarser if torch.finfo(d).eps > stored]
+    if confirmed is not None:
+        dtype = getattr(torch, confirmed)
+        if dtype not in coarser or not _rounding_sized(structured, elementwise, dtype, sample):
+            return None
+    else:
+        dtype = coarsest(name, sample, truth, coarser)
+    if dtype is None:
+        return None
+    dtype_name = str(dtype).removeprefix("torch.")
+    relative = math.hypot(structured, elementwise)
+    ulps = ", ".join(
+        f"{relative / torch.finfo(getattr(torch, d)).eps:,.2g} of {d}" for d in PRECISIONS
+    )
+    if structured >= elementwise:
+        how = "mostly in each row's statistics, as sums accumulated in"
+        fix = (
+            "accumulate in float32: the row sums (mean, variance, and the backward's) in"
+            " float32, whatever the dtype of the values"
         )
-        if accumulated:
-            how = "mostly in each row's statistics, as sums accumulated in"
-            fix = (
-                "accumulate in float32: the row sums (mean, variance, and the backward's) in"
-                " float32, whatever the dtype of the values"
-            )
-        else:
-            how = "element by element, as values rounded to"
-            fix = "compute in float32: no value rounded to a coarser dtype on the way"
-        return Diagnosis(
-            f"rounding_{dtype_name}",
-            f"errors look like {dtype_name} rounding ({how} {dtype_name}): a relative error"
-            f" of {relative:.2g}, in ulps {ulps}",
-            fix,
-            0.0,
-        )
-    return None
+    else:
+        how = "element by element, as values rounded to"
+        fix = "compute in float32: no value rounded to a coarser dtype on the way"
+    return Diagnosis(
+        f"rounding_{dtype_name}",
+        f"errors look like {dtype_name} rounding ({how} {dtype_name}): a relative error"
+        f" of {relative:.2g}, in ulps {ulps}",
+        fix,
+        0.0,
+    )
+
+
+def _rounding_sized(
+    structured: float, elementwise: float, dtype: torch.dtype, sample: Sample
+) -> bool:
+    """Whether errors split so are the size of ``dtype``'s rounding: of sums accumulated in it
+    (mostly in each row's statistics) or of values rounded to it (element by element)."""
+    from maskln_cli.verify.budget import unit_roundoff
+
+    u = unit_roundoff(dtype)
+    if structured >= elementwise:
+        low, high = ACCUMULATED[0] * u, ACCUMULATED[1] * sample.problem.channels * u
+        return low <= structured <= high
+    return STORED[0] * u <= elementwise <= STORED[1] * u
 
 
 def split_errors(name: str, sample: Sample, truth: torch.Tensor) -> tuple[float, float] | None:
@@ -228,7 +261,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def eps_diagnosis(finding: Finding, eps: float, origin: str) -> Diagnosis:
     """The eps RESULT's rows give, as the one explanation of a tensor (``origin``: where the
-    reference's eps came from, ``the default`` or ``from --eps``...).
+    reference's eps came from, ``the default`` or ``from --eps``...), each eps printed with as
+    many digits as it takes to tell them apart (:func:`distinct`).
 
     Example:
         >>> from maskln_cli.verify.systematic import Finding
@@ -245,10 +279,12 @@ def eps_diagnosis(finding: Finding, eps: float, origin: str) -> Diagnosis:
     from maskln_cli.op.mistakes import Diagnosis
 
     if finding.eps is not None:
-        found, given = f"≈ {finding.eps:.2g}", f"{finding.eps:.2g}"
+        value, reference = distinct(finding.eps, eps)
+        found, given = f"≈ {value}", value
     else:
         found, given = f"is at most {finding.eps_at_most:.1g}", "EPS"
-    description = f"RESULT's eps {found}, not the reference's {eps:g} ({origin})"
+        reference = f"{eps:g}"
+    description = f"RESULT's eps {found}, not the reference's {reference} ({origin})"
     if origin == "the default":  # probably forgotten: say how to give it
         fix = f"give the model's eps: `--eps {given}` (or `--config`)"
     else:  # given (a dump's metadata, a config): more likely the kernel's is wrong
@@ -259,27 +295,87 @@ def eps_diagnosis(finding: Finding, eps: float, origin: str) -> Diagnosis:
     return Diagnosis("eps_mismatch", description, fix, 0.0)
 
 
-def mistake_diagnosis(name: str) -> Diagnosis:
-    """The catalogue's mistake ``name``, as its systematic factors named it."""
-    from maskln_cli.op.mistakes import MISTAKES, Diagnosis
+def backward_eps_diagnosis(finding: Finding, eps: float) -> Diagnosis:
+    """The eps a gradient's rows give when out is right with the reference's: the backward
+    uses another eps than the forward.
 
-    mistake = MISTAKES[name]
+    Example:
+        >>> from maskln_cli.verify.systematic import Finding
+        >>> found = Finding(90, 4.5e-6, 1e-8, 0.0, 0.0, 1e-6, True, False, eps=9.9e-7,
+        ...                 model="eps")
+        >>> backward_eps_diagnosis(found, 1e-5).description
+        "the backward's eps ≈ 9.9e-07, not the forward's 1e-05 (out is right): another eps in the backward"
+    """  # noqa: E501
+    from maskln_cli.op.mistakes import Diagnosis
+
+    if finding.eps is not None:
+        value, reference = distinct(finding.eps, eps)
+        found = f"≈ {value}"
+    else:
+        found, reference = f"is at most {finding.eps_at_most:.1g}", f"{eps:g}"
+    return Diagnosis(
+        "backward_eps_mismatch",
+        f"the backward's eps {found}, not the forward's {reference} (out is right): another"
+        " eps in the backward",
+        "use the forward's eps in the backward (or save the forward's rstd and use it)",
+        0.0,
+    )
+
+
+def distinct(value: float, reference: float) -> tuple[str, str]:
+    """``value`` and ``reference`` printed with as many significant digits as it takes to tell
+    them apart (2 at least; ``reference`` as it is when ``:g`` prints it exactly).
+
+    Example:
+        >>> distinct(1.02e-5, 1e-5)
+        ('1.02e-05', '1e-05')
+        >>> distinct(9.99999974737875e-06, 1e-5)
+        ('9.9999997e-06', '1e-05')
+        >>> distinct(1.2e-5, 1e-5)
+        ('1.2e-05', '1e-05')
+    """
+    for digits in range(2, 18):
+        a, b = f"{value:.{digits}g}", f"{reference:.{digits}g}"
+        if a != b:
+            plain = f"{reference:g}"
+            return a, plain if float(plain) == reference else b
+    return repr(value), repr(reference)
+
+
+def mistake_diagnosis(name: str) -> Diagnosis:
+    """The catalogue's mistake ``name``, as its systematic factors (or its backward's terms)
+    named it."""
+    from maskln_cli.op.mistakes import BACKWARD_MISTAKES, MISTAKES, Diagnosis
+
+    mistake = MISTAKES.get(name) or BACKWARD_MISTAKES[name]
     return Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
 
 
 def candidate_of(diagnosis: Diagnosis, finding: Finding | None) -> dict[str, Mistake]:
     """An explanation as a formula to try first on later tensors: a mistake of the catalogue,
-    or the correct op with the eps RESULT's rows gave. Empty when it has none."""
-    from maskln_cli.op.mistakes import MISTAKES, Mistake, correct
+    or the correct op with the eps RESULT's rows gave (in its backward only, when out is
+    right). Empty when it has none."""
+    from maskln_cli.op.mistakes import BACKWARD_MISTAKES, MISTAKES, Mistake, correct
 
-    if diagnosis.mistake in MISTAKES:
-        return {diagnosis.mistake: MISTAKES[diagnosis.mistake]}
+    known = {**MISTAKES, **BACKWARD_MISTAKES}
+    if diagnosis.mistake in known:
+        return {diagnosis.mistake: known[diagnosis.mistake]}
     if diagnosis.mistake == "eps_mismatch" and finding is not None:
         other = finding.eps if finding.eps is not None else 0.0
         return {
             "eps_mismatch": Mistake(
                 "eps_mismatch", diagnosis.description, diagnosis.fix,
                 lambda x, valid, scale, bias, eps: correct(x, valid, scale, bias, other),
+            )
+        }  # fmt: skip
+    if diagnosis.mistake == "backward_eps_mismatch" and finding is not None:
+        from maskln_cli.op.backward_mistakes import backward_with_eps
+
+        other = finding.eps if finding.eps is not None else 0.0
+        return {
+            diagnosis.mistake: Mistake(
+                diagnosis.mistake, diagnosis.description, diagnosis.fix, correct,
+                backward_with_eps(other),
             )
         }  # fmt: skip
     return {}

@@ -25,50 +25,22 @@ import math
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.data import times
+from maskln_cli.verify.causes import Causes, leading_index, where
 from maskln_cli.verify.options import ROW_TENSORS
 
 if TYPE_CHECKING:
     from maskln_cli.compare.comparison import Comparison
     from maskln_cli.compare.data import TensorComparison
     from maskln_cli.files.masks import RowMask
-    from maskln_cli.op.mistakes import Diagnosis, Mistake
-    from maskln_cli.verify.diagnose import Sample
+    from maskln_cli.op.mistakes import Diagnosis
     from maskln_cli.verify.plan import Checked, Plan
     from maskln_cli.verify.systematic import Finding, FitSums
 
 UNIFORM_SPREAD = 0.3
 """Rows are off "uniformly" when their relative errors' spread is below this share of their
 mean (and the mean is well above rounding): the signature of a formula mistake."""
-CONSISTENT = 3.0
-"""A sum's systematic factor agrees with an earlier tensor's when of the same sign and within
-this ratio of it (both average the rows' factors, weighted differently)."""
 GENERIC = "a formula or eps mistake"
 """What the words say of rows all off by about the same, until an explanation says which."""
-
-
-@dataclasses.dataclass
-class _Explained:
-    """An earlier tensor's explanation: its diagnosis, the formula to try first on later
-    tensors, and its systematic factor (None: not systematic)."""
-
-    diagnosis: Diagnosis
-    candidates: dict[str, Mistake]
-    factor: float | None
-    finding: Finding | None = None
-
-    def same_eps(self, found: Finding) -> bool:
-        """Whether ``found``'s eps is this explanation's: two values within 20 %, a value
-        within a bound, or two bounds (eps too small to resolve, on two tensors' rows)."""
-        earlier = self.finding
-        if self.diagnosis.mistake != "eps_mismatch" or earlier is None:
-            return False
-        mine, theirs = (earlier.eps, earlier.eps_at_most), (found.eps, found.eps_at_most)
-        if mine[0] is not None and theirs[0] is not None:
-            return abs(mine[0] - theirs[0]) <= 0.2 * max(mine[0], theirs[0])
-        if mine[1] is not None and theirs[1] is not None:
-            return True
-        value, bound = (mine[0], theirs[1]) if mine[0] is not None else (theirs[0], mine[1])
-        return value is not None and bound is not None and value <= bound
 
 
 class Explainer:
@@ -90,17 +62,9 @@ class Explainer:
         self.mode = plan.mode
         self.judge = plan.judge
         self.valid_rows = plan.valid_rows
-        self.poisoned = poisoned  # invalid rows with NaN or inf in x or grad_out
         self.fits = fits or {}  # each tensor's systematic-error regressions
         self.mask = mask
-        self.sampled: tuple[Sample, float] | None = None  # out's diagnosed rows, and noise
-        self.explained: _Explained | None = None  # the first explanation of RESULT's tensors
-        # Whether out's failing rows matched none of the catalogue's formulas: grad_x's then
-        # skip them (a backward pass is written from the forward's formula).
-        self.no_formula = False
-        # Whether an earlier tensor was explained by a formula's mistake: a later one's errors
-        # are then not called a coarser dtype's rounding (its size may match by chance).
-        self.formula_said = False
+        self.causes = Causes(plan, poisoned, mask, self._eps_origin(), self._wrong)
         self.not_checked: list[str] = []  # what the systematic test could not see, in words
         self.torch = torch
 
@@ -130,6 +94,8 @@ class Explainer:
             words.append(found.sentence())
         outcome.problems = structural + words
         outcome.passed = not outcome.problems
+        if checked.name == "out":
+            self.causes.out_right = outcome.passed
         if self.mode == "budget":
             # None when no factor would do: NaN or inf, or padding not zeroed.
             fixable = not (outcome.nan_mismatched or outcome.inf_mismatched) and (
@@ -148,6 +114,23 @@ class Explainer:
                 " systematic error cannot be told from rounding"
             )
 
+    def _wrong(self, name: str) -> bool | None:
+        """Whether RESULT's ``name`` is wrong: beyond its budget, or systematic (None: not
+        checked), before it is explained."""
+        checked = next((c for c in self.plan.checked if c.name == name), None)
+        if checked is None or checked.comparison is None or not checked.comparison.comparable:
+            return None
+        if checked.comparison.beyond or checked.comparison.nan_mismatched:
+            return True
+        from maskln_cli.verify import systematic
+
+        fit = self.fits.get(name)
+        if fit is None or self.mode != "budget":
+            return False
+        precision = self.plan.precisions[checked.judge or self.judge]
+        found = systematic.pooled(fit, precision, self.problem.eps, 1.0, 0.0, self.problem.channels)
+        return found is not None and found.systematic
+
     def _systematic(self, checked: Checked) -> Finding | None:
         """A tensor's pooled systematic-error regressions (None: not tested)."""
         from maskln_cli.verify import systematic
@@ -163,6 +146,8 @@ class Explainer:
         finding = systematic.pooled(fit, precision, problem.eps, scale, bias, problem.channels)
         if finding is not None and finding.unit == "rows":
             finding.of = self.valid_rows  # more than its rows when a sample was regressed
+            if isinstance(finding.row, int):
+                finding.row = leading_index(finding.row, tuple(problem.shape[:-1]))
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding
@@ -174,12 +159,10 @@ class Explainer:
         the words it takes the place of, and the phrase the verdict line says."""
         outcome = checked.outcome
         assert outcome is not None
-        diagnosis = self._diagnose(checked, found)
+        diagnosis = self.causes.diagnose(checked, found)
         if diagnosis is not None and self.problem.eps_source == "default":
             diagnosis = _eps_may_be_ours(diagnosis, self.problem.eps)
         outcome.diagnosis = [diagnosis.to_dict()] if diagnosis is not None else []
-        if diagnosis is not None and not diagnosis.mistake.startswith("rounding_"):
-            self.formula_said = True
         phrase = phrase_of(diagnosis) if diagnosis is not None else None
         if phrase is None and found is not None:  # no name for it: the systematic error
             phrase = found.sentence()
@@ -195,65 +178,22 @@ class Explainer:
             sentence = found.sentence() if found is not None else None
             if sentence in outcome.problems and sentence != phrase:  # the error, and what it is
                 outcome.problems[outcome.problems.index(sentence)] += f"; {phrase}"
+        if diagnosis is None and not specific and self._beyond(checked):
+            # No cause: say so, and where the error is.
+            leading = tuple(self.problem.shape[:-1])
+            words = where(checked, self.problem.valid, leading, self.causes.current)
+            index = next((i for i, p in enumerate(outcome.problems) if "beyond" in p
+                          or "valid rows off" in p), 0)  # fmt: skip
+            outcome.problems[index] += f"; {words}"
         outcome.explanation = phrase or _one_level(outcome.problems[0])
-        if diagnosis is not None and self.explained is None:
-            from maskln_cli.verify.diagnose import candidate_of
+        self.causes.said(checked, diagnosis, found)
 
-            candidates = candidate_of(diagnosis, found)
-            if candidates:
-                factor = found.factor if found is not None else None
-                self.explained = _Explained(diagnosis, candidates, factor, found)
-
-    def _diagnose(self, checked: Checked, found: Finding | None) -> Diagnosis | None:
-        """The one diagnosis of a failing tensor (None: none found)."""
-        from maskln_cli.op import mistakes as catalogue
-        from maskln_cli.verify import diagnose, systematic
-
-        outcome, comparison = checked.outcome, checked.comparison
-        assert outcome is not None and comparison is not None
-        problem = self.problem
-        earlier = self.explained
-        if found is not None and found.model == "eps":
-            if earlier is not None and earlier.same_eps(found):
-                return earlier.diagnosis  # one eps for RESULT, as the first tensor gave it
-            return diagnose.eps_diagnosis(found, problem.eps, self._eps_origin())
-        if found is not None and found.model in systematic.MISTAKE_FACTORS:
-            return diagnose.mistake_diagnosis(found.model)
-        nonfinite = bool(outcome.nan_where_finite or outcome.inf_where_finite)
-        if checked.name in ROW_TENSORS and comparison.failing_rows:
-            sample = diagnose.take_sample(
-                problem, self.result, checked.key, comparison.failing_rows, self.mask
-            )
-            judge = checked.judge or self.judge
-            truth, guess = sample.reference(checked.name, judge)
-            noise = catalogue.relative_distance(guess, truth)
-            if checked.name == "out":
-                self.sampled = (sample, noise)
-            if nonfinite and checked.name == "grad_x":
-                return catalogue.diagnose_nan_gradient(
-                    "grad_x", sample.actual, truth, sample.x, sample.valid, sample.grad_out
-                )
-            candidates = earlier.candidates if earlier is not None else None
-            found_here = diagnose.diagnose_rows(
-                checked.name, sample, judge, truth, noise, candidates,
-                found is not None or self.formula_said, catalogue=not self.no_formula,
-            )  # fmt: skip
-            if checked.name == "out":
-                self.no_formula = found_here is None or found_here.mistake.startswith("rounding")
-            if found_here is not None:
-                return found_here
-        elif nonfinite and problem.grad_out is not None and checked.name not in ROW_TENSORS:
-            index = self.torch.tensor(self.poisoned, dtype=self.torch.long)
-            reference = self.torch.zeros(problem.channels, dtype=self.torch.float64)
-            return catalogue.diagnose_nan_gradient(
-                checked.name, self.result.tensor(checked.key), reference, problem.x[index],
-                problem.valid[index], problem.grad_out[index],
-            )  # fmt: skip
-        if earlier is not None and found is not None and earlier.factor is not None:
-            ratio = found.factor / earlier.factor if earlier.factor else math.inf
-            if 1 / CONSISTENT <= ratio <= CONSISTENT:
-                return earlier.diagnosis
-        return None
+    def _beyond(self, checked: Checked) -> bool:
+        """Whether a failing tensor's values are beyond their budget (not only non-finite, nor
+        only its padding): what an unexplained error's words then locate."""
+        comparison = checked.comparison
+        assert comparison is not None
+        return comparison.beyond - comparison.beyond_in_invalid_rows > 0
 
     def _specific(self, checked: Checked) -> list[str]:
         """What kind of wrong, beyond the catalogue (see :mod:`.findings`), said first: a
@@ -274,8 +214,8 @@ class Explainer:
                     " judges it as one"
                 )
         options = self.plan.options
-        if checked.name == "out" and options.module and options.params and self.sampled:
-            sample, noise = self.sampled
+        if checked.name == "out" and options.module and options.params and self.causes.sampled:
+            sample, noise = self.causes.sampled
             module = findings.other_module(
                 self.problem, options.params, options.module, sample.actual, sample.x,
                 sample.valid, noise,

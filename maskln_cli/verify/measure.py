@@ -144,12 +144,15 @@ class StreamingPass:
             rows = budget_in(checked.judge or self.judge)
             if name in self.work.fits and self.work.fitted(start):
                 rstd = rows.rstd.reshape(-1)
-                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked, dy64)
+                fit = self.work.fit(actual, reference, valid, keep, rstd, x64, checked, dy64, start)
                 self.fits.setdefault(name, FitSums()).add(fit)
             if self.mode == "budget":
-                model = rows.out() if name == "out" else rows.grad_x(dy64)  # type: ignore[arg-type]
+                if name == "out":
+                    model, size = rows.out(), self.allowance.out_size
+                else:
+                    model, size = rows.grad_x(dy64), rows.grad_x_size(dy64)  # type: ignore[arg-type]
                 pieces = self.allowance.from_model(
-                    comparison, model, guess, reference, valid.unsqueeze(1)
+                    comparison, model, guess, reference, valid.unsqueeze(1), size=size
                 )
             else:  # the fixed tolerance alone, as assert_close has it; padding exactly 0
                 allowed = reference.abs().mul_(comparison.rtol).add_(comparison.atol)
@@ -264,7 +267,9 @@ class StreamingPass:
             if self.mode == "budget":
                 budget = sums.budgets[dtype]
                 model = getattr(budget, name)(total)
-                pieces = self.allowance.from_model(comparison, model, guess, total, None)
+                pieces = self.allowance.from_model(
+                    comparison, model, guess, total, None, size=budget.size(name)
+                )
                 # grad_bias sums grad_out alone: no row statistic's rounding reaches it.
                 second = budget.second_order if name == "grad_scale" else 0.0
                 squares = budget.scale_squares if name == "grad_scale" else budget.bias_squares

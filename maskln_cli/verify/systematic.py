@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from maskln_cli.verify.terms import TermFinding, TermSums, pooled_terms, term_gate
+
 if TYPE_CHECKING:
     from maskln_cli.verify.budget import Precision
 
@@ -81,8 +83,30 @@ ALWAYS_REPORT = False
 """Report the pooled regressions of every tensor, systematic or not (read when a tensor is
 explained; benchmarks/verify_calibration.py turns it on, to show how far from systematic the
 correct kernels stay)."""
+FEW_AGREED = 3
+"""Distinct rows that must agree closely for half the few-rows threshold to suffice."""
+TIGHT = 0.1
+"""Few rows agree closely when their factors' spread is at most this share of the factor."""
 KEPT_ROWS = 1 << 16
-"""Rows whose factors are kept, to tell the models apart on."""
+"""Rows whose factors are kept, to tell the models apart on, and to judge each row alone:
+``(f_r, var + eps, weight, modelled noise, stored rounding relative to the row's normalized
+part, second-order rounding, row index)``."""
+ROW_LIMIT = 1.5
+"""With fewer than MIN_ROWS distinct rows, a single row's factor is systematic beyond this many
+times what one row of a correct kernel errs by (:func:`row_bound`): a mistake on one row (a
+tail row, a grid's last block) shows in no pooled factor of several. One row of a correct
+kernel reaches 0.63 of its bound at most in sets of 6 rows (Welford's, C = 16 to 65,536: 1.3
+over 4,096 rows; benchmarks/verify_calibration.py --rows)."""
+ROW_RISE = 6
+"""With more rows the limit grows as their greatest rounding does, ``sqrt(ln N / ln 6)`` times
+(as the greatest of N normal deviates: 1.3 of the bound seen over 4,096 rows, where the limit
+is 3.2)."""
+ROWS_ALONE = 4
+"""Rows judged alone are said systematic when this many at most are beyond their limit, and
+not every one: a mistake on a tail row, a grid's last block."""
+ROW_CHANNELS = 16
+"""Rows of fewer channels are not judged alone (a half dtype's rounding of a row of 8 is as
+large as the factors it would be judged by: 8 times its bound seen)."""
 
 
 @dataclass
@@ -107,15 +131,20 @@ class FitSums:
     wn: float = 0.0  # the rows' modelled rounding noise of their factors, weighted as them
     ws: float = 0.0  # the rows' stored rounding relative to their normalized part, likewise
     sources: int = 0  # the valid rows a sum over rows sums (fit_elements); 0 for rows
-    # Each row's (f_r, var + eps, weight), for the first KEPT_ROWS usable rows: the models
-    # are told apart on them.
+    # Each row's (f_r, var + eps, weight, ...: KEPT_ROWS), for the first KEPT_ROWS usable rows:
+    # the models are told apart on them, and each row is judged alone.
     kept: list[torch.Tensor] = field(default_factory=list)
     kept_rows: int = 0
+    terms: TermSums | None = None  # grad_x's: the backward's terms regressed (.terms)
 
     def add(self, other: FitSums) -> None:
         for item in fields(self):
-            if item.name not in ("kept", "kept_rows", "sources"):
+            if item.name not in ("kept", "kept_rows", "sources", "terms"):
                 setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
+        if other.terms is not None:
+            if self.terms is None:
+                self.terms = TermSums()
+            self.terms.add(other.terms)
         for part in other.kept:
             room = KEPT_ROWS - self.kept_rows
             if room > 0:
@@ -133,6 +162,7 @@ def fit_rows(
     offset: torch.Tensor | None = None,
     e0: float = 0.0,
     stored: torch.Tensor | None = None,
+    first_row: int = 0,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -177,6 +207,7 @@ def fit_rows(
     sums.v, sums.vg, sums.vgg = (float((v * g**k).sum()) for k in (0, 1, 2))
     sums.v2, sums.v2g, sums.v2gg = (float((v.square() * g**k).sum()) for k in (0, 1, 2))
     sums.we2 = float((w * second_order[usable]).sum())
+    noise = torch.zeros_like(f)
     if offset is not None:
         sums.va = float((v * offset[usable]).sum())
         xhat_energy = (1 - eps * rstd[usable].square()).clamp_min(0) * channels
@@ -184,14 +215,17 @@ def fit_rows(
         if stored is not None:
             noise += stored[usable] / w.sqrt()
         sums.wn = float((w * noise).sum())
+    relative_stored = torch.zeros_like(f)
     if stored is not None:
         # Rounding to the stored dtype biases a row's factor by up to its stored rounding over
         # the size of its normalized part: a bias far larger than that part (var far below
         # eps) erases it, a factor of -1, whatever the kernel.
-        rms_z = (szz / channels).sqrt()
-        sums.ws = float((w * (stored[usable] / rms_z)).sum())
+        relative_stored = stored[usable] / (szz / channels).sqrt()
+        sums.ws = float((w * relative_stored).sum())
     spread = rstd[usable].square().reciprocal()  # var + eps
-    sums.kept = [torch.stack([f, spread, w], dim=1)]
+    index = usable.nonzero().squeeze(1).double() + first_row
+    columns = [f, spread, w, noise, relative_stored, second_order[usable], index]
+    sums.kept = [torch.stack(columns, dim=1)]
     sums.kept_rows = len(f)
     return sums
 
@@ -277,10 +311,19 @@ class Finding:
     unit: str = "rows"  # what was regressed: "rows" (out, grad_x) or "elements" (the sums)
     limit: float | None = None
     of: int | None = None  # the valid rows, when only a sample of them was regressed
+    terms: TermFinding | None = None  # grad_x's: its backward's terms (.terms)
+    # Each row judged alone (ROW_LIMIT): the greatest |f_r| over its bound, and when it is
+    # beyond, that row (its index, factor and bound) and how many rows are.
+    row_score: float = 0.0
+    rows_beyond: int = 0
+    row: int | list[int] | None = None
+    row_factor: float | None = None
+    row_limit: float | None = None
 
     @property
     def systematic(self) -> bool:
-        return self.systematic_factor or self.systematic_shift
+        terms = self.terms is not None and self.terms.systematic
+        return self.systematic_factor or self.systematic_shift or terms or self.rows_beyond > 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)  # every field, in order
@@ -302,6 +345,20 @@ class Finding:
             parts.append(
                 f"{'and ' if parts else f'{what} '}shifted by"
                 f" {self.shift:+.2g} ± {self.shift_error:.1g}"
+            )
+        if self.terms is not None and self.terms.systematic:
+            terms = self.terms.sentence(what)
+            return terms if not parts else " ".join(parts) + "; " + terms.split(": ", 1)[1]
+        if not parts and self.rows_beyond:
+            assert self.row_factor is not None and self.row_limit is not None
+            sign = "+" if self.row_factor >= 0 else "-"
+            which = f"row {self.row}" if self.rows_beyond == 1 else (
+                f"{self.rows_beyond:,} rows (row {self.row}"
+            )  # fmt: skip
+            return (
+                f"{which} scaled by 1 {sign} {abs(self.row_factor):.2g}"
+                f"{'' if self.rows_beyond == 1 else ' the most)'}, where one row of a correct"
+                f" kernel errs by {self.row_limit:.1g} at most: systematic, not rounding"
             )
         return " ".join(parts) + ": systematic, not rounding"
 
@@ -375,6 +432,13 @@ def pooled(
         one_row = max(one_row, sums.wn / sums.w)  # rows' modelled noise (a fifth of it seen)
         if channels < FEW_ROWS_CHANNELS:
             one_row = math.inf
+    # Rows that agree closely (their spread a tenth of their factor at most, as rounding's
+    # never is: a sequential sum's bias comes with a spread of half of it) are evidence even
+    # below what one row may err by: half of it then suffices, from FEW_AGREED distinct rows.
+    spread = math.sqrt(max(0.0, sums.wff / sums.w - factor**2))
+    agreed = few and distinct >= FEW_AGREED and spread <= TIGHT * abs(factor)
+    if agreed:
+        one_row = max(one_row / 2, gate)
     model, eps_found, eps_at_most, left = "factor", None, None, None
     # The models only matter to a factor beyond the other thresholds (a passing run's is not).
     beyond = abs(factor) > (one_row if few else max(SYSTEMATIC_Z * factor_error, gate))
@@ -407,9 +471,48 @@ def pooled(
         systematic_shift, score=abs(factor) / threshold if threshold > 0 else math.inf,
         unit="elements" if elements else "rows", limit=limit,
     )  # fmt: skip
+    if kept is not None and channels >= ROW_CHANNELS:
+        rise = math.sqrt(max(1.0, math.log(len(kept)) / math.log(ROW_RISE)))
+        _judge_rows(finding, kept, precision, channels, ROW_LIMIT * rise)
+        if systematic_factor or systematic_shift:
+            finding.rows_beyond = 0  # the whole: said so
     if systematic_factor and not systematic_shift:
         finding.model, finding.eps, finding.eps_at_most = model, eps_found, eps_at_most
+    if sums.terms is not None:
+        finding.terms = pooled_terms(sums.terms, term_gate(precision, channels, sums.we2 / sums.w))
+        if finding.terms is not None and finding.terms.model and not systematic_factor:
+            finding.model = finding.terms.model
     return finding
+
+
+def row_bound(kept: torch.Tensor, precision: Precision, channels: int) -> torch.Tensor:
+    """What one row of a correct kernel may be scaled by, each kept row's own: twice its gate
+    (:func:`systematic_gate`, from its stored rounding and second-order rounding), ``sqrt(C)``
+    units of the reductions' rounding (:data:`FEW_ROWS_ULPS`), and its modelled noise: the
+    threshold of a factor of few rows, row by row."""
+    noise, stored, second_order = kept[:, 3], kept[:, 4], kept[:, 5]
+    gate = (2 * stored).clamp(min=SYSTEMATIC_ULPS * precision.reduce) + second_order
+    floor = FEW_ROWS_ULPS * math.sqrt(channels) * precision.reduce
+    return torch.maximum(torch.maximum(2 * gate, noise), torch.full_like(gate, floor))
+
+
+def _judge_rows(
+    finding: Finding, kept: torch.Tensor, precision: Precision, channels: int, limit: float
+) -> None:
+    """Each kept row's factor against its own bound (:func:`row_bound`) times ``limit``: the
+    finding's ``row_score``, and the rows beyond."""
+    bound = row_bound(kept, precision, channels) * limit
+    ratio = kept[:, 0].abs() / bound
+    worst = int(ratio.argmax())
+    finding.row_score = float(ratio[worst])
+    beyond = ratio > 1
+    count = int(beyond.sum())
+    # Evidence of one row, or a few: where every row (or many) is beyond, what is wrong is
+    # not a row's, and the budget and the pooled test say it.
+    if 0 < count <= ROWS_ALONE and count < len(kept):
+        finding.rows_beyond = count
+        finding.row = int(kept[worst, 6])
+        finding.row_factor, finding.row_limit = float(kept[worst, 0]), float(bound[worst])
 
 
 def explain_factors(
@@ -432,7 +535,7 @@ def explain_factors(
         >>> explain_factors(torch.stack([f, s, torch.ones(8)], 1), 1e-5, 64)[0]
         'eps_outside_sqrt'
     """
-    f, spread, w = kept.double().unbind(dim=1)
+    f, spread, w = kept.double()[:, :3].unbind(dim=1)
     total = float(w.sum())
     if not total > 0:
         return "factor", None, None, 0.0

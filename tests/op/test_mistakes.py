@@ -15,6 +15,7 @@ from maskln_cli.op.mistakes import (
     diagnose_gradient,
     diagnose_nan_gradient,
     diagnose_output,
+    overflow_match,
     relative_distance,
 )
 
@@ -170,3 +171,92 @@ def test_a_correct_float32_gradient_matches_no_mistake():
     out = F.layer_norm(clean, (32,), scale, bias).masked_fill(~valid[..., None], 0)
     (grad_x,) = torch.autograd.grad(out, clean, grad_out)
     assert diagnose_gradient(grad_x, x, valid, scale, bias, grad_out, 1e-5) == []
+
+
+# --- the backward's mistakes (issue 37, 2) -----------------------------------------------------
+
+
+def written_backward(x, valid, scale, grad_out, eps=1e-5, dtype=torch.float32, **wrong):
+    """A hand-written backward in ``dtype`` (dx = rstd * (wdy - xhat * c1 - c2), the sums over
+    valid rows), right or with one mistake: ``xhat_term=False``, ``mean_term=False``,
+    ``unbiased=True``, ``padding=True`` (the padding's grad_out summed)."""
+    keep = valid[..., None]
+    rows = torch.where(keep, x, 0.0).to(dtype)
+    mean = rows.mean(-1, keepdim=True)
+    var = (rows - mean).square().mean(-1, keepdim=True)
+    if wrong.get("unbiased"):
+        var = rows.var(-1, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (rows - mean) * rstd
+    upstream = grad_out.to(dtype).nan_to_num(0.0, 0.0, 0.0)
+    dy = torch.where(keep, upstream, 0.0)
+    wdy = dy * scale.to(dtype)
+    dx = wdy
+    if wrong.get("xhat_term", True):
+        dx = dx - xhat * (xhat * wdy).mean(-1, keepdim=True)
+    if wrong.get("mean_term", True):
+        dx = dx - wdy.mean(-1, keepdim=True)
+    summed = upstream if wrong.get("padding") else dy
+    grad_x = torch.where(keep, dx * rstd, 0.0)
+    return grad_x, (summed * xhat).sum((0, 1)), summed.sum((0, 1))
+
+
+BACKWARD = {
+    "backward_missing_xhat_term": {"xhat_term": False},
+    "backward_missing_mean_term": {"mean_term": False},
+    "backward_unbiased_variance": {"unbiased": True},
+    "padding_in_parameter_gradients": {"padding": True},
+}
+CHANGES = {
+    "backward_missing_xhat_term": ("grad_x",),
+    "backward_missing_mean_term": ("grad_x",),
+    "backward_unbiased_variance": ("grad_x", "grad_scale"),
+    "padding_in_parameter_gradients": ("grad_bias",),
+}
+"""The gradients each backward mistake changes (padding zeroed: the padding's xhat is 0)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(BACKWARD))
+def test_each_backward_mistake_is_recognized_as_itself_only(name, dtype):
+    x, valid, scale, bias = padded_batch(spread=0.5)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    wrong = written_backward(x.double(), valid, scale.double(), grad_out, dtype=dtype,
+                             **BACKWARD[name])  # fmt: skip
+    for which, value in zip(("grad_x", "grad_scale", "grad_bias"), wrong, strict=True):
+        found = diagnose_gradient(value, x, valid, scale, bias, grad_out, 1e-5, name=which)
+        expected = {name} if which in CHANGES[name] else set()
+        if name == "backward_unbiased_variance" and which == "grad_scale":
+            expected.add("unbiased_variance")  # the same xhat: only out tells them apart
+        assert {d.mistake for d in found} == expected, which
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_correct_hand_written_backward_matches_no_mistake(dtype):
+    x, valid, scale, bias = padded_batch()
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(8))
+    right = written_backward(x.double(), valid, scale.double(), grad_out, dtype=torch.float32)
+    for which, value in zip(("grad_x", "grad_scale", "grad_bias"), right, strict=True):
+        found = diagnose_gradient(value.to(dtype), x, valid, scale, bias, grad_out, 1e-5,
+                                  name=which)  # fmt: skip
+        assert found == [], which
+
+
+def test_statistics_overflowing_float16_are_told_from_rounding_and_from_a_padding_leak():
+    x, valid, _, _ = padded_batch(spread=300.0)
+    one, zero = torch.ones(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
+    truth = correct(x.double(), valid, one, zero, 1e-5)
+    rows = torch.where(valid[..., None], x, 0.0).half()
+    mean = rows.mean(-1, keepdim=True)
+    var = (rows - mean).square().mean(-1, keepdim=True)  # inf: squares beyond 65,504
+    out = torch.where(valid[..., None], (rows - mean) * torch.rsqrt(var + 1e-5), 0.0)
+    found = overflow_match(out, truth, x, valid, torch.float16)
+    assert found is not None and found.mistake == "statistics_overflow"
+    # Not in bfloat16 (float32's range), nor for a correct float16 kernel, nor for rows that
+    # hold the statistics (x of spread 1)
+    assert overflow_match(out, truth, x, valid, torch.bfloat16) is None
+    right = F.layer_norm(rows.float(), (32,)).half()
+    right = torch.where(valid[..., None], right, 0.0)
+    assert overflow_match(right, truth, x, valid, torch.float16) is None
+    small, _, _, _ = padded_batch(spread=0.5)
+    assert overflow_match(out, truth, small, valid, torch.float16) is None

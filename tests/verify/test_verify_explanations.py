@@ -113,7 +113,8 @@ def test_correct_kernels_pass_at_wide_rows_with_their_gradients(tmp_path, kernel
 
 def test_a_backward_with_another_eps_fails_in_grad_x_within_its_budget(tmp_path):
     """A correct forward with a backward written for eps 1e-6, at C = 4,096: grad_x is off by
-    4.5e-6 on every row, within its budget (before: PASS). Its rows give the eps back."""
+    4.5e-6 on every row, within its budget (before: PASS). Its rows give the eps back, as the
+    backward's: out is right with 1e-5, so `--eps 1e-6` (said before issue 37) would fail it."""
     inputs = generate_inputs((128, 4096), "float32", 2, invalid=0.3, poison=True, grad=True)
     kernel = kernels.backward_of(kernels.two_pass, kernels.with_eps(1e-6))
     _, tensors, quiet = judge(tmp_path, inputs, kernels.run(kernel, inputs))
@@ -127,8 +128,8 @@ def test_a_backward_with_another_eps_fails_in_grad_x_within_its_budget(tmp_path)
     assert not tensors["grad_scale"]["passed"]
     found = grad_x["systematic"]["eps"]
     assert quiet.startswith(
-        f"FAIL: 2 of 4 tensors: grad_x and grad_scale: RESULT's eps ≈ {found:.2g}, not the"
-        " reference's 1e-05 (from metadata 'eps'): give `--eps"
+        f"FAIL: 2 of 4 tensors: grad_x and grad_scale: the backward's eps ≈ {found:.2g}, not"
+        " the forward's 1e-05 (out is right): another eps in the backward"
     )
 
 
@@ -178,16 +179,24 @@ def test_with_six_valid_rows_a_wide_mistake_is_still_caught(tmp_path, kernel):
         assert tensors["out"]["systematic"]["eps"] == pytest.approx(1e-6, rel=0.05)
 
 
-def test_with_six_valid_rows_what_could_not_be_told_is_said(tmp_path):
-    """C = 65,536, 6 valid rows, eps 3e-5 for 1e-5: a factor of 1e-5, within what one row of a
-    correct kernel may err by. It passes, and the verdict says what was not checked (before:
-    PASS, and nothing said)."""
+def test_with_six_valid_rows_eps_3e5_is_caught_and_what_could_not_be_told_is_said(tmp_path):
+    """C = 65,536, 6 valid rows: eps 3e-5 for 1e-5 scales every row by 1 - 1e-5, within what
+    one row of a correct kernel may err by (1.5e-5), and passed before issue 37. Six rows that
+    agree on it that closely (rounding's spread is half its bias or more) are evidence for half
+    of that: it fails. eps 1e-6 (4.5e-6, as much as a Welford row's rounding there) passes,
+    and the verdict says what could not be told."""
     inputs = few_rows(65536)
     with torch.no_grad():
         out = kernels.with_eps(3e-5)(inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"])
     result = kernels.zero_padding({"out": out}, inputs["valid"])
+    document, tensors, _ = judge(tmp_path, inputs, result)
+    assert not document["passed"]
+    assert tensors["out"]["systematic"]["eps"] == pytest.approx(3e-5, rel=0.05)
+    with torch.no_grad():
+        out = kernels.with_eps(1e-6)(inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"])
+    result = kernels.zero_padding({"out": out}, inputs["valid"])
     document, _, quiet = judge(tmp_path, inputs, result)
-    limit = 65536**0.5 * 2**-24
+    limit = 65536**0.5 * 2**-24 / 2  # halved: the rows agree
     assert document["passed"]
     assert document["not_checked"] == [
         f"out: with 6 valid rows, a systematic error below {limit:.1g} (relative) cannot be"
@@ -252,3 +261,17 @@ def test_a_grad_x_that_is_zero_by_cancellation_is_not_regressed(tmp_path):
     document, tensors, _ = judge(tmp_path, inputs, result)
     assert document["passed"], tensors["grad_x"]["problems"]
     assert "systematic" not in tensors["grad_x"]
+
+
+@pytest.mark.parametrize("other", [float(torch.tensor(1e-5, dtype=torch.float32)), 1.0001e-5])
+def test_a_float64_kernels_eps_is_printed_with_the_digits_that_tell_it_apart(tmp_path, other):
+    """Before: "RESULT's eps ≈ 1e-05, not the reference's 1e-05" (eps held as a float32, in a
+    float64 kernel)."""
+    inputs = kernels.spread_batch(0, dtype="float64")
+    _, tensors, _ = judge(tmp_path, inputs, kernels.run(kernels.with_eps(other), inputs))
+    (diagnosis,) = tensors["out"]["diagnosis"]
+    description = diagnosis["description"]
+    assert description.endswith("not the reference's 1e-05 (from metadata 'eps')")
+    printed = description.split("≈ ")[1].split(",")[0]
+    assert printed != "1e-05" and float(printed) == pytest.approx(other, rel=1e-6)
+    assert f"`--eps {printed}`" in diagnosis["fix"]

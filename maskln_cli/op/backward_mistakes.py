@@ -1,0 +1,190 @@
+"""Known mistakes of a backward pass, and of statistics kept in a half dtype.
+
+A kernel author's backward is written by hand: ``dx = rstd * (wdy - xhat * c1 - c2)``, with
+``wdy = scale * grad_out``, ``c1 = mean(xhat * wdy)`` and ``c2 = mean(wdy)``; ``grad_scale =
+sum(grad_out * xhat)`` and ``grad_bias = sum(grad_out)`` over the valid rows. Its usual
+mistakes leave the forward right: a term dropped (or, under autograd, the variance or the mean
+detached from the graph), the variance recomputed unbiased in the backward only, the padding's
+upstream gradient summed into grad_scale and grad_bias. Each is a :class:`Mistake` whose
+``gradients`` are that backward in float64 (its ``formula``, the forward, is the correct one).
+
+:data:`STATISTICS_OVERFLOW` is recognized by where a result is wrong (:func:`overflow_match`):
+on the valid rows, and only those, whose statistics a half-precision kernel cannot hold (a sum
+of squares beyond float16's 65,504).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from maskln_cli.op.mistake_records import Diagnosis, Gradients, Mistake
+
+__all__ = [
+    "BACKWARD_MISTAKES",
+    "STATISTICS_OVERFLOW",
+    "STATISTICS_OVERFLOW_DTYPE",
+    "backward_with_eps",
+    "overflow_match",
+    "overflowing_rows",
+]
+
+
+def _statistics(x: torch.Tensor, valid: torch.Tensor, eps: float, unbiased: bool = False):
+    rows = torch.where(valid.unsqueeze(-1), x, 0.0)
+    mean = rows.mean(dim=-1, keepdim=True)
+    var = (rows - mean).square().mean(dim=-1, keepdim=True)
+    if unbiased:
+        channels = x.shape[-1]
+        var = var * channels / (channels - 1) if channels > 1 else torch.full_like(var, torch.nan)
+    rstd = (var + eps).rsqrt()
+    return rows, (rows - mean) * rstd, rstd
+
+
+def _correct(x, valid, scale, bias, eps):
+    """The op's forward (float64): a backward mistake leaves it right."""
+    _, xhat, _ = _statistics(x, valid, eps)
+    return torch.where(valid.unsqueeze(-1), xhat * scale + bias, 0.0)
+
+
+def _backward(xhat_term=True, mean_term=True, unbiased=False, padding=False, eps_used=None):
+    """The hand-written backward (float64), with the given term or rule wrong (``eps_used``:
+    another eps than the forward's)."""
+
+    def gradients(x, valid, scale, bias, eps, grad_out):
+        keep = valid.unsqueeze(-1)
+        _, xhat, rstd = _statistics(x, valid, eps if eps_used is None else eps_used, unbiased)
+        upstream = grad_out.nan_to_num(0.0, 0.0, 0.0)
+        dy = torch.where(keep, upstream, 0.0)
+        wdy = dy * scale
+        dx = wdy
+        if xhat_term:
+            dx = dx - xhat * (xhat * wdy).mean(dim=-1, keepdim=True)
+        if mean_term:
+            dx = dx - wdy.mean(dim=-1, keepdim=True)
+        grad_x = torch.where(keep, dx * rstd, 0.0)
+        leading = tuple(range(x.dim() - 1))
+        summed = upstream if padding else dy
+        return grad_x, (summed * xhat).sum(leading), summed.sum(leading)
+
+    return gradients
+
+
+def backward_with_eps(eps_used: float) -> Gradients:
+    """The correct backward with ``eps_used`` instead of the forward's eps (float64)."""
+    return _backward(eps_used=eps_used)
+
+
+BACKWARD_MISTAKES: dict[str, Mistake] = {
+    mistake.name: mistake
+    for mistake in (
+        Mistake(
+            "backward_missing_xhat_term",
+            "grad_x misses its xhat term, -xhat * mean(xhat * scale * grad_out): the variance's"
+            " path dropped from a hand-written backward (or the variance detached from the"
+            " graph)",
+            "dx = rstd * (wdy - xhat * mean(xhat * wdy) - mean(wdy)), with wdy = scale *"
+            " grad_out; keep the variance in the graph",
+            _correct,
+            _backward(xhat_term=False),
+        ),
+        Mistake(
+            "backward_missing_mean_term",
+            "grad_x misses its mean term, -mean(scale * grad_out): the mean's path dropped from"
+            " a hand-written backward (or the mean detached from the graph)",
+            "dx = rstd * (wdy - xhat * mean(xhat * wdy) - mean(wdy)), with wdy = scale *"
+            " grad_out; keep the mean in the graph",
+            _correct,
+            _backward(mean_term=False),
+        ),
+        Mistake(
+            "backward_unbiased_variance",
+            "the backward recomputes the variance unbiased (x.var() divides by C - 1) while the"
+            " forward uses the population variance",
+            "use the forward's rstd in the backward (save it), or x.var(unbiased=False)",
+            _correct,
+            _backward(unbiased=True),
+        ),
+        Mistake(
+            "padding_in_parameter_gradients",
+            "grad_scale and grad_bias sum the padding's grad_out too: the backward's sums over"
+            " rows are not masked",
+            "sum grad_out * xhat and grad_out over the valid rows only:"
+            " torch.where(valid[..., None], grad_out, 0) first",
+            _correct,
+            _backward(padding=True),
+        ),
+    )
+}
+"""Mistakes of a backward pass whose forward is right (``diagnose_gradient`` tries them)."""
+
+STATISTICS_OVERFLOW = Mistake(
+    "statistics_overflow",
+    "the row statistics overflow float16: a row's sum of squares beyond 65,504 (values of a"
+    " few hundred) becomes inf, and the row NaN, inf or its bias",
+    "accumulate the statistics in float32 (as torch's half-precision kernels do), whatever the"
+    " dtype of the values",
+    _correct,  # recognized by where the result is wrong, not by a formula
+)
+OVERFLOWING = (torch.float16,)
+"""Dtypes whose range a row's statistics outgrow (bfloat16 has float32's)."""
+STATISTICS_OVERFLOW_DTYPE = torch.float16
+"""The dtype a kernel's statistics overflow in, whatever it stores (float32 accumulators
+of float16 sums overflow as a float16 kernel does)."""
+
+
+def overflowing_rows(x: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Which rows (flattened leading axes) a kernel keeping its statistics in ``dtype`` cannot
+    hold: valid rows of finite values whose sum of squares exceeds the dtype's largest.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0], [300.0, -300.0]], dtype=torch.float64)
+        >>> overflowing_rows(x, torch.tensor([True, True]), torch.float16).tolist()
+        [False, True]
+    """
+    channels = x.shape[-1]
+    rows = x.reshape(-1, channels).double()
+    keep = valid.reshape(-1) & rows.isfinite().all(dim=1)
+    if dtype not in OVERFLOWING:
+        return torch.zeros_like(keep)
+    squares = torch.where(keep.unsqueeze(1), rows, 0.0).square().sum(dim=1)
+    return keep & (squares > torch.finfo(dtype).max)
+
+
+def overflow_match(
+    actual: torch.Tensor,
+    truth: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> Diagnosis | None:
+    """:data:`STATISTICS_OVERFLOW` when ``actual`` (out, given ``bias``, or grad_x: of rows
+    ``x``, whose statistics a kernel keeps in ``dtype``) is wrong on the valid rows whose
+    statistics overflow ``dtype`` and on no other, as an overflow leaves a row: NaN or inf
+    (an infinite mean), or what a zero rstd gives (an infinite variance): out's bias, a
+    grad_x of zeros; on at least half of those rows.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0], [300.0, -300.0]], dtype=torch.float64)
+        >>> truth = torch.tensor([[-1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        >>> actual = torch.tensor([[-1.0, 1.0], [float("nan"), 0.0]], dtype=torch.float64)
+        >>> overflow_match(actual, truth, x, torch.tensor([True, True]), torch.float16).mistake
+        'statistics_overflow'
+    """
+    over = overflowing_rows(x, valid, dtype)
+    if not bool(over.any()):
+        return None
+    channels = truth.shape[-1]
+    result = actual.reshape(-1, channels).double()
+    reference = truth.reshape(-1, channels).double()
+    finite = result.isfinite().all(dim=1)
+    zero_rstd = torch.zeros(channels, dtype=torch.float64) if bias is None else bias.double()
+    collapsed = (result - zero_rstd).abs().amax(dim=1) <= 1e-3 * zero_rstd.abs().amax() + 1e-30
+    wrong = (result != reference).any(dim=1) & valid.reshape(-1)
+    if not bool(wrong.any()) or bool((wrong & ~over).any()):
+        return None
+    shaped = wrong & (~finite | collapsed)
+    if 2 * int(shaped.sum()) < int(over.sum()) or not bool(shaped[wrong].all()):
+        return None
+    mistake = STATISTICS_OVERFLOW
+    return Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)

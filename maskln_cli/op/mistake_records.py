@@ -1,0 +1,49 @@
+"""What the catalogue of known mistakes is made of: a :class:`Mistake` (the op written wrongly in
+one way) and a :class:`Diagnosis` (a result found to match one). :mod:`.mistakes` holds the
+catalogue and the matching; :mod:`.backward_mistakes` the mistakes of a backward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+Formula = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""``(x, valid, scale, bias, eps) -> out``, in float64."""
+Gradients = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(x, valid, scale, bias, eps, grad_out) -> (grad_x, grad_scale, grad_bias)``, in float64."""
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """One way of getting the op wrong: its name, what it does in words, how to fix it, and the
+    output it gives (float64, from float64 inputs). ``gradients``, for a mistake in the
+    backward pass: the gradients it gives (None: autograd's of ``formula``)."""
+
+    name: str
+    description: str
+    fix: str
+    formula: Formula
+    gradients: Gradients | None = None
+
+
+@dataclass
+class Diagnosis:
+    """A known mistake a result matches. ``distance`` is the relative L2 distance between the
+    result and that mistake's output (for a precision mistake: between their errors' sizes)."""
+
+    mistake: str
+    description: str
+    fix: str
+    distance: float
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def sentence(self) -> str:
+        """``likely: unbiased variance (divides by C - 1); fix: ...``"""
+        return f"likely {self.description}; {self.fix}"

@@ -1,0 +1,260 @@
+"""The backward's terms, tested for a systematic error: a term dropped or miscounted shows on
+every row, however small the gradients and however loose the budget.
+
+grad_x is ``rstd * (wdy - xhat * c1 - c2)``, with ``wdy = scale * grad_out``, ``c1 =
+mean(xhat * wdy)`` and ``c2 = mean(wdy)``: three terms, the last two those a hand-written
+backward drops (or autograd, when the variance or the mean is detached from the graph). Each
+valid row's error ``e = RESULT - truth`` is regressed on the true grad_x and the row's own xhat
+term ``t_xhat = rstd * xhat * c1`` and mean term ``t_mean = rstd * c2`` (:func:`fit_terms`):
+``e ~ f * grad_x + a * t_xhat + b * t_mean``. A backward missing its xhat term gives ``a = 1``
+on every row, one missing its mean term ``b = 1``; a correct kernel's rounding gives
+coefficients of either sign from row to row, whose pool vanishes. The coefficients are pooled
+over rows, each weighted by how well its row determines it, and judged as the systematic
+factors of :mod:`.systematic` are (:func:`pooled_terms`): beyond 8 standard errors, a gate
+and what their spread leaves unexplained. The models: a term missing (the coefficient 1, the
+other 0), named; any other value is said in words.
+
+The regression is relative to the terms themselves, so it does not depend on the gradients'
+scale (a missing term at an upstream gradient of 1e-9 is as plain as at 1), and a row's
+coefficients are exact where its budget is loose (rows with a large offset, wide rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from maskln_cli.verify.budget import Precision
+
+TERMS = ("xhat", "mean")
+"""The terms regressed on: grad_x's xhat term and its mean term."""
+MISSING = {"xhat": "backward_missing_xhat_term", "mean": "backward_missing_mean_term"}
+"""The catalogue's mistake of a term missing (its coefficient 1), by term."""
+SYSTEMATIC_Z = 8.0
+"""A pooled coefficient is systematic beyond this many standard errors (and the gate)."""
+AGREEMENT = 0.25
+"""Rows agree on a coefficient when their spread about it is below this share of it (or the
+few-rows threshold, :data:`FEW_ROWS_TERM`, when it is greater)."""
+TERM_ULPS = 64.0
+"""What a correct kernel's pooled coefficient may be biased by, in units of its reductions'
+rounding (``sqrt(C)`` of them at most, each row's statistics' rounding biased alike; a factor
+error of rstd moves the xhat term twice): far below any term dropped or miscounted by 1 / C."""
+FEW_ROWS = 8
+"""With fewer distinct rows the spread gives no credible standard error."""
+FEW_ROWS_TERM = 0.1
+"""With few rows a coefficient is systematic beyond this (a term missing is 1; a correct
+kernel's, on one row, its relative rounding of that term: far below)."""
+MODEL_AGREEMENT = 0.05
+"""A term is named missing when its coefficient is within this of 1 and the other's of 0."""
+
+
+@dataclass
+class Pool:
+    """Running sums of one coefficient over rows: weights w, and w times the coefficient (and
+    its square), and those with w squared (for the standard error)."""
+
+    w: float = 0.0
+    wa: float = 0.0
+    waa: float = 0.0
+    w2: float = 0.0
+    w2a: float = 0.0
+    w2aa: float = 0.0
+    wn: float = 0.0  # w times each row's modelled rounding noise of its coefficient
+
+    def add(self, other: Pool) -> None:
+        for item in fields(self):
+            setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
+
+    @classmethod
+    def of(cls, a: torch.Tensor, w: torch.Tensor, noise: torch.Tensor) -> Pool:
+        sums = [float((w**p * a**k).sum()) for p in (1, 2) for k in (0, 1, 2)]
+        return cls(*sums, float((w * noise).sum()))
+
+    def noise(self) -> float:
+        """The rows' modelled rounding noise of the coefficient, weighted as it is."""
+        return self.wn / self.w if self.w > 0 else math.inf
+
+    def mean(self) -> float:
+        return self.wa / self.w if self.w > 0 else 0.0
+
+    def error(self) -> float:
+        """The standard error of the pooled coefficient, from the rows' spread."""
+        if not self.w > 0:
+            return math.inf
+        a = self.mean()
+        return math.sqrt(max(0.0, self.w2aa - 2 * a * self.w2a + a * a * self.w2)) / self.w
+
+    def spread(self) -> float:
+        """The weighted rms of the rows' coefficients about their mean."""
+        a = self.mean()
+        return math.sqrt(max(0.0, self.waa / self.w - a * a)) if self.w > 0 else 0.0
+
+
+@dataclass
+class TermSums:
+    """The pooled regressions of grad_x's terms (:func:`fit_terms`), added block by block."""
+
+    rows: int = 0
+    pools: dict[str, Pool] = field(default_factory=lambda: {t: Pool() for t in TERMS})
+    # The distinct rows seen (by their variance, up to FEW_ROWS + 1 of them): copies of a row
+    # round alike and are one row of evidence.
+    spreads: set[float] = field(default_factory=set)
+
+    def add(self, other: TermSums) -> None:
+        self.rows += other.rows
+        for name, pool in other.pools.items():
+            self.pools[name].add(pool)
+        if len(self.spreads) <= FEW_ROWS:
+            self.spreads |= set(sorted(other.spreads)[: FEW_ROWS + 1])
+
+
+def fit_terms(
+    error: torch.Tensor,
+    truth: torch.Tensor,
+    xhat: torch.Tensor,
+    wdy: torch.Tensor,
+    rstd: torch.Tensor,
+    rows: torch.Tensor,
+    rounding: torch.Tensor | None = None,
+) -> TermSums:
+    """The term regressions of rows ``[R, C]`` (float64): ``error`` is RESULT - truth,
+    ``truth`` the true grad_x, ``xhat`` and ``wdy`` (``scale * grad_out``) the rows' own,
+    ``rstd`` ``[R]``, ``rows`` ``[R]`` those to fit (rows whose figures are not finite are
+    left out), ``rounding`` ``[R]`` the rms of a correct kernel's modelled rounding of each
+    row (None: 0): a coefficient's noise is at most that row's rounding all along its term,
+    ``rounding * sqrt(C / information)``.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.randn(16, 8, generator=g, dtype=torch.float64)
+        >>> xhat = (x - x.mean(1, True)) / x.std(1, keepdim=True, correction=0)
+        >>> wdy = torch.randn(16, 8, generator=g, dtype=torch.float64)
+        >>> rstd, rows = torch.ones(16, dtype=torch.float64), torch.ones(16, dtype=torch.bool)
+        >>> c1, c2 = (xhat * wdy).mean(1, True), wdy.mean(1, True)
+        >>> dx = wdy - xhat * c1 - c2
+        >>> sums = fit_terms(xhat * c1, dx, xhat, wdy, rstd, rows)
+        >>> round(sums.pools["xhat"].mean(), 9), abs(round(sums.pools["mean"].mean(), 9))
+        (1.0, 0.0)
+    """
+    sums = TermSums()
+    channels = truth.shape[-1]
+    if channels < 4 or not len(truth):
+        return sums
+    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
+    c2 = wdy.mean(dim=1, keepdim=True)
+    r = rstd.reshape(-1, 1)
+    basis = torch.stack([truth, xhat * c1 * r, (c2 * r).expand_as(truth)], dim=2)  # [R, C, 3]
+    gram = basis.transpose(1, 2) @ basis  # [R, 3, 3]
+    moment = (basis.transpose(1, 2) @ error.unsqueeze(2)).squeeze(2)  # [R, 3]
+    usable = rows & gram.isfinite().all(dim=(1, 2)) & moment.isfinite().all(dim=1)
+    # A row determines a coefficient when its term is not (nearly) a combination of the other
+    # two: the information 1 / (gram^-1)_kk, against the term's own energy.
+    scale = gram.diagonal(dim1=1, dim2=2).clamp_min(1e-300)
+    norm = scale.sqrt()
+    unit = gram / (norm.unsqueeze(2) * norm.unsqueeze(1))
+    determinant = torch.linalg.det(torch.where(usable[:, None, None], unit, torch.eye(3)))
+    usable &= determinant > 1e-9
+    if not bool(usable.any()):
+        return sums
+    unit, moment, norm, scale = unit[usable], moment[usable], norm[usable], scale[usable]
+    inverse = torch.linalg.inv(unit)
+    coefficients = (inverse @ (moment / norm).unsqueeze(2)).squeeze(2) / norm
+    information = scale / inverse.diagonal(dim1=1, dim2=2)  # the weight of each coefficient
+    sums.rows = int(usable.sum())
+    spread_of_rounding = (
+        rounding[usable].reshape(-1, 1) * math.sqrt(channels) if rounding is not None else None
+    )
+    for k, name in enumerate(TERMS, start=1):
+        info = information[:, k]
+        noise = (
+            spread_of_rounding[:, 0] / info.sqrt() if spread_of_rounding is not None
+            else torch.zeros_like(info)
+        )  # fmt: skip
+        sums.pools[name] = Pool.of(coefficients[:, k], info, noise)
+    spread = rstd[usable].square().reciprocal()
+    sums.spreads = set(spread.unique()[: FEW_ROWS + 1].tolist())
+    return sums
+
+
+@dataclass
+class TermFinding:
+    """What the pooled term regressions say: each term's coefficient and standard error,
+    whether it is systematic, and the mistake they name (None: none)."""
+
+    rows: int
+    xhat_term: float
+    xhat_term_error: float
+    mean_term: float
+    mean_term_error: float
+    systematic_xhat_term: bool
+    systematic_mean_term: bool
+    gate: float
+    model: str | None = None
+
+    @property
+    def systematic(self) -> bool:
+        return self.systematic_xhat_term or self.systematic_mean_term
+
+    def sentence(self, rows: str) -> str:
+        """``all 717 valid rows: grad_x's xhat term off by +1 ± 3e-07: systematic, not
+        rounding``"""
+        parts = [
+            f"its {name} term off by {value:+.3g} ± {error:.1g}"
+            for name, value, error, systematic in (
+                ("xhat", self.xhat_term, self.xhat_term_error, self.systematic_xhat_term),
+                ("mean", self.mean_term, self.mean_term_error, self.systematic_mean_term),
+            )
+            if systematic
+        ]
+        return f"{rows}: grad_x's {' and '.join(parts).removeprefix('its ')}: systematic,"\
+            " not rounding"  # fmt: skip
+
+
+def pooled_terms(sums: TermSums, gate: float) -> TermFinding | None:
+    """The pooled term coefficients of ``sums`` and whether they are systematic (None: no row
+    determines them). ``gate`` is what a correct kernel's pooled coefficient may be biased by
+    (:func:`term_gate`)."""
+    if sums.rows < 1 or not all(pool.w > 0 for pool in sums.pools.values()):
+        return None
+    few = len(sums.spreads) < FEW_ROWS
+    found: dict[str, tuple[float, float, bool]] = {}
+    for name, pool in sums.pools.items():
+        value, error, spread = pool.mean(), pool.error(), pool.spread()
+        if few:  # no credible standard error: the rows' modelled noise instead
+            threshold = max(gate, FEW_ROWS_TERM, spread / AGREEMENT, pool.noise())
+        else:
+            threshold = max(SYSTEMATIC_Z * error, gate, spread / AGREEMENT)
+        found[name] = (value, error, abs(value) > threshold)
+    (a, a_error, a_systematic), (b, b_error, b_systematic) = found["xhat"], found["mean"]
+    finding = TermFinding(
+        sums.rows, a, a_error, b, b_error, a_systematic, b_systematic, gate
+    )  # fmt: skip
+    for name, other in (("xhat", "mean"), ("mean", "xhat")):
+        value, _, systematic = found[name]
+        if (
+            systematic
+            and abs(value - 1) <= MODEL_AGREEMENT
+            and abs(found[other][0]) <= (MODEL_AGREEMENT)
+        ):
+            finding.model = MISSING[name]
+    return finding
+
+
+def term_gate(precision: Precision, channels: int, second_order: float) -> float:
+    """What a correct kernel's pooled term coefficient may be biased by (see
+    :data:`TERM_ULPS`), its stored rounding (twice: in the half dtypes, their stored output's
+    rounding is as much systematic as not on rows of few channels), plus the rows'
+    second-order rounding.
+
+    Example:
+        >>> from maskln_cli.verify.budget import Precision
+        >>> round(term_gate(Precision.of(torch.float32), 64, 0.0) / 2**-24)
+        64
+    """
+    rounding = TERM_ULPS * precision.reduce * max(1.0, math.sqrt(channels) / 8)
+    return max(rounding, 2 * precision.store) + 2 * second_order
