@@ -63,6 +63,7 @@ def _gradient_cases(seed: int) -> list[Case]:
             )
         )
     cases += families.family_cases(g, grad=True)
+    cases += families.family_cases(g, grad=True, families=(families.TIES,))
     for dtype, eps in GRADIENT_EPS:
         x = families.eps_rows(g, (2, 5), 8, eps)
         label = describe_inputs(x, dtype, eps, "row variances 0.01, 1 and 100 times eps")
@@ -119,7 +120,8 @@ GRADIENTS = make_clause(
     "gradients",
     "required",
     "dx, dscale, dbias against autograd through the float64 reference, for each subset"
-    " of inputs requiring grad; constant rows, exact zeros, C = 1, a prime C, eps from 1e-12"
+    " of inputs requiring grad; constant rows, exact zeros, exact ties, C = 1, a prime C, eps"
+    " from 1e-12"
     " to 10, and upstream gradients transposed, stepped and expanded",
     _gradient_cases,
     calls=_gradient_calls,
@@ -135,6 +137,7 @@ SECOND_ORDER_FAMILIES = (
     (families.PRIME, 7),
     (families.CONSTANT, 5),
     (families.ZEROS, 6),
+    (families.TIES, 8),
 )
 """The families whose second-order products are checked besides the random case's (which
 gradgradcheck checks too): (family, C)."""
@@ -149,6 +152,8 @@ def _second_order_cases(seed: int) -> list[Case]:
             x = families.constant_rows(g, (2, 3), channels)
         elif family == families.ZEROS:
             x = families.zero_holding_rows(g, (2, 3), channels)
+        elif family == families.TIES:
+            x = families.tie_rows(g, (2, 3), channels)
         else:
             x = draws.rows(g, (2, 3), channels)
         label = describe_inputs(x, torch.float64, 0.1)
@@ -296,7 +301,7 @@ SECOND_ORDER = make_clause(
     "second_order",
     "strict",
     "gradgradcheck passes in float64, and second-order products are right, at C = 1, a prime"
-    " C, on constant rows and exact zeros too",
+    " C, on constant rows, exact zeros and exact ties too",
     _second_order_cases,
     run=_second_order_run,
     judge=_second_order_judge,
