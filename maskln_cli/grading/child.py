@@ -254,19 +254,61 @@ def serve(channel: int, memory: int) -> int:
     write_frame(channel, {"ok": True})
     for line in requests:
         request = json.loads(line)
-        if request.get("op") != "run":
+        if request.get("op") not in ("run", "probe"):
             break
         name, seed = str(request["clause"]), int(request["seed"])
         cases = clauses.CLAUSES[name].build(seed)
-        limits = CallLimits(cases, device) if request.get("per_call") else None
-        graded = ticking(fn, limits, lambda seconds: write_frame(channel, {"tick": seconds}))
-        run = clauses.run_clause(graded, name, seed, device, cases, maskln=maskln)
+        tell = lambda seconds: write_frame(channel, {"tick": seconds})  # noqa: E731
+        if request["op"] == "probe":
+            run = _probe(fn, request, cases, seed, device, tell)
+        else:
+            limits = CallLimits(cases, device) if request.get("per_call") else None
+            graded = ticking(fn, limits, tell)
+            run = clauses.run_clause(graded, name, seed, device, cases, maskln=maskln)
         run.errors = {key: limits_named(message, memory) for key, message in run.errors.items()}
         if run.failure is not None:
             run.failure = limits_named(run.failure, memory)
         header, data = encode_run(run)
         write_frame(channel, header, data)
     return 0
+
+
+_KEPT: list[Any] = []
+"""What the child's probes keep alive (:func:`~.confirm.keeper`)."""
+
+
+def _probe(
+    fn: Callable[..., Any],
+    request: dict[str, Any],
+    cases: list[Any],
+    seed: int,
+    device: str,
+    tell: Callable[[float], None],
+) -> Any:
+    """The calls of a cause's probe (:mod:`.confirm`), as the grader builds them: from the
+    clause's case, the mistake suspected and how the counterexample was called."""
+    import warnings
+
+    from maskln_cli.grading import confirm
+    from maskln_cli.grading.clauses import ClauseRun, preserved_state
+
+    index = int(request["case"])
+    if not 0 <= index < len(cases):
+        return ClauseRun(failure="no such case")
+    spec = confirm.Spec.from_dict(request.get("spec") or {})
+    where = f"{request['clause']} {index} {int(request.get('salt') or 0)}"
+    probe = confirm.build_probe(str(request["mistake"]), cases[index], spec, seed, where)
+    if probe is None:
+        return ClauseRun(failure="no probe")
+    probe_cases = [step.case for step in probe.steps]
+    limits = CallLimits(probe_cases, device) if request.get("per_call") else None
+    _KEPT[:] = _KEPT or confirm.keeper()
+    with warnings.catch_warnings(), preserved_state():
+        warnings.simplefilter("ignore")
+        try:
+            return confirm.run_probe(ticking(fn, limits, tell), probe, device, _KEPT)
+        except Exception as error:  # the function broke the probe's machinery
+            return ClauseRun(failure=str(error)[:300])
 
 
 # --- per-call time limits ---------------------------------------------------------------------

@@ -85,7 +85,8 @@ class GradeReport:
 
     ``problem``: why the grade has no verdict at all (the submission tampered with the grader,
     or could not be graded); such a report fails. ``rules``: the rule set that graded it
-    (:mod:`maskln_cli.grading.rules`), as shown.
+    (:mod:`maskln_cli.grading.rules`), as shown. ``differs``: where a failing grade with no
+    confirmed cause differs, in words.
     """
 
     target: str
@@ -97,6 +98,7 @@ class GradeReport:
     problem: str | None = None
     included: list[str] = field(default_factory=list)
     rules: str | None = None
+    differs: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -140,6 +142,7 @@ class GradeReport:
             "device": self.device,
             "problem": self.problem,
             "root_cause": self.root_cause.to_dict() if self.root_cause else None,
+            "differs": self.differs,
             "failed": self.failed,
             "clauses": [c.to_dict() for c in self.clauses],
             "diagnosis": self.diagnosis,
@@ -158,6 +161,7 @@ class GradeReport:
             problem=data.get("problem"),
             included=list(data.get("included") or []),
             rules=data.get("rules") if isinstance(data.get("rules"), str) else None,
+            differs=data.get("differs") if isinstance(data.get("differs"), str) else None,
         )
 
     def verdict(self) -> str:
@@ -208,6 +212,8 @@ class GradeReport:
         """
         cause = self.root_cause
         if cause is None:
+            if self.differs and self.failed:
+                return [f"no known cause confirmed; where it differs: {self.differs}"]
             return []
         counted = [c.name for c in self.clauses if c.counted and not c.passed]
         others = [c.name for c in self.clauses if not c.counted and not c.passed]

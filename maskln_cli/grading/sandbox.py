@@ -452,6 +452,38 @@ class Sandbox:
         return run
 
 
+def run_probe(
+    child: Sandbox,
+    clause: str,
+    seed: int,
+    case: int,
+    mistake: str,
+    spec: dict[str, Any],
+    salt: int,
+) -> Any:
+    """Run the probe of ``mistake`` on case ``case`` of ``clause`` in ``child``
+    (:mod:`.confirm`): a ClauseRun, or None when the child cannot (it crashed or hung twice in
+    a row, or now: no cause is then confirmed)."""
+    if child.failures_in_a_row >= GIVE_UP_AFTER:
+        return None
+    if child.process is None:
+        try:
+            child.start()
+        except MasklnError:
+            return None
+    request = {"op": "probe", "clause": clause, "seed": seed, "case": case, "mistake": mistake,
+               "spec": spec, "salt": salt, "per_call": child.timeout is None}  # fmt: skip
+    try:
+        child._send(request)
+        header, data = child._receive(child.timeout or CLAUSE_LIMIT, child.timeout is None)
+    except (TimeoutError, ChildGone):
+        child.stop()
+        guard.check()
+        return None
+    run = decode_run(header, data)
+    return None if run.failure is not None else run
+
+
 def pop_frame(buffer: bytearray) -> tuple[dict[str, Any], bytes] | None:
     """The first whole frame in ``buffer`` (taken out of it), or None while it is not whole.
     Raises ChildGone for what is not a frame."""

@@ -84,7 +84,7 @@ def test_json_document():
     document = json.loads(result.stdout)
     assert set(document) == {
         "passed", "target", "strict", "included", "rules", "seed", "device", "problem",
-        "root_cause", "failed", "clauses", "diagnosis",
+        "root_cause", "differs", "failed", "clauses", "diagnosis",
     }  # fmt: skip
     assert document["passed"] is False and document["target"] == str(EXAMPLE)
     assert document["failed"] == ["sanitized_gradients"] and document["problem"] is None
