@@ -216,21 +216,35 @@ main = exec_main
 # --- serving the grader -----------------------------------------------------------------------
 
 
-def _search_path_last() -> None:
+def _search_path_last(module_target: bool) -> None:
     """Where a target's own imports are found, after Python's and the installed packages: the
-    folders of ``PYTHONPATH`` and the current folder, as ``python -m`` would, but last (the
-    folder of a file target comes last too: :func:`~.targets.load_target`)."""
+    folders of ``PYTHONPATH``; for a module target, the current folder too, as ``python -m``
+    would, but last. A file target's own folder is the grader's private copy of it
+    (:func:`~.targets.load_target` puts it last); the current folder is not searched, as it is
+    not for ``python solution.py``. Whatever is found there, or anywhere, must not have been
+    written since the grade began (:func:`~.guard.seal_child_imports`)."""
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for folder in [*extra, os.getcwd()]:
+    for folder in [*extra, *([os.getcwd()] if module_target else [])]:
         if folder not in sys.path:
             sys.path.append(folder)
+
+
+def _private_folder(scratch: str) -> None:
+    """Whatever the submission writes to a relative path, or as a temporary file, goes to
+    ``scratch``, the grader's private folder for this grade (removed afterwards)."""
+    import tempfile
+
+    if scratch and os.path.isdir(scratch):
+        os.chdir(scratch)
+        os.environ["TMPDIR"] = scratch
+        tempfile.tempdir = scratch
 
 
 def serve(channel: int, memory: int) -> int:
     """The child's loop: load the target, then run clauses until the channel closes."""
     import torch
 
-    from maskln_cli.grading import clauses, targets
+    from maskln_cli.grading import clauses, guard, targets
     from maskln_cli.grading.clauses import calls
 
     torch.set_num_threads(1)  # small cases; and torch's thread pool spins under load
@@ -240,9 +254,13 @@ def serve(channel: int, memory: int) -> int:
     load = json.loads(requests.readline() or b"{}")
     try:
         target = str(load.get("target"))
-        _search_path_last()
-        fn = targets.load_target(target)
-        maskln = targets.is_maskln_target(target)
+        shown = str(load.get("shown") or target)
+        _search_path_last(targets.parse_target(target).module is not None)
+        guard.seal_child_imports(int(load.get("sealed_at") or 0) or time.time_ns(),
+                                 [str(p) for p in load.get("allowed") or []])  # fmt: skip
+        maskln = targets.is_maskln_target(shown)  # before the current folder changes
+        _private_folder(str(load.get("scratch") or ""))
+        fn = targets.load_target(target, shown=shown)
     except MasklnError as error:
         write_frame(channel, {"ok": False, "error": str(error)})
         return 0

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.grading import guard
 from maskln_cli.grading.clauses import (
     CLAUSES,
     Case,
@@ -327,6 +328,7 @@ def grade_target(
     include: Iterable[str] = (),
     progress: Progress | None = None,
     fork_child: bool = False,
+    watch: bool = True,
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.grading.sandbox`.
@@ -338,7 +340,10 @@ def grade_target(
     child subreaper for the grade, so processes the function detaches (a double fork, setsid)
     come back to it and are killed with the child; its other children are spared.
     ``fork_child``: fork the child from this process, which must run no other thread (a class
-    grade's worker), instead of starting a new interpreter.
+    grade's worker), instead of starting a new interpreter. ``watch``: the folders a child
+    imports from and rules are read from (the current folder, the target's, ``PYTHONPATH``'s)
+    are watched, and a module or rules file that appears there while the function runs leaves
+    the grade without a verdict (a class grade watches them itself).
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """
@@ -352,6 +357,7 @@ def grade_target(
     parse_target(target)  # a missing file is a usage error before anything starts
     fork_child = fork_child and device == "cpu"  # CUDA cannot be used again in a forked child
     judged: list[Judged] = []
+    watched = guard.Watch(guard.watched_folders([target])) if watch else None
     try:
         with sandbox.Sandbox(
             target, device, timeout, memory_bytes, contain_processes, fork=fork_child
@@ -371,6 +377,10 @@ def grade_target(
             target, strict, results, seed, device, problem=str(tampered), included=included
         )
     results = [j.result for j in judged]
+    planted = watched.changed() if watched is not None else []
+    if planted:
+        return GradeReport(target, strict, results, seed, device,
+                           problem=guard.planted_words(planted), included=included)  # fmt: skip
     return GradeReport(target, strict, results, seed, device, root, included=included,
                        differs=differs)  # fmt: skip
 
