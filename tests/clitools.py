@@ -35,14 +35,17 @@ def run(
     **kwargs,
 ) -> subprocess.CompletedProcess:
     """Run the real entry point (``python -m maskln_cli ARGS``) in a subprocess; ``environment``
-    adds to (or overrides) this process's variables."""
+    adds to (or overrides) this process's variables. The checkout is on ``PYTHONPATH``: a
+    submission a test writes may import the suite's solutions (``tests.solutions``), as a
+    graded file may import what ``PYTHONPATH`` holds, never what the current folder does."""
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [sys.executable, "-m", "maskln_cli", *map(str, args)],
         stdin=stdin,
         input=input,
         cwd=ROOT,
-        env={**os.environ, "COLUMNS": "200", **(environment or {})},
+        env={**os.environ, "COLUMNS": "200", "PYTHONPATH": path, **(environment or {})},
         timeout=300,
         **streams,
     )

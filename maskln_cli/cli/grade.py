@@ -19,6 +19,7 @@ from maskln_cli.cli.options import JsonOutput, QuietReport
 
 if TYPE_CHECKING:
     from maskln_cli.grading.report import GradeReport
+    from maskln_cli.grading.rules import Rules
     from maskln_cli.grading.selection import Selection
 
 EXIT_INTERRUPTED = 130
@@ -169,9 +170,9 @@ def grade(
         check_timeout(timeout)
     if jobs is not None and jobs < 1:
         raise MasklnError(f"--jobs: must be at least 1, got {jobs}")
-    rules = resolve_rules(rules_option, targets).with_command_line(
-        strict, include or (), only or ()
-    )
+    found = resolve_rules(rules_option, targets)
+    rules = found.with_command_line(strict, include or (), only or ())
+    _say_ignored(found.ignored)
     chosen = select(**rules.grading_options())
     listed = expand_targets(targets)
     slice_of = parse_shard(shard) if shard is not None else None
@@ -189,10 +190,20 @@ def grade(
     jobs = jobs if jobs is not None else rules.jobs
     if whole_class:
         folder = class_folder(targets)
-        _grade_class(listed, options, chosen, jobs, csv_path, json_output, quiet, rules.name,
-                     folder)  # fmt: skip
+        _grade_class(listed, options, chosen, jobs, csv_path, json_output, quiet, rules, folder)
     else:
-        _grade_one(listed[0], options, json_output, quiet, rules.name)
+        _grade_one(listed[0], options, json_output, quiet, rules)
+
+
+def _say_ignored(paths: tuple[str, ...]) -> None:
+    """A note for each rules file found beside a submission and not read."""
+    if not paths:
+        return
+    from maskln_cli.cli.report.messages import note
+    from maskln_cli.grading.rules import ignored_words
+
+    for path in paths:
+        note(ignored_words(path))
 
 
 def _check_gradebook(path: str, targets: list[str]) -> None:
@@ -230,7 +241,7 @@ def class_folder(targets: list[str]) -> str | None:
     return str(folder) if folder is not None else None
 
 
-def _grade_one(target: str, options: dict, json_output: bool, quiet: bool, rules: str) -> None:
+def _grade_one(target: str, options: dict, json_output: bool, quiet: bool, rules: Rules) -> None:
     """One TARGET: its report (or JSON document), the verdict's exit code."""
     from maskln_cli.cli.report.grade import clause_progress, prepare_rendering, render_grade
     from maskln_cli.cli.report.json_output import print_json
@@ -249,7 +260,7 @@ def _grade_one(target: str, options: dict, json_output: bool, quiet: bool, rules
             contain_processes=True,  # this process does nothing else: detached processes come back
             progress=progress,
         )
-    result.rules = rules
+    result.rules, result.rules_source = rules.name, rules.source_words
     end_with_report(
         0 if result.passed else EXIT_MISMATCH,
         json_output,
@@ -266,12 +277,13 @@ def _grade_class(
     csv_path: str | None,
     json_output: bool,
     quiet: bool,
-    rules: str,
+    rules: Rules,
     folder: str | None,
 ) -> None:
     """Several TARGETs: a row each (or a JSON line each, as each is graded), the gradebook, and
-    exit 1 when any fails, 130 when interrupted. Each report says which ``rules`` graded it;
-    rows show paths relative to ``folder``."""
+    exit 1 when any fails, 130 when interrupted. Each report says which ``rules`` graded it,
+    and where they come from; a rules file is recorded with the class's files (a change stops
+    the class); rows show paths relative to ``folder``."""
     from maskln_cli.cli.report.grade import (
         class_progress,
         prepare_rendering,
@@ -291,7 +303,7 @@ def _grade_class(
     printing = [json_output]  # off once stdout's reader has gone (| head)
 
     def on_report(report: GradeReport, graded: int, total: int) -> None:
-        report.rules = rules
+        report.rules, report.rules_source = rules.name, rules.source_words
         progress(graded, total)
         if printing[0]:
             try:
@@ -301,7 +313,9 @@ def _grade_class(
 
     with guard.sealing():
         with class_progress(len(targets), enabled=not json_output) as progress:
-            result = grade_class(targets, **options, jobs=jobs, on_report=on_report)
+            recorded = [rules.path] if rules.path else []
+            result = grade_class(targets, **options, jobs=jobs, on_report=on_report,
+                                 recorded=recorded)  # fmt: skip
         code = 0
         if result.interrupted:
             code = EXIT_INTERRUPTED
@@ -310,15 +324,16 @@ def _grade_class(
         elif not result.passed:
             code = EXIT_MISMATCH
         for report in result.reports:  # those not graded too (a worker that ended, ...)
-            report.rules = rules
+            report.rules, report.rules_source = rules.name, rules.source_words
+        shown = f"{rules.name} ({rules.source_words})"
         if not json_output:
             with quiet_when_stdout_closes(code):
-                render_class(result, chosen, quiet=quiet, folder=folder, rules=rules)
+                render_class(result, chosen, quiet=quiet, folder=folder, rules=shown)
         elif result.problem is not None:  # why the JSON lines stop: on stderr, one line
             from maskln_cli.cli.report import messages
 
             messages.error(result.problem)
         if csv_path is not None:
-            write_gradebook(csv_path, result, folder=folder, rules=rules)
+            write_gradebook(csv_path, result, folder=folder, rules=rules.name)
     if code:
         raise typer.Exit(code)

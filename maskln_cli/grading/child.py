@@ -216,21 +216,35 @@ main = exec_main
 # --- serving the grader -----------------------------------------------------------------------
 
 
-def _search_path_last() -> None:
+def _search_path_last(module_target: bool) -> None:
     """Where a target's own imports are found, after Python's and the installed packages: the
-    folders of ``PYTHONPATH`` and the current folder, as ``python -m`` would, but last (the
-    folder of a file target comes last too: :func:`~.targets.load_target`)."""
+    folders of ``PYTHONPATH``; for a module target, the current folder too, as ``python -m``
+    would, but last. A file target's own folder is the grader's private copy of it
+    (:func:`~.targets.load_target` puts it last); the current folder is not searched, as it is
+    not for ``python solution.py``. Whatever is found there, or anywhere, must not have been
+    written since the grade began (:func:`~.guard.seal_child_imports`)."""
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for folder in [*extra, os.getcwd()]:
+    for folder in [*extra, *([os.getcwd()] if module_target else [])]:
         if folder not in sys.path:
             sys.path.append(folder)
+
+
+def _private_folder(scratch: str) -> None:
+    """Whatever the submission writes to a relative path, or as a temporary file, goes to
+    ``scratch``, the grader's private folder for this grade (removed afterwards)."""
+    import tempfile
+
+    if scratch and os.path.isdir(scratch):
+        os.chdir(scratch)
+        os.environ["TMPDIR"] = scratch
+        tempfile.tempdir = scratch
 
 
 def serve(channel: int, memory: int) -> int:
     """The child's loop: load the target, then run clauses until the channel closes."""
     import torch
 
-    from maskln_cli.grading import clauses, targets
+    from maskln_cli.grading import clauses, guard, targets
     from maskln_cli.grading.clauses import calls
 
     torch.set_num_threads(1)  # small cases; and torch's thread pool spins under load
@@ -240,9 +254,13 @@ def serve(channel: int, memory: int) -> int:
     load = json.loads(requests.readline() or b"{}")
     try:
         target = str(load.get("target"))
-        _search_path_last()
-        fn = targets.load_target(target)
-        maskln = targets.is_maskln_target(target)
+        shown = str(load.get("shown") or target)
+        _search_path_last(targets.parse_target(target).module is not None)
+        guard.seal_child_imports(int(load.get("sealed_at") or 0) or time.time_ns(),
+                                 [str(p) for p in load.get("allowed") or []])  # fmt: skip
+        maskln = targets.is_maskln_target(shown)  # before the current folder changes
+        _private_folder(str(load.get("scratch") or ""))
+        fn = targets.load_target(target, shown=shown)
     except MasklnError as error:
         write_frame(channel, {"ok": False, "error": str(error)})
         return 0
@@ -254,19 +272,61 @@ def serve(channel: int, memory: int) -> int:
     write_frame(channel, {"ok": True})
     for line in requests:
         request = json.loads(line)
-        if request.get("op") != "run":
+        if request.get("op") not in ("run", "probe"):
             break
         name, seed = str(request["clause"]), int(request["seed"])
         cases = clauses.CLAUSES[name].build(seed)
-        limits = CallLimits(cases, device) if request.get("per_call") else None
-        graded = ticking(fn, limits, lambda seconds: write_frame(channel, {"tick": seconds}))
-        run = clauses.run_clause(graded, name, seed, device, cases, maskln=maskln)
+        tell = lambda seconds: write_frame(channel, {"tick": seconds})  # noqa: E731
+        if request["op"] == "probe":
+            run = _probe(fn, request, cases, seed, device, tell)
+        else:
+            limits = CallLimits(cases, device) if request.get("per_call") else None
+            graded = ticking(fn, limits, tell)
+            run = clauses.run_clause(graded, name, seed, device, cases, maskln=maskln)
         run.errors = {key: limits_named(message, memory) for key, message in run.errors.items()}
         if run.failure is not None:
             run.failure = limits_named(run.failure, memory)
         header, data = encode_run(run)
         write_frame(channel, header, data)
     return 0
+
+
+_KEPT: list[Any] = []
+"""What the child's probes keep alive (:func:`~.confirm.keeper`)."""
+
+
+def _probe(
+    fn: Callable[..., Any],
+    request: dict[str, Any],
+    cases: list[Any],
+    seed: int,
+    device: str,
+    tell: Callable[[float], None],
+) -> Any:
+    """The calls of a cause's probe (:mod:`.confirm`), as the grader builds them: from the
+    clause's case, the mistake suspected and how the counterexample was called."""
+    import warnings
+
+    from maskln_cli.grading import confirm
+    from maskln_cli.grading.clauses import ClauseRun, preserved_state
+
+    index = int(request["case"])
+    if not 0 <= index < len(cases):
+        return ClauseRun(failure="no such case")
+    spec = confirm.Spec.from_dict(request.get("spec") or {})
+    where = f"{request['clause']} {index} {int(request.get('salt') or 0)}"
+    probe = confirm.build_probe(str(request["mistake"]), cases[index], spec, seed, where)
+    if probe is None:
+        return ClauseRun(failure="no probe")
+    probe_cases = [step.case for step in probe.steps]
+    limits = CallLimits(probe_cases, device) if request.get("per_call") else None
+    _KEPT[:] = _KEPT or confirm.keeper()
+    with warnings.catch_warnings(), preserved_state():
+        warnings.simplefilter("ignore")
+        try:
+            return confirm.run_probe(ticking(fn, limits, tell), probe, device, _KEPT)
+        except Exception as error:  # the function broke the probe's machinery
+            return ClauseRun(failure=str(error)[:300])
 
 
 # --- per-call time limits ---------------------------------------------------------------------

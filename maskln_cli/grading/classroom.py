@@ -198,12 +198,14 @@ def grade_class(
     jobs: int | None = None,
     memory_bytes: int | None = None,
     on_report: OnReport | None = None,
+    recorded: Sequence[str] = (),
 ) -> ClassReport:
     """Grade each of ``targets`` (``path.py[:NAME]`` or ``package.module:NAME``) in a child
     process of its own, ``jobs`` at a time (default: the CPU count); the options are
     :func:`~maskln_cli.grading.runner.grade_target`'s. A target that cannot be graded at all
     (it cannot be imported) gets a failing report saying why. ``on_report`` is told each report
-    in target order, as soon as it and those before it are done.
+    in target order, as soon as it and those before it are done. ``recorded``: more files
+    recorded with the class's (its rules file), whose change stops the class grade too.
     """
     if jobs is not None and jobs < 1:
         raise MasklnError(f"--jobs: must be at least 1, got {jobs}")
@@ -223,7 +225,7 @@ def grade_class(
     result = ClassReport(list(targets))
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(targets)))
     with protected_grader(contain=True):
-        classroom = _Classroom(result, request, budget, jobs, on_report)
+        classroom = _Classroom(result, request, budget, jobs, on_report, recorded)
         try:
             classroom.run()
         except KeyboardInterrupt:
@@ -260,6 +262,7 @@ class _Classroom:
         budget: float,
         jobs: int,
         on_report: OnReport | None,
+        recorded: Sequence[str] = (),
     ) -> None:
         self.result, self.request, self.budget, self.jobs = result, request, budget, jobs
         self.on_report = on_report
@@ -269,7 +272,8 @@ class _Classroom:
         self.done: dict[int, GradeReport] = {}
         self.workers: list[_Worker] = []
         self.grader_files: guard.Snapshot | None = None
-        self.submissions = guard.Snapshot(class_files(result.targets))
+        self.submissions = guard.Snapshot([*class_files(result.targets), *recorded])
+        self.watched = guard.Watch(guard.watched_folders(result.targets))
 
     def run(self) -> None:
         self.start_workers()
@@ -402,6 +406,10 @@ class _Classroom:
                 f"the class's files changed while it was graded ({shown}): a submission may"
                 " have changed another's; no verdict of this run can be trusted"
             )
+            return
+        planted = self.watched.changed()
+        if planted:
+            self.result.problem = guard.planted_words(planted)
 
     def report_in_order(self) -> None:
         while len(self.result.reports) in self.done and self.result.problem is None:

@@ -25,7 +25,16 @@ does, it can reach no process of the grader, nor a neighbour's.
     and the C library falls back to ``clone``);
   - reading or writing another process: ``ptrace``, ``process_vm_readv``,
     ``process_vm_writev``, ``pidfd_getfd``, ``process_madvise``;
-  - every 32-bit (x32 and i386) system call, which would bypass these numbers.
+  - namespaces and mounts: ``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*`` flag,
+    ``mount``, ``umount2``, ``pivot_root`` and the new mount API (a user namespace would give
+    back every capability over mounts it makes, a cgroup namespace a cgroup to freeze);
+  - every 32-bit (x32 and i386) system call, which would bypass these numbers;
+
+- run as root, before it drops its capabilities, it gives itself a mount namespace of its own
+  where ``/proc`` and ``/sys`` (the cgroup hierarchies with them) are read-only: root owns the
+  ``/proc/<pid>`` files of the grader's processes (they are not dumpable) and the cgroup files,
+  and a root child without capabilities could still write them (raise the grader's
+  ``oom_score_adj``, move it into a frozen or tiny cgroup).
 
 What it does not do: files (the child runs as the user, with the user's files; :mod:`.guard`
 and the class grader's checks see what changed), the network, ``/proc/<pid>/mem`` of a process
@@ -68,6 +77,11 @@ def argument(index: int) -> int:
 
 
 CLONE_PARENT = 0x00008000
+CLONE_NEW = 0x7E020000
+"""CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID and NEWNET (NEWTIME is clone3's)."""
+MOUNT_CALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount",
+               "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr")  # fmt: skip
+"""System calls refused whatever their arguments: namespaces and mounts."""
 PRIO_USER, IOPRIO_WHO_USER = 2, 3
 PID_FIRST = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam",
              "sched_setattr", "migrate_pages", "move_pages")  # fmt: skip
@@ -87,7 +101,10 @@ SYSCALLS = {
             "process_madvise": 440, "clone": 56, "clone3": 435, "fcntl": 72, "ioctl": 16,
             "prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144,
             "sched_setparam": 142, "sched_setattr": 314, "migrate_pages": 256,
-            "move_pages": 279, "setpriority": 141, "ioprio_set": 251,
+            "move_pages": 279, "setpriority": 141, "ioprio_set": 251, "unshare": 272,
+            "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428,
+            "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+            "mount_setattr": 442,
         },
     ),
     "aarch64": (
@@ -100,7 +117,10 @@ SYSCALLS = {
             "process_madvise": 440, "clone": 220, "clone3": 435, "fcntl": 25, "ioctl": 29,
             "prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119,
             "sched_setparam": 118, "sched_setattr": 274, "migrate_pages": 238,
-            "move_pages": 239, "setpriority": 140, "ioprio_set": 30,
+            "move_pages": 239, "setpriority": 140, "ioprio_set": 30, "unshare": 97,
+            "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428,
+            "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+            "mount_setattr": 442,
         },
     ),
 }  # fmt: skip
@@ -151,7 +171,7 @@ def build_filter(machine: str, own: int) -> bytes | None:
     if foreign is not None:
         p.add(JUMP_AT_LEAST, foreign, "refuse", 0)
     for name in ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
-                 "process_madvise", "pidfd_send_signal"):  # fmt: skip
+                 "process_madvise", "pidfd_send_signal", *MOUNT_CALLS):  # fmt: skip
         p.add(JUMP_EQUAL, nr[name], "refuse", 0)
     p.add(JUMP_EQUAL, nr["clone3"], "no_such_call", 0)
     p.add(JUMP_EQUAL, nr["clone"], "clone", 0)
@@ -196,7 +216,7 @@ def build_filter(machine: str, own: int) -> bytes | None:
     p.add(JUMP_EQUAL, own, "allow", "refuse")
     p.label("clone")
     p.load(argument(0))
-    p.add(JUMP_ANY_BIT, CLONE_PARENT, "refuse", "allow")
+    p.add(JUMP_ANY_BIT, CLONE_PARENT | CLONE_NEW, "refuse", "allow")
     p.label("fcntl")
     p.load(argument(1))
     p.add(JUMP_EQUAL, F_SETOWN, "refuse", 0)
@@ -239,6 +259,44 @@ def drop_capabilities(libc: ctypes.CDLL) -> None:
         raise OSError(ctypes.get_errno(), "capset")
 
 
+CLONE_NEWNS = 0x00020000
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+
+
+def read_only_kernel_files(libc: ctypes.CDLL) -> list[str]:
+    """As root, with CAP_SYS_ADMIN still: a mount namespace of this process's own, where every
+    mount at or under ``/proc`` and ``/sys`` is read-only (the grader's ``oom_score_adj``, the
+    cgroup hierarchies); what could not be done, in words. Others: nothing to do (those files
+    are root's)."""
+    if os.geteuid() != 0:
+        return []
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return [f"no mount namespace of its own ({os.strerror(ctypes.get_errno())})"]
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return [f"mounts not private ({os.strerror(ctypes.get_errno())})"]
+    missing = []
+    for point in _kernel_mounts():
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+        if libc.mount(b"none", point.encode(), None, flags, None) != 0:
+            missing.append(f"{point} still writable ({os.strerror(ctypes.get_errno())})")
+    return missing
+
+
+def _kernel_mounts() -> list[str]:
+    """Mount points at or under /proc and /sys (from /proc/self/mountinfo)."""
+    points = []
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[4].encode().decode("unicode_escape") if len(fields) > 4 else ""
+                if point in ("/proc", "/sys") or point.startswith(("/proc/", "/sys/")):
+                    points.append(point)
+    except OSError:
+        return ["/proc", "/sys"]
+    return points
+
+
 def confine() -> list[str]:
     """Confine this process (see the module docstring); returns what could not be done, in
     words (an empty list when everything was). Not Linux: ``["not Linux"]``."""
@@ -246,6 +304,7 @@ def confine() -> list[str]:
         return ["not Linux"]
     missing = []
     libc = _libc()
+    missing += read_only_kernel_files(libc)
     try:
         drop_capabilities(libc)
     except (OSError, AttributeError) as error:

@@ -225,3 +225,117 @@ class Snapshot:
                 continue
             changed.append(path)
         return sorted(changed)
+
+
+# --- a child's imports, sealed ---------------------------------------------------------------
+
+
+class _ChildSeal(importlib.abc.MetaPathFinder):
+    """In the grader's child: a module none of whose files or folders changed since the grade
+    began is imported as usual; one planted since (by this submission, or another one) is
+    not found (``ModuleNotFoundError``, which an optional import takes for "not installed"),
+    and said on stderr. The submission's own copy, made by the grader, is allowed."""
+
+    def __init__(self, moment: int, allowed: Iterable[str]) -> None:
+        self.moment = moment
+        self.allowed = {os.path.realpath(p) for p in allowed}
+
+    def find_spec(self, name, path=None, target=None):
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        paths = _spec_files(spec) + list(spec.submodule_search_locations or [])
+        for found in paths:
+            if os.path.realpath(found) in self.allowed or same_bytecode(found):
+                continue
+            if any(
+                status(found).st_ctime_ns >= self.moment
+                for status in (os.stat, os.lstat)
+                if os.path.lexists(found)
+            ):
+                print(f"maskln grade: not imported: {found} (written while the grade ran)",
+                      file=sys.stderr)  # fmt: skip
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def seal_child_imports(moment: int, allowed: Iterable[str] = ()) -> None:
+    """From now on (in the grader's child) no module written at or after ``moment`` is
+    imported, from any folder, but the ``allowed`` files (:class:`_ChildSeal`)."""
+    sys.meta_path.insert(0, _ChildSeal(moment, allowed))
+
+
+def sealed_at() -> int | None:
+    """The moment this process was sealed (``time.time_ns()``), or None."""
+    return _SEALED_AT[0] if _SEALED_AT else None
+
+
+IMPORTABLE = (".py", ".pyc", ".pyw", ".pth", ".so", ".pyd")
+"""What Python imports from a folder on its path (a ``.pth`` only from site folders)."""
+RULES_FILES = ("maskln-grade.toml", "pyproject.toml")
+"""Files the grader reads rules from."""
+
+
+PACKAGE: Identity = (0, 0, 0, 0, -1)
+"""What a package's folder is recorded as: its being there (what changes inside an existing
+package is the child's seal's to refuse, :class:`_ChildSeal`; a folder's own times change
+whenever Python writes its bytecode)."""
+
+
+def _watched(folder: str) -> dict[str, Identity]:
+    """The entries of ``folder`` a child could import or the grader read as rules: modules,
+    packages (folders holding one), rules files; by path, with their identity."""
+    found: dict[str, Identity] = {}
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            name, path = entry.name, entry.path
+            package = name.isidentifier() and entry.is_dir(follow_symlinks=False)
+            if name.endswith(IMPORTABLE) or name in RULES_FILES:
+                found[path] = identity(path)
+            elif package and _holds_code(path):
+                found[path] = PACKAGE
+    return found
+
+
+def _holds_code(folder: str) -> bool:
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        return any(entry.name.endswith(IMPORTABLE) for entry in entries)
+    return False
+
+
+class Watch:
+    """Folders a submission could plant in for others: the current folder, the class's, those
+    of ``PYTHONPATH``. :meth:`changed` lists what appeared or changed there that a child could
+    import, or the grader read as rules (a module, a package, a ``.pth``, a rules file)."""
+
+    def __init__(self, folders: Iterable[str]) -> None:
+        self.folders = sorted({os.path.abspath(f) for f in folders if f and os.path.isdir(f)})
+        self.seen = {path: ident for f in self.folders for path, ident in _watched(f).items()}
+
+    def changed(self) -> list[str]:
+        now = {path: ident for f in self.folders for path, ident in _watched(f).items()}
+        return sorted(p for p, ident in now.items() if self.seen.get(p, "new") != ident)
+
+
+def planted_words(paths: Sequence[str]) -> str:
+    """Why a grade stops when :meth:`Watch.changed` found files, naming them."""
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return (
+        f"files appeared or changed where a child imports modules or the grader reads rules"
+        f" while a submission ran ({', '.join(paths[:3])}{more}): a submission may have"
+        " planted them for another; no verdict of this run can be trusted; remove them before"
+        " grading again"
+    )
+
+
+def watched_folders(targets: Sequence[str]) -> list[str]:
+    """The folders a grade of ``targets`` watches: the current folder, each file target's
+    folder, and those of ``PYTHONPATH``."""
+    folders = [os.getcwd()]
+    folders += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for target in targets:
+        location = target.rpartition(":")[0] if ":" in target and not os.path.exists(target) \
+            else target  # fmt: skip
+        if os.path.isfile(location):
+            folders.append(os.path.dirname(os.path.abspath(location)))
+    return folders

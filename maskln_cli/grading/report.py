@@ -85,7 +85,9 @@ class GradeReport:
 
     ``problem``: why the grade has no verdict at all (the submission tampered with the grader,
     or could not be graded); such a report fails. ``rules``: the rule set that graded it
-    (:mod:`maskln_cli.grading.rules`), as shown.
+    (:mod:`maskln_cli.grading.rules`), as shown, and ``rules_source`` where they come from
+    (the file and a hash of it). ``differs``: where a failing grade with no confirmed cause
+    differs, in words.
     """
 
     target: str
@@ -97,6 +99,8 @@ class GradeReport:
     problem: str | None = None
     included: list[str] = field(default_factory=list)
     rules: str | None = None
+    differs: str | None = None
+    rules_source: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -136,10 +140,12 @@ class GradeReport:
             "strict": self.strict,
             "included": list(self.included),
             "rules": self.rules,
+            "rules_source": self.rules_source,
             "seed": self.seed,
             "device": self.device,
             "problem": self.problem,
             "root_cause": self.root_cause.to_dict() if self.root_cause else None,
+            "differs": self.differs,
             "failed": self.failed,
             "clauses": [c.to_dict() for c in self.clauses],
             "diagnosis": self.diagnosis,
@@ -158,6 +164,8 @@ class GradeReport:
             problem=data.get("problem"),
             included=list(data.get("included") or []),
             rules=data.get("rules") if isinstance(data.get("rules"), str) else None,
+            differs=data.get("differs") if isinstance(data.get("differs"), str) else None,
+            rules_source=_text(data.get("rules_source")),
         )
 
     def verdict(self) -> str:
@@ -208,6 +216,8 @@ class GradeReport:
         """
         cause = self.root_cause
         if cause is None:
+            if self.differs and self.failed:
+                return [f"no known cause confirmed; where it differs: {self.differs}"]
             return []
         counted = [c.name for c in self.clauses if c.counted and not c.passed]
         others = [c.name for c in self.clauses if not c.counted and not c.passed]
@@ -241,6 +251,8 @@ class GradeReport:
         """The report as plain text (for :func:`~maskln_cli.grading.assert_conforms` and
         logs)."""
         rules = f", rules {self.rules}" if self.rules else ""
+        if self.rules_source:
+            rules += f" ({self.rules_source})"
         lines = [f"maskln grade {self.target} (seed {self.seed}, device {self.device}{rules})"]
         lines += self.root_cause_lines()
         width = max((len(c.name) for c in self.clauses), default=0)
@@ -256,6 +268,10 @@ class GradeReport:
             lines += [f"  {line}" for line in found]
         lines.append(self.verdict())
         return "\n".join(lines)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def clause_detail(clause: ClauseResult) -> str | None:

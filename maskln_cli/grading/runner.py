@@ -29,13 +29,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from maskln_cli.errors import MasklnError
+from maskln_cli.grading import guard
 from maskln_cli.grading.clauses import (
     CLAUSES,
     Case,
@@ -46,6 +49,15 @@ from maskln_cli.grading.clauses import (
     describe_exception,
     run_clause,
 )
+from maskln_cli.grading.clauses.state import preserved_state
+from maskln_cli.grading.confirm import (
+    Outcome,
+    Spec,
+    build_probe,
+    judge_probe,
+    keeper,
+    run_probe,
+)
 from maskln_cli.grading.guard import Tampered
 from maskln_cli.grading.report import (
     NO_MATCH,
@@ -54,7 +66,7 @@ from maskln_cli.grading.report import (
     RootCause,
     diagnosis_lines,
 )
-from maskln_cli.grading.rootcause import Judged, find_root_cause
+from maskln_cli.grading.rootcause import Confirm, Judged, find_root_cause, where_it_differs
 from maskln_cli.grading.selection import Selection, check_timeout, select
 from maskln_cli.grading.targets import parse_target
 
@@ -135,9 +147,9 @@ def _available(kind: str) -> bool:
 
 def judge_clause(
     clause: Clause, cases: list[Case], run: ClauseRun, device: str, counted: bool, seconds: float
-) -> ClauseResult:
+) -> Judged:
     """The verdict of a clause from what its run gave (any surprise in that data, say from a
-    misbehaving child, fails the clause rather than the grader)."""
+    misbehaving child, fails the clause rather than the grader), with its counterexample."""
     started = time.perf_counter()
     if run.failure is not None:
         verdict = Verdict(False, run.failure)
@@ -154,7 +166,7 @@ def judge_clause(
     diagnosis = None
     if not verdict.passed and verdict.diagnosis is not None:
         diagnosis = [d.to_dict() for d in verdict.diagnosis]
-    return ClauseResult(
+    result = ClauseResult(
         clause.name,
         clause.required,
         verdict.passed,
@@ -164,6 +176,7 @@ def judge_clause(
         counted,
         clause.level,
     )
+    return Judged(clause, cases, run, result, verdict.case, verdict.call)
 
 
 @contextlib.contextmanager
@@ -186,15 +199,41 @@ def _grade_each(
     device: str,
     progress: Progress | None = None,
     judged: list[Judged] | None = None,
-) -> tuple[list[ClauseResult], RootCause | None]:
+    confirm: Confirm | None = None,
+) -> tuple[list[ClauseResult], RootCause | None, str | None]:
     """Build, run and judge each clause in turn (``run(clause, cases)`` calls the function, in
-    this process or in the child), then find the failures' root cause. ``judged`` receives
-    each clause as it is judged (what was graded before an interruption)."""
+    this process or in the child), then find the failures' root cause (``confirm`` probes the
+    suspected ones), or where they differ. ``judged`` receives each clause as it is judged
+    (what was graded before an interruption)."""
     judged = [] if judged is None else judged
     with one_thread():
         _judge_each(selection, run, seed, device, progress, judged)
-        root = find_root_cause(judged)
-    return [j.result for j in judged], root
+        root = find_root_cause(judged, confirm)
+        differs = where_it_differs(judged) if root is None else None
+    return [j.result for j in judged], root, differs
+
+
+def confirm_in_process(fn: Fn, seed: int, device: str) -> Confirm:
+    """Probe a suspected cause by calling ``fn`` in this process (:mod:`.confirm`)."""
+
+    kept: list[Any] = []
+
+    def confirm(mistake: str, judged: Judged) -> Outcome:
+        index = judged.counterexample()
+        if index is None:
+            return Outcome(False)
+        spec = Spec.of(judged.clause.name, judged.call, judged.result.detail)
+        where = f"{judged.clause.name} {index} {secrets.randbelow(1 << 30)}"
+        probe = build_probe(mistake, judged.cases[index], spec, seed, where)
+        if probe is None:
+            return Outcome(False)
+        kept[:] = kept or keeper()
+        with warnings.catch_warnings(), preserved_state():
+            warnings.simplefilter("ignore")
+            run = run_probe(fn, probe, device, kept)
+        return judge_probe(probe, run)
+
+    return confirm
 
 
 def _judge_each(
@@ -212,15 +251,16 @@ def _judge_each(
         started = time.perf_counter()
         cases = clause.build(seed)
         clause_run = run(clause, cases)
-        result = judge_clause(
-            clause,
-            cases,
-            clause_run,
-            device,
-            name in selection.counted,
-            time.perf_counter() - started,
+        judged.append(
+            judge_clause(
+                clause,
+                cases,
+                clause_run,
+                device,
+                name in selection.counted,
+                time.perf_counter() - started,
+            )
         )
-        judged.append(Judged(clause, cases, clause_run, result))
 
 
 def grade(
@@ -256,9 +296,12 @@ def grade(
     def run_here(clause: Clause, cases: list[Case]) -> ClauseRun:
         return run_clause(fn, clause.name, seed, device, cases)
 
-    results, root = _grade_each(selection, run_here, seed, device, progress)
+    confirm = confirm_in_process(fn, seed, device)
+    results, root, differs = _grade_each(selection, run_here, seed, device, progress,
+                                         confirm=confirm)  # fmt: skip
     name = target or getattr(fn, "__qualname__", None) or repr(fn)
-    return GradeReport(name, strict, results, seed, device, root, included=included)
+    return GradeReport(name, strict, results, seed, device, root, included=included,
+                       differs=differs)  # fmt: skip
 
 
 def assert_conforms(fn: Fn, strict: bool = False, **options: Any) -> None:
@@ -285,6 +328,7 @@ def grade_target(
     include: Iterable[str] = (),
     progress: Progress | None = None,
     fork_child: bool = False,
+    watch: bool = True,
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.grading.sandbox`.
@@ -296,7 +340,10 @@ def grade_target(
     child subreaper for the grade, so processes the function detaches (a double fork, setsid)
     come back to it and are killed with the child; its other children are spared.
     ``fork_child``: fork the child from this process, which must run no other thread (a class
-    grade's worker), instead of starting a new interpreter.
+    grade's worker), instead of starting a new interpreter. ``watch``: the folders a child
+    imports from and rules are read from (the current folder, the target's, ``PYTHONPATH``'s)
+    are watched, and a module or rules file that appears there while the function runs leaves
+    the grade without a verdict (a class grade watches them itself).
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """
@@ -310,6 +357,7 @@ def grade_target(
     parse_target(target)  # a missing file is a usage error before anything starts
     fork_child = fork_child and device == "cpu"  # CUDA cannot be used again in a forked child
     judged: list[Judged] = []
+    watched = guard.Watch(guard.watched_folders([target])) if watch else None
     try:
         with sandbox.Sandbox(
             target, device, timeout, memory_bytes, contain_processes, fork=fork_child
@@ -321,12 +369,42 @@ def grade_target(
 
             with one_thread():
                 _judge_each(selection, run_in_child, seed, device, progress, judged)
+                root = find_root_cause(judged, confirm_in_child(child, seed))
+                differs = where_it_differs(judged) if root is None else None
     except Tampered as tampered:  # the grader's own files changed: no verdict but FAIL
         results = [j.result for j in judged]
         return GradeReport(
             target, strict, results, seed, device, problem=str(tampered), included=included
         )
-    with one_thread():
-        root = find_root_cause(judged)
     results = [j.result for j in judged]
-    return GradeReport(target, strict, results, seed, device, root, included=included)
+    planted = watched.changed() if watched is not None else []
+    if planted:
+        return GradeReport(target, strict, results, seed, device,
+                           problem=guard.planted_words(planted), included=included)  # fmt: skip
+    return GradeReport(target, strict, results, seed, device, root, included=included,
+                       differs=differs)  # fmt: skip
+
+
+def confirm_in_child(child: Any, seed: int) -> Confirm:
+    """Probe a suspected cause by calling the function in the grader's child (``child``, a
+    :class:`~maskln_cli.grading.sandbox.Sandbox`): it builds the same probe from the clause,
+    the case and the mistake, and sends back what the calls gave; judged here."""
+    from maskln_cli.grading import sandbox
+
+    def confirm(mistake: str, judged: Judged) -> Outcome:
+        index = judged.counterexample()
+        if index is None:
+            return Outcome(False)
+        spec = Spec.of(judged.clause.name, judged.call, judged.result.detail)
+        salt = secrets.randbelow(1 << 30)
+        where = f"{judged.clause.name} {index} {salt}"
+        probe = build_probe(mistake, judged.cases[index], spec, seed, where)
+        if probe is None:
+            return Outcome(False)
+        run = sandbox.run_probe(child, judged.clause.name, seed, index, mistake, spec.to_dict(),
+                                salt)  # fmt: skip
+        if run is None:
+            return Outcome(False)
+        return judge_probe(probe, run)
+
+    return confirm

@@ -203,9 +203,11 @@ class Sandbox:
         self.case: str | None = None
         self.call_limit: float | None = None
         self.peak_memory = 0
+        self.private: PrivateFolder | None = None
 
     def __enter__(self) -> Sandbox:
         preload()  # what the parent uses later, imported before any submission runs
+        self.private = PrivateFolder(self.target)
         self._protection = contextlib.ExitStack()
         self._protection.enter_context(protected_grader(self.contain_processes))
         self._others = children()  # not ours to kill
@@ -218,6 +220,8 @@ class Sandbox:
             if self._protection is not None:
                 self._protection.close()
                 self._protection = None
+            if self.private is not None:
+                self.private.remove()
         guard.check()  # a sealed grader: nothing it loads changed meanwhile (else no verdict)
 
     # -- the process --------------------------------------------------------------------------
@@ -239,7 +243,11 @@ class Sandbox:
             raise MasklnError(str(ready.get("error") or "the grader's child process did not start"))
         limit = self.timeout or CLAUSE_LIMIT
         try:
-            self._send({"op": "load", "target": self.target, "device": self.device})
+            private = self.private or PrivateFolder(self.target)
+            self.private = private
+            self._send({"op": "load", "target": private.loaded, "shown": self.target,
+                        "device": self.device, "scratch": private.scratch,
+                        "sealed_at": private.began, "allowed": private.allowed})  # fmt: skip
             answer, _ = self._receive(limit)
         except ChildGone as gone:
             self.stop()
@@ -450,6 +458,82 @@ class Sandbox:
         self.failures_in_a_row += 1
         self.failed_clauses.append(name)
         return run
+
+
+def run_probe(
+    child: Sandbox,
+    clause: str,
+    seed: int,
+    case: int,
+    mistake: str,
+    spec: dict[str, Any],
+    salt: int,
+) -> Any:
+    """Run the probe of ``mistake`` on case ``case`` of ``clause`` in ``child``
+    (:mod:`.confirm`): a ClauseRun, or None when the child cannot (it crashed or hung twice in
+    a row, or now: no cause is then confirmed)."""
+    if child.failures_in_a_row >= GIVE_UP_AFTER:
+        return None
+    if child.process is None:
+        try:
+            child.start()
+        except MasklnError:
+            return None
+    request = {"op": "probe", "clause": clause, "seed": seed, "case": case, "mistake": mistake,
+               "spec": spec, "salt": salt, "per_call": child.timeout is None}  # fmt: skip
+    try:
+        child._send(request)
+        header, data = child._receive(child.timeout or CLAUSE_LIMIT, child.timeout is None)
+    except (TimeoutError, ChildGone):
+        child.stop()
+        guard.check()
+        return None
+    run = decode_run(header, data)
+    return None if run.failure is not None else run
+
+
+class PrivateFolder:
+    """A grade's private folder: a read-only copy of a file target, alone (what the child
+    imports), and a scratch folder (the child's current folder and TMPDIR), removed with
+    :meth:`remove`; and the moment the grade began, from which the child imports nothing
+    written (the grader's seal, else now: :func:`~.guard.seal_child_imports`)."""
+
+    def __init__(self, target: str) -> None:
+        from maskln_cli.grading.targets import private_copy
+
+        self.began = guard.sealed_at() or time.time_ns()
+        self.path = tempfile.mkdtemp(prefix="maskln-grade-")
+        copies = os.path.join(self.path, "submission")
+        self.scratch = os.path.join(self.path, "scratch")
+        os.mkdir(copies)
+        os.mkdir(self.scratch, 0o700)
+        self.loaded = private_copy(target, copies)
+        self.allowed = [self.loaded.rpartition(":")[0]] if self.loaded != target else []
+
+    def remove(self) -> None:
+        remove_folder(self.path)
+
+
+def remove_folder(path: str) -> None:
+    """Remove a grade's private folder, whatever modes the submission gave what it wrote."""
+    import shutil
+
+    if not path:
+        return
+
+    def writable(function: Any, failed: str, _: Any) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(failed), 0o700)
+            os.chmod(failed, 0o700)
+            function(failed)
+
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+        for root, folders, _ in os.walk(path):
+            for folder in folders:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(root, folder), 0o700)
+        shutil.rmtree(path, onerror=writable)
 
 
 def pop_frame(buffer: bytearray) -> tuple[dict[str, Any], bytes] | None:

@@ -136,7 +136,18 @@ def select(
     return Selection(tuple(run), frozenset(counted), strict)
 
 
+TIMEOUT_RANGE = (1.0, 86_400.0)
+"""Seconds a clause may take, at least and at most (a day): what --timeout or a rules file may
+say."""
+
+
 def check_timeout(timeout: float) -> None:
-    """A usage error unless ``timeout`` is a positive number of seconds."""
+    """A usage error unless ``timeout`` is a positive number of seconds, within
+    :data:`TIMEOUT_RANGE`."""
     if not (timeout > 0 and math.isfinite(timeout)):
         raise MasklnError(f"--timeout: must be a positive number of seconds, got {timeout}")
+    low, high = TIMEOUT_RANGE
+    if not low <= timeout <= high:
+        raise MasklnError(
+            f"--timeout: must be between {low:g} and {high:,.0f} seconds, got {timeout:g}"
+        )

@@ -83,8 +83,9 @@ def is_maskln_target(target: str) -> bool:
     return parsed.path.resolve().parent == Path(__file__).resolve().parent
 
 
-def load_target(target: str) -> Fn:
-    """Import the target and return its function. Raises MasklnError naming the target, with
+def load_target(target: str, shown: str | None = None) -> Fn:
+    """Import the target and return its function. Raises MasklnError naming the target (as
+    ``shown``: the submission's own path, when ``target`` is the grader's copy of it), with
     the exception's last line, when it cannot be imported, or is missing or not callable.
 
     Example:
@@ -94,6 +95,9 @@ def load_target(target: str) -> Fn:
     from maskln_cli.grading.clauses import describe_exception
 
     parsed = parse_target(target)
+    own = parsed.path if parsed.path is not None else parsed.module
+    named = shown.rpartition(":")[0] if shown and ":" in shown else shown
+    named = named or own  # where the messages say the function is
     try:
         if parsed.path is not None:
             module = _import_file(parsed.path)
@@ -104,7 +108,7 @@ def load_target(target: str) -> Fn:
     except BaseException as error:  # SystemExit from a script's top level, too
         if isinstance(error, KeyboardInterrupt):
             raise
-        where = parsed.path if parsed.path is not None else parsed.module
+        where = named
         line = _failing_line(error, parsed.path)
         raise MasklnError(
             f"TARGET {where}{line}: cannot import: {describe_exception(error)}"
@@ -115,12 +119,13 @@ def load_target(target: str) -> Fn:
         close = difflib.get_close_matches(
             parsed.name, [name for name, value in vars(module).items() if callable(value)], 1
         )
-        where = parsed.path if parsed.path is not None else parsed.module
+        where = named
         hint = f"; did you mean {close[0]!r}? (TARGET {where}:{close[0]})" if close else ""
-        raise MasklnError(f"TARGET {target}: no {parsed.name!r} in it{hint}") from None
+        raise MasklnError(f"TARGET {shown or target}: no {parsed.name!r} in it{hint}") from None
     if not callable(fn):
         raise MasklnError(
-            f"TARGET {target}: {parsed.name} is not callable (its type is {type(fn).__name__})"
+            f"TARGET {shown or target}: {parsed.name} is not callable (its type is"
+            f" {type(fn).__name__})"
         )
     return fn
 
@@ -147,6 +152,23 @@ def _failing_line(error: BaseException, path: Path | None) -> str:
         if frame.filename and Path(frame.filename).resolve() == path.resolve()
     ]
     return f":{lines[-1]}" if lines else ""
+
+
+def private_copy(target: str, folder: str) -> str:
+    """A file target copied, alone, into ``folder`` (made by the grader, private to one
+    grade), read-only; the target naming the copy. The child imports the copy, from a folder
+    nothing else is in: no neighbour's file, nothing planted beside the submission later.
+    A module target is returned as it is."""
+    import shutil
+
+    parsed = parse_target(target)
+    if parsed.path is None:
+        return target
+    copy = Path(folder) / parsed.path.name
+    shutil.copyfile(parsed.path, copy)
+    copy.chmod(0o444)
+    Path(folder).chmod(0o555)
+    return f"{copy}:{parsed.name}"
 
 
 def _import_file(path: Path) -> Any:

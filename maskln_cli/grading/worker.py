@@ -66,6 +66,7 @@ def grade_one(request: dict[str, Any]) -> dict[str, Any]:
             memory_bytes=request.get("memory_bytes"),
             contain_processes=True,
             fork_child=True,
+            watch=False,  # the class grader watches the folders, for every worker
         )
         answer: dict[str, Any] = {"report": report.to_dict()}
     except MasklnError as error:

@@ -98,6 +98,11 @@ class Data:
             x = np.maximum(x, 0.0)
             if n > 1:
                 x[1] = 0.0
+        elif kind == "ties":  # elements equal to the mean, equal elements (exact sums)
+            steps = np.array([0.0, 0.0] + [0.5, -0.5, 1.5, -1.5, 0.5, -0.5] * c)[:c]
+            steps[-1] -= steps.sum()
+            x = np.stack([self.rng.permutation(steps) for _ in range(n)])
+            x += self.rng.choice([-1.25, 0.5, 2.0], size=(n, 1))
         return x.reshape(shape)
 
     def mask(self, leading):
@@ -281,6 +286,7 @@ def check_gradients(fn: Fn, data: Data) -> None:
             ("constant", 6, 1e-5),
             ("zeros", 8, 1e-5),
             ("random", 5, 1e-10),
+            ("ties", 8, 1e-5),
         ):
             cases.append((kind, c, eps, dtype, "contiguous", False))  # fmt: skip
         for upstream in ("transposed", "expanded"):
@@ -315,7 +321,7 @@ def check_gradients(fn: Fn, data: Data) -> None:
 
 
 def check_second_order(fn: Fn, data: Data) -> None:
-    for kind, c in (("random", 4), ("random", 1), ("constant", 5), ("random", 7)):
+    for kind, c in (("random", 4), ("random", 1), ("constant", 5), ("random", 7), ("ties", 8)):
         x = data.rows((2, 3), c, kind=kind)
         valid, (scale, bias) = data.mask((2, 3)), data.params(c)
         tx, tv, ts, tb = tensors(x, valid, scale, bias, torch.float64)
@@ -358,6 +364,7 @@ def check_behaviour(fn: Fn, data: Data) -> None:
         changed = [name for name in state if state[name] != now[name]]
         if changed:
             raise Wrong(f"torch's global state changed: {', '.join(changed)}")
+        _state_in_every_mode(fn, tensors(x, valid, scale, bias, dtype))
         for t, before, version in zip((*inputs, grad_out), saved, versions, strict=True):
             if not torch.equal(t.detach(), before) or t._version != version:
                 raise Wrong("an input was modified")
@@ -390,6 +397,27 @@ def check_behaviour(fn: Fn, data: Data) -> None:
             storages = {t.untyped_storage().data_ptr() for t in one_inputs}
             if one.untyped_storage().data_ptr() in storages:
                 raise Wrong("the result shares storage with an input")
+
+
+def _state_in_every_mode(fn: Fn, inputs) -> None:
+    """torch's state read inside the caller's context, right after the call (a no_grad block
+    puts grad mode back on exit), on 1 and on 5 threads (a function that sets either is seen
+    from the other)."""
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 5):
+            for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+                torch.set_num_threads(count)
+                with mode():
+                    state = {name: read() for name, read in STATE_READERS.items()}
+                    fn(*inputs, 1e-5)
+                    now = {name: read() for name, read in STATE_READERS.items()}
+                changed = [name for name in state if state[name] != now[name]]
+                if changed:
+                    raise Wrong(f"torch's global state changed under {mode.__name__} on"
+                                f" {count} threads: {', '.join(changed)}")  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check_raw_ops(fn: Fn, data: Data) -> None:

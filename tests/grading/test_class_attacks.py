@@ -193,7 +193,7 @@ def test_a_worker_lost_mid_class_never_turns_into_a_verdict(tmp_path):
     command = [sys.executable, "-m", "maskln_cli", "grade", str(folder), *ONLY, "--jobs", "2"]
     grade = grade_killing_workers(
         command, notes, lambda name, times: name == "b_killed_always" or times == 1,
-        cwd=ROOT, env={**os.environ, "COLUMNS": "300"},
+        cwd=ROOT, env={**os.environ, "COLUMNS": "300", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     output = grade.output  # type: ignore[attr-defined]
     assert "PASS" in row(output, "a_killed_once.py"), output

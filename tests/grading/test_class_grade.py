@@ -86,7 +86,7 @@ def test_the_gradebook_has_a_row_per_submission_and_a_column_per_clause(classroo
     _, gradebook, _ = graded
     rows = list(csv.reader(gradebook.open(newline="")))
     assert rows[0] == ["submission", "verdict", "passed", "counted", "failed", "root_cause",
-                       "why", "rules", "worked_example", "values"]  # fmt: skip
+                       "why", "rules", "rules_source", "worked_example", "values"]  # fmt: skip
     verdicts = {row[0]: row[1] for row in rows[1:]}
     assert verdicts == {  # relative to the folder graded (issue 32)
         "a_hangs.py": "FAIL",
@@ -96,7 +96,7 @@ def test_the_gradebook_has_a_row_per_submission_and_a_column_per_clause(classroo
         "tests.solutions.correct:masked_layer_normalization": "PASS",
     }
     wrong = next(row for row in rows if row[0].endswith("d_wrong.py"))
-    assert wrong[5] == "unbiased_variance" and wrong[8:] == ["fail", "fail"]
+    assert wrong[5] == "unbiased_variance" and wrong[9:] == ["fail", "fail"]
 
 
 def test_the_table_has_a_row_per_submission_and_the_root_cause(classroom):

@@ -83,8 +83,8 @@ def test_json_document():
     assert result.exit_code == 1
     document = json.loads(result.stdout)
     assert set(document) == {
-        "passed", "target", "strict", "included", "rules", "seed", "device", "problem",
-        "root_cause", "failed", "clauses", "diagnosis",
+        "passed", "target", "strict", "included", "rules", "rules_source", "seed", "device",
+        "problem", "root_cause", "differs", "failed", "clauses", "diagnosis",
     }  # fmt: skip
     assert document["passed"] is False and document["target"] == str(EXAMPLE)
     assert document["failed"] == ["sanitized_gradients"] and document["problem"] is None
@@ -338,8 +338,9 @@ def test_a_process_the_function_detaches_is_killed_with_the_child(tmp_path):
 
 
 @LINUX
-def test_a_process_that_leaves_the_childs_group_is_killed_with_its_session(tmp_path):
+def test_a_process_that_leaves_the_childs_group_is_killed_with_its_session(tmp_path, monkeypatch):
     """grade_target without contain_processes (a library caller's process): the session."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the solution imports tests.solutions
     path, pidfile = solution(tmp_path, LEAVES_THE_GROUP)
     assert grading.grade_target(str(path), only=["worked_example"]).passed
     assert ended_within(int(pidfile.read_text()), 0.5)

@@ -188,7 +188,8 @@ def test_raw_ops_sees_ready_made_python_implementations(name, seen):
 def test_float64_computed_in_float32_fails_dtypes_by_its_error():
     result = grade(broken.computes_in_float32, only=["dtypes"])
     detail = clause(result, "dtypes").detail
-    assert "float32's rounding, not float64's" in detail and "lower precision, float32?" in detail
+    assert "the size of float32's rounding, where float64's is" in detail
+    assert result.root_cause.mistake == "computed_in_float32"  # named once a probe confirms it
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ def test_a_file_the_grader_loaded_changed_by_the_solution_leaves_no_verdict(tmp_
     although every clause passed."""
     planted = tmp_path / "grader_module.py"
     planted.write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the solution imports tests.solutions
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.import_module("grader_module")  # loaded by "the grader" before the seal
     path = tmp_path / "solution.py"
@@ -125,18 +126,25 @@ def test_grade_piped_into_head_ends_quietly_with_its_verdict(target):
     assert code == (0 if target == "correct.py" else 1)
 
 
-def test_no_bytecode_is_written_beside_the_solution(tmp_path, monkeypatch):
+def test_no_bytecode_is_written_and_nothing_beside_the_solution_is_imported(tmp_path, monkeypatch):
+    """No __pycache__ beside the solution; and a file beside it is not importable (the child
+    imports the grader's private copy of the solution, alone: issue 38), while the packages
+    PYTHONPATH names are."""
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
     (tmp_path / "helper.py").write_text(CORRECT)
-    path = tmp_path / "solution.py"
-    path.write_text("from helper import correct as masked_layer_normalization\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    result = subprocess.run(
-        [sys.executable, "-m", "maskln_cli", "grade", str(path), "--only", "worked_example"],
-        capture_output=True, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["helper.py", "solution.py"]
+    beside = "from helper import correct as masked_layer_normalization\n"
+    for source, code in ((beside, 2), (f"{CORRECT}masked_layer_normalization = correct\n", 0)):
+        path = tmp_path / "solution.py"
+        path.write_text(source)
+        result = subprocess.run(
+            [sys.executable, "-m", "maskln_cli", "grade", str(path), "--only", "worked_example"],
+            capture_output=True, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == code, result.stderr
+        if code:
+            assert b"No module named 'helper'" in result.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["helper.py", "solution.py"]
 
 
 @LINUX

@@ -28,11 +28,13 @@ MULTIPLIES = (
 CORRECT = "from tests.solutions.correct import masked_layer_normalization  # noqa: F401\n"
 
 
-def test_a_rules_file_beside_the_submissions_is_found(tmp_path):
+def test_a_rules_file_in_the_folder_graded_is_found_one_beside_a_file_is_not(tmp_path):
     (tmp_path / "maskln-grade.toml").write_text(HANDOUT)
     (tmp_path / "alice.py").write_text(CORRECT)
     rules = find_rules([str(tmp_path)])
-    assert rules == find_rules([str(tmp_path / "alice.py")])  # one of the files, too
+    assert rules.path == str(tmp_path / "maskln-grade.toml") and len(rules.digest) == 12
+    beside = find_rules([str(tmp_path / "alice.py")])  # a file TARGET's folder: the student's
+    assert beside.ignored == (str(tmp_path / "maskln-grade.toml"),) and beside.extra == ()
     assert rules.extra == ("positive_zero", "second_order") and rules.timeout == 30.0
     assert rules.grading_options() == {
         "strict": False,
@@ -127,10 +129,54 @@ def test_a_single_report_says_its_rules():
         ROOT / "examples" / "my_kernel.py", "--rules", "strict", "--only", "worked_example"
     )
     assert result.exit_code == 0, result.stdout
-    assert result.stdout.splitlines()[0].endswith("rules only worked_example)")
+    assert result.stdout.splitlines()[0].endswith("rules only worked_example (built in))")
     document = json.loads(
         grade_command(
             ROOT / "examples" / "my_kernel.py", "--rules", "strict", "--json", "--only", "signature"
         ).stdout
     )
-    assert document["rules"] == "only signature"
+    assert document["rules"] == "only signature" and document["rules_source"] == "built in"
+
+
+NESTED = "required = " + "[" * 2000 + "]" * 2000 + "\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "fragments"),
+    [
+        (b'preset = "specification"\nname = "caf\xe9"\n', ("not UTF-8 text", "line 2, key name")),
+        (NESTED.encode(), ("nested too deeply to read", "key required")),
+        (b"timeout = 1e-300\n", ("timeout must be between 1 and 86,400 seconds, got 1e-300",)),
+        (b"timeout = 1e300\n", ("timeout must be between 1 and 86,400 seconds",)),
+        (b"jobs = 9223372036854775807\n", ("jobs must be at most 1024",)),
+        (b'required = ["signature"]\nname = "specification"\n', ("name 'specification' is a",)),
+        (b'name = "a\\nb"\n', ("name must be one printable line",)),
+        (b"# " + b"x" * (1 << 20) + b"\n", ("too large for a rules file",)),
+    ],
+    ids=[
+        "not UTF-8",
+        "nested 2,000 deep",
+        "timeout 1e-300",
+        "timeout 1e300",
+        "jobs 2**63",
+        "a preset's name on other rules",
+        "a name of two lines",
+        "2 MiB",
+    ],
+)
+def test_a_hostile_rules_file_is_a_one_line_error_naming_file_and_key(tmp_path, data, fragments):
+    """Issue 38, item 1: no internal error (UnicodeDecodeError, RecursionError), no timeout
+    blamed on --timeout: the file, the key, exit 2, before torch is imported."""
+    (tmp_path / "maskln-grade.toml").write_bytes(data)
+    (tmp_path / "alice.py").write_text(CORRECT)
+    result = run_without_torch_check("grade", tmp_path)
+    assert result.exit_code == 2, result.stderr
+    assert not result.torch_imported
+    assert_one_line_error(result.stderr, "maskln-grade.toml", *fragments)
+    assert "--timeout" not in result.stderr
+
+
+def test_an_absurd_timeout_on_the_command_line_is_refused():
+    result = run_without_torch_check("grade", "examples/my_kernel.py", "--timeout", "1e-300")
+    assert result.exit_code == 2 and not result.torch_imported
+    assert_one_line_error(result.stderr, "--timeout: must be between 1 and 86,400 seconds")

@@ -51,6 +51,8 @@ def render_grade(report: GradeReport, quiet: bool = False) -> None:
     console = consoles.stdout_console()
     if not quiet:
         rules = f", rules {safe(report.rules)}" if report.rules else ""
+        if report.rules_source:
+            rules += f" ({safe(report.rules_source)})"
         console.print(
             f"[bold]maskln grade[/] {safe(report.target)}  [dim](seed {report.seed},"
             f" device {safe(report.device)}{rules})[/]",

@@ -218,7 +218,8 @@ def gradebook_rows(
     from maskln_cli.grading.classroom import clause_names
 
     names = clause_names(result.reports)
-    header = ["submission", "verdict", "passed", "counted", "failed", "root_cause", "why", "rules"]
+    header = ["submission", "verdict", "passed", "counted", "failed", "root_cause", "why", "rules",
+              "rules_source"]  # fmt: skip
     rows = [header + names]
     for report in result.reports:
         clauses = {c.name: c for c in report.clauses}
@@ -232,6 +233,7 @@ def gradebook_rows(
             report.root_cause.mistake if report.root_cause else "",
             _why(report),
             report.rules or rules or "",
+            report.rules_source or "",
         ]
         for name in names:
             clause = clauses.get(name)
@@ -239,7 +241,7 @@ def gradebook_rows(
         rows.append([plain_safe(cell) for cell in cells])
     for target in result.not_graded:
         shown = relative_target(target, folder)
-        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 3) + [rules or ""]
+        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 4) + [rules or "", ""]
         rows.append([plain_safe(cell) for cell in cells + [""] * len(names)])
     return rows
 

@@ -124,12 +124,15 @@ def export_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def perform(
-    fn: Fn, case: Case, call: Call, device: str
+    fn: Fn, case: Case, call: Call, device: str, keep: list[Any] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Make one call; returns the tensors it gave (``out``, ``grad_x``, ...) and facts about
-    its output (requires_grad, dtype, device, strides)."""
+    its output (requires_grad, dtype, device, strides). ``keep``: where the call's inputs are
+    kept alive (no later input then reuses their addresses, or ids)."""
     announce(f"{case.label}{call_words(call)}")
     t = case.inputs(device, clean=call.clean)
+    if keep is not None:
+        keep.append(t)
     for name in call.requires:
         t[name].requires_grad_()
     with _mode(call.mode):

@@ -53,7 +53,8 @@ EXCEPTION_CAUSES = (
     ),
     Cause(
         r"expected scalar type|found dtype|dtypes? match|can't be cast to the desired output"
-        r"|expected .* to have the same dtype|but got .*(Float|Double|Half)|same dtype",
+        r"|expected .* to have the same dtype|but got .*(Float|Double|Half)|same dtype"
+        r"|(Float|Double|Half|BFloat16) did not match (Float|Double|Half|BFloat16)",
         "dtype_error",
         "tensors of different dtypes meet: one made without dtype=x.dtype (torch.zeros, ones,"
         " tensor and empty default to float32) or cast with .float() / .double()",
@@ -233,12 +234,21 @@ CONSTANT_ONLY = Cause(
     " guarded, the row returned as it is) gives the wrong value",
     "let (x - mean) / sqrt(var + eps) run on every row: it gives bias on a constant row",
 )
+TIES_ONLY = Cause(
+    "",
+    "wrong_at_ties",
+    "wrong only at exact ties (an element equal to its row's mean, equal elements): |x - mean|,"
+    " sign(x - mean), or a branch on x == mean, whose derivative there is 0 or undefined",
+    "write the variance as ((x - mean)**2).mean(-1) and xhat as (x - mean) * rstd: smooth"
+    " everywhere; no abs, sign or comparison of x with its mean",
+)
 FAMILY_CAUSES = {
     "exact zeros": ZEROS_AS_PADDING,
     "C = 1": ONE_CHANNEL_ONLY,
     "prime C": PRIME_ONLY,
     "constant rows": CONSTANT_ONLY,
     "strided upstream": UPSTREAM_READ_AS_CONTIGUOUS,
+    "exact ties": TIES_ONLY,
 }
 """The cause of a failure no formula explains, when every failing case is of one family
 (the random cases, called first, passed): the family says what the function gets wrong."""

@@ -39,6 +39,7 @@ from maskln_cli.grading.clauses.clause import make_clause
 from maskln_cli.grading.clauses.judging import PASSED, Verdict, format_pair, unravel
 from maskln_cli.grading.clauses.rows import UNINITIALIZED
 from maskln_cli.grading.clauses.state import (
+    UNUSUAL_THREADS,
     global_state,
     preserved_state,
     restore,
@@ -338,21 +339,45 @@ GLOBAL_STATE_CHANGED = Diagnosis(
 )
 
 
-def _probe_phases(fn: Fn, case: Case, device: str, check: Callable[[str], None]) -> None:
-    """A no-grad forward, a forward with grad and its backward, ``check(phase)`` after each."""
-    t = case.inputs(device)
-    with torch.no_grad():
-        checked_output(invoke(fn, t, case.eps, "positional"))
-    check("no-grad forward")
-    t = case.inputs(device)
-    for name in GRAD_INPUTS:
-        t[name].requires_grad_()
-    out = checked_output(invoke(fn, t, case.eps, "positional"))
-    check("forward")
+PHASES = (
+    ("no-grad forward", "no_grad", False),
+    ("inference-mode forward", "inference", False),
+    ("forward with grad enabled and no input requiring grad", "grad", False),
+    ("forward", "grad", True),
+)
+"""(phase, the caller's grad mode, whether x, scale and bias require grad) of each call of
+:func:`_probe_phases`: every grad mode a caller calls in."""
+
+
+def _probe_phases(
+    fn: Fn, case: Case, device: str, check: Callable[[str, dict[str, Any]], None]
+) -> None:
+    """A call in each of :data:`PHASES`, and the backward of the last; ``check(phase,
+    expected)`` right after each call, inside the caller's context (a ``torch.no_grad()`` block
+    puts grad mode back on exit, hiding a function that left it on), against the state read in
+    that context just before the call."""
+    for phase, mode, requires in PHASES:
+        t = case.inputs(device)
+        if requires:
+            for name in GRAD_INPUTS:
+                t[name].requires_grad_()
+        with _caller_mode(mode):
+            expected = global_state()
+            out = checked_output(invoke(fn, t, case.eps, "positional"))
+            check(phase, expected)
     if out.requires_grad:
+        expected = global_state()
         leaves = [t[name] for name in GRAD_INPUTS]
         torch.autograd.grad(weighted_sum(out, t), leaves, allow_unused=True)
-        check("backward")
+        check("backward", expected)
+
+
+def _caller_mode(mode: str) -> Any:
+    if mode == "no_grad":
+        return torch.no_grad()
+    if mode == "inference":
+        return torch.inference_mode()
+    return torch.enable_grad()
 
 
 def _effects_cases(seed: int, clause: str = "no_global_effects") -> list[Case]:
@@ -377,10 +402,9 @@ def _effects_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
             announce(f"{case.label}, a no-grad forward, a forward and its backward ({where})")
             changes: list[str] = []
             with context():
-                expected = global_state()
 
                 def check(
-                    phase: str, expected: dict[str, Any] = expected, changes: list[str] = changes
+                    phase: str, expected: dict[str, Any], changes: list[str] = changes
                 ) -> None:
                     found = state_changes(expected, global_state())
                     changes.extend(f"{change} (in the {phase})" for change in found)
@@ -406,7 +430,10 @@ def _effects_judge(cases: list[Case], run: ClauseRun) -> Verdict:
             if not isinstance(changes, list):
                 raise Misbehaved("no record of torch's global state came back")
             if changes:
-                state = " (called with a default dtype of float64, other print options)"
+                state = (
+                    f" (called with a default dtype of float64, {UNUSUAL_THREADS} threads, other"
+                    " print options)"
+                )
                 detail = f"{case.label}{state if where == 'unusual' else ''}: torch's global state"
                 detail += f" changed: {'; '.join(map(str, changes))}"
                 return Verdict(False, detail, [GLOBAL_STATE_CHANGED])

@@ -109,8 +109,8 @@ def _precision_problem(out: torch.Tensor, reference: torch.Tensor) -> str | None
     low, high = FLOAT32_ROUNDING
     if low <= error <= high:
         return (
-            f"relative RMS error {error:.2g}, float32's rounding, not float64's (~1e-16):"
-            f" computed in a lower precision, float32?: {mismatch}"
+            f"relative RMS error {error:.2g}, the size of float32's rounding, where float64's is"
+            f" ~1e-16: {mismatch}"
         )
     return (
         f"{mismatch} (relative RMS error {error:.2g}: not a precision's rounding, the values"

@@ -32,6 +32,7 @@ WIDE = "wide rows"
 OFFSET = "offset rows"
 LAYOUT = "strided inputs"
 WORKED = "worked example"
+TIES = "exact ties"
 
 FAMILIES: dict[str, str] = {
     RANDOM: "random rows: mean within twice the spread, row variances from 1e-8 to 4",
@@ -50,6 +51,9 @@ FAMILIES: dict[str, str] = {
     OFFSET: "float32 rows far from zero against their spread (1e4 ± 0.1)",
     LAYOUT: "inputs of any strides: permuted, stepped, expanded, channels-strided",
     WORKED: "the specification's worked example",
+    TIES: "valid rows holding exact ties: elements equal to the row's mean, equal elements,"
+    " zero deviations in a row that is not constant (where |x - mean|, sign(x - mean) and"
+    " branches on x == mean have no derivative, or the wrong one)",
 }
 """Every family a case can belong to, and what it holds."""
 
@@ -111,6 +115,29 @@ def zero_holding_rows(g: torch.Generator, leading: Sequence[int], channels: int)
     x = draws.rows(g, leading, channels).clamp_min(0.0).reshape(-1, channels)
     if x.shape[0] > 1:
         x[1] = 0.0
+    return x.reshape(*leading, channels)
+
+
+TIE_DEVIATIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+"""Deviations from the mean in rows of exact ties: binary fractions, so that every sum of a row
+is exact, in float32 too, and its mean is exactly its middle value."""
+
+
+def tie_rows(g: torch.Generator, leading: Sequence[int], channels: int) -> torch.Tensor:
+    """Rows (C >= 3) whose elements are ``mean + d``: one or two deviations exactly 0 (elements
+    equal to the mean), the others in pairs ``+a, -a``, the first pair twice (equal elements);
+    means from :data:`CONSTANT_VALUES`, in random order."""
+    rows = math.prod(leading)
+    zeros = 1 if channels % 2 else 2
+    x = torch.empty(rows, channels, dtype=torch.float64)
+    for index in range(rows):
+        picks = torch.randint(len(TIE_DEVIATIONS), ((channels - zeros) // 2,), generator=g)
+        sizes = [TIE_DEVIATIONS[int(i)] for i in picks]
+        sizes[-1] = sizes[0]  # a pair twice: equal elements
+        deviations = [0.0] * zeros + [v for a in sizes for v in (a, -a)]
+        order = torch.randperm(channels, generator=g)
+        mean = CONSTANT_VALUES[index % len(CONSTANT_VALUES)]
+        x[index] = mean + torch.tensor(deviations, dtype=torch.float64)[order]
     return x.reshape(*leading, channels)
 
 
@@ -182,6 +209,8 @@ def family_cases(
                 x = constant_rows(g, leading, channels)
             elif family == ZEROS:
                 x = zero_holding_rows(g, leading, channels)
+            elif family == TIES:
+                x = tie_rows(g, leading, channels)
             else:
                 x = draws.rows(g, leading, channels)
             label = describe_inputs(x, dtype, eps)

@@ -35,6 +35,7 @@ from maskln_cli.grading.clauses.clause import make_clause
 from maskln_cli.grading.clauses.judging import (
     PASSED,
     Verdict,
+    condition_causes,
     diagnose_failures,
     failure_detail,
     grad_mismatch,
@@ -43,6 +44,11 @@ from maskln_cli.grading.clauses.judging import (
     judge_outputs,
     value_mismatch,
 )
+from maskln_cli.grading.clauses.own_mistakes import (
+    MEAN_DETACHED_IN_VARIANCE,
+    mean_detached_formula,
+)
+from maskln_cli.op.mistakes import Diagnosis
 
 # gradients ----------------------------------------------------------------------------------------
 
@@ -63,6 +69,7 @@ def _gradient_cases(seed: int) -> list[Case]:
             )
         )
     cases += families.family_cases(g, grad=True)
+    cases += families.family_cases(g, grad=True, families=(families.TIES,))
     for dtype, eps in GRADIENT_EPS:
         x = families.eps_rows(g, (2, 5), 8, eps)
         label = describe_inputs(x, dtype, eps, "row variances 0.01, 1 and 100 times eps")
@@ -119,7 +126,8 @@ GRADIENTS = make_clause(
     "gradients",
     "required",
     "dx, dscale, dbias against autograd through the float64 reference, for each subset"
-    " of inputs requiring grad; constant rows, exact zeros, C = 1, a prime C, eps from 1e-12"
+    " of inputs requiring grad; constant rows, exact zeros, exact ties, C = 1, a prime C, eps"
+    " from 1e-12"
     " to 10, and upstream gradients transposed, stepped and expanded",
     _gradient_cases,
     calls=_gradient_calls,
@@ -135,6 +143,7 @@ SECOND_ORDER_FAMILIES = (
     (families.PRIME, 7),
     (families.CONSTANT, 5),
     (families.ZEROS, 6),
+    (families.TIES, 8),
 )
 """The families whose second-order products are checked besides the random case's (which
 gradgradcheck checks too): (family, C)."""
@@ -149,6 +158,8 @@ def _second_order_cases(seed: int) -> list[Case]:
             x = families.constant_rows(g, (2, 3), channels)
         elif family == families.ZEROS:
             x = families.zero_holding_rows(g, (2, 3), channels)
+        elif family == families.TIES:
+            x = families.tie_rows(g, (2, 3), channels)
         else:
             x = draws.rows(g, (2, 3), channels)
         label = describe_inputs(x, torch.float64, 0.1)
@@ -173,12 +184,17 @@ def _second_order_cases(seed: int) -> list[Case]:
     return cases
 
 
-def _second_order_products(fn: Fn, case: Case, device: str) -> dict[str, torch.Tensor]:
-    """d/d(x, scale, bias) of <first-order gradients, the case's directions>."""
+def _second_order_products(
+    fn: Fn, case: Case, device: str, found: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """d/d(x, scale, bias) of <first-order gradients, the case's directions>; ``found``
+    receives the names of the custom autograd Functions in the output's graph."""
     directions = case.directions or {}
     t = case.inputs(device)
     leaves = [t[n].requires_grad_() for n in GRAD_INPUTS]
     out = checked_output(invoke(fn, t, case.eps, "positional"))
+    if found is not None:
+        found += custom_functions(out)
     grads = torch.autograd.grad(weighted_sum(out, t), leaves, create_graph=True)
     pairs = zip(GRAD_INPUTS, grads, strict=True)
     total = sum((grad * directions[name].to(grad.device)).sum() for name, grad in pairs)
@@ -197,6 +213,48 @@ def _second_order_products(fn: Fn, case: Case, device: str) -> dict[str, torch.T
     }
     first = {f"grad_{n}": export_tensor(g) for n, g in zip(GRAD_INPUTS, grads, strict=True)}
     return {"out": export_tensor(out), **first, **products}
+
+
+def second_order_products(
+    fn: Fn, case: Case, device: str, keep: list | None = None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The second-order products of a call (:func:`_second_order_products`) and the custom
+    autograd Functions in its graph (a cause's probe: :mod:`maskln_cli.grading.confirm`)."""
+    names: list[str] = []
+    products = _second_order_products(fn, case, device, names)
+    if keep is not None:
+        keep.append(products)
+    return products, names
+
+
+def reference_second_order(case: Case, formula: Fn | None = None) -> dict[str, torch.Tensor]:
+    """The second-order products of the float64 reference (or of ``formula``) on ``case``."""
+    if formula is None:
+        found = _second_order_products(reference_formula(), case, "cpu")
+    else:
+
+        def double(x, valid, scale, bias, eps):
+            return formula(x.double(), valid, scale.double(), bias.double(), eps)
+
+        found = _second_order_products(double, case, "cpu")
+    return {name: t for name, t in found.items() if name.startswith("second_")}
+
+
+def custom_functions(out: torch.Tensor, limit: int = 10_000) -> list[str]:
+    """The custom autograd Functions (defined outside torch) in ``out``'s graph, by name."""
+    found: list[str] = []
+    stack, seen = [out.grad_fn], set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        forward_cls = getattr(node, "_forward_cls", None)
+        module = getattr(forward_cls, "__module__", "") or ""
+        if forward_cls is not None and not module.startswith(("torch.", "maskln_cli.")):
+            found.append(getattr(forward_cls, "__name__", "a custom Function"))
+        stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
+    return found
 
 
 def once_differentiable_nodes(out: torch.Tensor, limit: int = 10_000) -> list[str]:
@@ -256,11 +314,14 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         error = check.get("error")
         detail = f"{case.label}: gradgradcheck failed: {gradgradcheck_words(error)}"
         # Taking the products themselves says more than a Jacobian mismatch, when it raises.
-        return Verdict(False, detail, [second_order_cause(run.errors.get("0") or error)])
+        found = [second_order_cause(run.errors.get("0") or error)]
+        found += _second_order_formulas(case, "0", run)
+        return Verdict(False, detail, found, case=0)
     for i, each in enumerate(cases):
         if str(i) in run.errors:
             error = run.errors[str(i)]
-            return Verdict(False, f"{each.label}: {error}", [second_order_cause(error)])
+            found = [second_order_cause(error), *_family_causes(each)]
+            return Verdict(False, f"{each.label}: {error}", found, case=i)
         first_order = _first_order_problem(each, str(i), run)
         if first_order is not None:
             return first_order
@@ -274,8 +335,30 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 detail = f"{each.label}: second-order product {name} {mismatch}"
                 nonfinite = bool((~actual.isfinite() & reference.isfinite()).any())
                 cause = NAN_AT_ZERO_VARIANCE if nonfinite else BACKWARD_FROM_SAVED
-                return Verdict(False, detail, [cause.diagnosis()])
+                found = [cause.diagnosis(), *_second_order_formulas(each, str(i), run)]
+                found += _family_causes(each)
+                return Verdict(False, detail, found, case=i)
     return PASSED
+
+
+def _second_order_formulas(case: Case, key: str, run: ClauseRun) -> list[Diagnosis]:
+    """The grader's own second-order mistakes whose products the function's match."""
+    if f"{key}.second_x" not in run.tensors:
+        return []
+    try:
+        expected = reference_second_order(case, mean_detached_formula)
+    except RuntimeError:
+        return []
+    for name, reference in expected.items():
+        if grad_mismatch(run.tensor(key, name), reference, torch.float64) is not None:
+            return []
+    return [MEAN_DETACHED_IN_VARIANCE]
+
+
+def _family_causes(case: Case) -> list[Diagnosis]:
+    """The cause of the case's family of data, as a candidate (its probe says whether it
+    holds)."""
+    return condition_causes([case])
 
 
 def _first_order_problem(case: Case, key: str, run: ClauseRun) -> Verdict | None:
@@ -296,7 +379,7 @@ SECOND_ORDER = make_clause(
     "second_order",
     "strict",
     "gradgradcheck passes in float64, and second-order products are right, at C = 1, a prime"
-    " C, on constant rows and exact zeros too",
+    " C, on constant rows, exact zeros and exact ties too",
     _second_order_cases,
     run=_second_order_run,
     judge=_second_order_judge,

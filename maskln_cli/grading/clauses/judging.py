@@ -22,6 +22,7 @@ from maskln_cli.grading.clauses.causes import (
     UPSTREAM_READ_AS_CONTIGUOUS,
     family_cause,
 )
+from maskln_cli.grading.clauses.own_mistakes import GRADE_MISTAKES, gradient_pattern
 from maskln_cli.grading.clauses.rows import diagnose_rows
 from maskln_cli.op.mistakes import (
     LOWER_PRECISION,
@@ -58,11 +59,15 @@ EXACT = 1e-12
 @dataclass
 class Verdict:
     """A clause's verdict: its first counterexample in words, and the known mistakes it
-    matches (None: not a failure known mistakes explain; []: none matches)."""
+    matches (None: not a failure known mistakes explain; []: none matches); ``case`` (its
+    index in the clause's cases) and ``call``: the counterexample, when the judge knows it
+    (a cause is confirmed by calling it again: :mod:`maskln_cli.grading.confirm`)."""
 
     passed: bool
     detail: str | None = None
     diagnosis: list[Diagnosis] | None = None
+    case: int | None = None
+    call: Call | None = None
 
 
 PASSED = Verdict(True)
@@ -229,6 +234,7 @@ def judge_outputs(
     right: list[tuple[Case, tuple[str, bool, str]]] = []
     wrong_kinds: set[tuple[str, bool, str]] = set()
     first: str | None = None
+    first_call: Call | None = None
     first_gradient: tuple[Case, Call] | None = None
     for call in calls:
         case = cases[call.case]
@@ -249,15 +255,17 @@ def judge_outputs(
                     if problem is not None and first is None:
                         first_gradient = (case, call)
         if problem is not None and first is None:
-            first = problem
+            first, first_call = problem, call
     if first is None:
         return PASSED
+    at = {"case": first_call.case if first_call else None, "call": first_call}
     if not diagnose:
-        return Verdict(False, first)
+        return Verdict(False, first, **at)
     if not failing and first_gradient is not None:  # the outputs are right, a gradient is not
-        return Verdict(False, first, gradient_causes(*first_gradient, run))
+        return Verdict(False, first, gradient_causes(*first_gradient, run), **at)
     passing = list({id(c): c for c, kind in right if kind in wrong_kinds}.values())
-    return Verdict(False, first, diagnose_failures(failing, passing=passing, order=cases))
+    found = diagnose_failures(failing, passing=passing, order=cases)
+    return Verdict(False, first, found, **at)
 
 
 def judge_gradients(case: Case, call: Call, run: ClauseRun, what: str = "") -> str | None:
@@ -269,7 +277,7 @@ def judge_gradients(case: Case, call: Call, run: ClauseRun, what: str = "") -> s
     return None
 
 
-CATALOGUE = {**MISTAKES, **MORE_MISTAKES}
+CATALOGUE = {**MISTAKES, **MORE_MISTAKES, **GRADE_MISTAKES}
 """The formulas the grader tries on a wrong output."""
 
 
@@ -324,16 +332,63 @@ def diagnose_failures(
         diagnosed += 1
         for diagnosis in found:
             matches.setdefault(diagnosis.mistake, []).append(diagnosis)
+    shared = condition_causes([case for case, _ in failing][:limit])
     if not matches:
-        if not diagnosed:
-            return None
-        shown = [case for case, _ in failing]
-        by_family = family_cause({c.family for c in shown}, {c.eps for c in shown})
-        return [by_family] if by_family is not None else []
+        return shared if diagnosed else None
     most = max(len(found) for found in matches.values())
     best = [found for found in matches.values() if len(found) == most]
     best.sort(key=lambda found: sum(d.distance for d in found) / len(found))
-    return [found[0] for found in best]
+    named = [found[0] for found in best]
+    return named + [d for d in shared if d.mistake not in {n.mistake for n in named}]
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 5 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+def conditions(case: Case) -> set[str]:
+    """The families of data whose condition ``case`` meets, read from its data (a case of
+    random rows with C = 1 meets C = 1's): C = 1, a prime C, constant rows, exact zeros, exact
+    ties in its valid rows, a strided upstream gradient, eps below 1e-5."""
+    from maskln_cli.grading.clauses import families
+
+    found = {case.family}
+    t = case.inputs(clean=case.clean_x is not None)
+    channels = int(t["x"].shape[-1]) if t["x"].dim() else 1
+    if channels == 1:
+        found.add(families.ONE_CHANNEL)
+    elif _is_prime(channels):
+        found.add(families.PRIME)
+    if case.eps < 1e-5:
+        found.add(families.EPS)
+    if "grad_out" in case.views:
+        found.add(families.UPSTREAM)
+    if channels > 1 and t["x"].dim() >= 1:
+        rows = t["x"].double().reshape(-1, channels)[t["valid"].reshape(-1)]
+        if rows.numel():
+            mean = rows.sum(-1, keepdim=True) / channels
+            constant = (rows == rows[:, :1]).all(-1)
+            if bool(constant.any()):
+                found.add(families.CONSTANT)
+            if bool((rows == 0).any()):
+                found.add(families.ZEROS)
+            if channels > 2 and bool(((rows == mean).any(-1) & ~constant).any()):
+                found.add(families.TIES)
+    return found
+
+
+def condition_causes(cases: Sequence[Case]) -> list[Diagnosis]:
+    """The causes of the families of data whose condition every one of ``cases`` meets
+    (:func:`conditions`): candidates, which a probe confirms or refutes."""
+    if not cases:
+        return []
+    shared = set.intersection(*(conditions(case) for case in cases))
+    found = []
+    for family in sorted(shared):
+        cause = family_cause({family}, {min(c.eps for c in cases)})
+        if cause is not None:
+            found.append(cause)
+    return found
 
 
 def _position(order: Sequence[Case], case: Case) -> int:
@@ -391,8 +446,9 @@ def gradient_causes(case: Case, call: Call, run: ClauseRun) -> list[Diagnosis] |
     """Why a call's gradients are wrong when its output is right: NaN, or a gradient of 0,
     on rows of zero variance; the upstream gradient read as contiguous (a case whose upstream
     gradient is strided); statistics cut from the graph. None: no known cause."""
+    pattern = _gradient_pattern(case, call, run)
     if "x" not in call.requires or f"{call.key}.grad_x" not in run.tensors:
-        return None
+        return [pattern] if pattern is not None else None
     t = case.inputs()
     actual = run.tensors[f"{call.key}.grad_x"].double()
     reference = reference_gradients(case, ("x",))["grad_x"]
@@ -407,16 +463,33 @@ def gradient_causes(case: Case, call: Call, run: ClauseRun) -> list[Diagnosis] |
     lost = rows & (actual == 0) & (reference.abs() > 0)
     if bool(lost.any()) and bool((actual[rows] == 0).all()):
         return [GRADIENT_LOST_AT_ZERO_VARIANCE.diagnosis()]
+    if pattern is not None:
+        return [pattern]
     if "grad_out" in case.views:
         return [UPSTREAM_READ_AS_CONTIGUOUS.diagnosis()]
-    found = _detached_match(case, actual, reference)
-    if not found:
-        by_family = family_cause({case.family}, {case.eps})
-        found = [by_family] if by_family is not None else []
-    return found or None
+    found = detached_match(case, actual, reference)
+    return found + condition_causes([case]) or None
 
 
-def _detached_match(case: Case, actual: torch.Tensor, reference: torch.Tensor) -> list[Diagnosis]:
+def _gradient_pattern(case: Case, call: Call, run: ClauseRun) -> Diagnosis | None:
+    """A cause the wrong gradients show themselves (:func:`.own_mistakes.gradient_pattern`),
+    the first one of x's, scale's and bias's."""
+    out = run.tensors.get(f"{call.key}.out")
+    right = out is not None and value_mismatch(out, case.reference(), case.x.dtype) is None
+    t = case.inputs()
+    expected = reference_gradients(case, call.requires)
+    for name in call.requires:
+        actual = run.tensors.get(f"{call.key}.grad_{name}")
+        if actual is None:
+            continue
+        found = gradient_pattern(f"grad_{name}", actual, expected[f"grad_{name}"], t["valid"],
+                                 t.get("grad_out"), right, case.x.dtype)  # fmt: skip
+        if found is not None:
+            return found
+    return None
+
+
+def detached_match(case: Case, actual: torch.Tensor, reference: torch.Tensor) -> list[Diagnosis]:
     t = case.inputs()
     to_truth = relative_rms_error(actual, reference)
     limit = GRADIENT_MATCH.get(case.x.dtype, GRADIENT_MATCH[torch.float32])

@@ -34,6 +34,7 @@ from maskln_cli.grading.clauses.judging import (
     reference_gradients,
     value_mismatch,
 )
+from maskln_cli.grading.clauses.own_mistakes import NAN_MADE_IN_PADDING
 from maskln_cli.grading.clauses.rows import (
     UNINITIALIZED,
     diagnose_rows,
@@ -452,6 +453,8 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 clean = run.tensors.get(f"{call.key}.clean.{name}")
                 diagnosis = _nan_diagnosis(name, grad, clean, reference, t)
                 found = from_output or ([diagnosis] if diagnosis else [])
+                if diagnosis is not None and diagnosis.mistake == NAN_WITHOUT_PADDING:
+                    found = [*found, NAN_MADE_IN_PADDING]  # the probes tell which holds
                 return Verdict(False, f"{case.label}: {nonfinite}", found)
         dx, expected_dx = run.tensor(call.key, "grad_x"), expected["grad_x"]
         if tuple(dx.shape) == tuple(case.x.shape):
@@ -462,7 +465,7 @@ def _sanitized_gradients_judge(cases: list[Case], run: ClauseRun) -> Verdict:
                 return Verdict(
                     False,
                     f"{case.label}: grad_x at {list(index)} (an invalid row) {pair}",
-                    from_output,
+                    from_output or gradient_causes(case, call, run),
                 )
         problem = judge_gradients(case, call, run)
         if problem is not None:

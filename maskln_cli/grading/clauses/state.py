@@ -139,16 +139,21 @@ def preserved_state() -> Iterator[None]:
         restore(saved)
 
 
+UNUSUAL_THREADS = 3
+"""The thread count of the unusual state: the grader runs torch on one thread, so a function
+that leaves torch on one thread (or "restores" one) is seen only from another count; three is
+no machine's core count, nor torch's default. (The cases are small: no parallel region starts,
+so more threads than cores cost nothing.)"""
 UNUSUAL_STATE = {
     "default dtype": torch.float64,
     "print options": {"precision": 7, "threshold": 500, "edgeitems": 2, "linewidth": 100,
                       "sci_mode": True},
     "warn always": True,
+    "threads": UNUSUAL_THREADS,
 }  # fmt: skip
 """A state no one grades in: a function that "restores" what it changed to torch's defaults,
-rather than to what it found, is seen changing it. (The thread count stays: more threads than
-cores make torch's pool spin on a busy machine, seconds per clause; so do deterministic
-algorithms: turning them on first imports for 2 s.)"""
+or to the grader's one thread, rather than to what it found, is seen changing it.
+(Deterministic algorithms stay off: turning them on first imports for 2 s.)"""
 
 
 @contextlib.contextmanager

@@ -1,0 +1,70 @@
+"""How each cause is confirmed (issue 38, item 4), by enumeration: every cause the grader can
+name has a way to be confirmed (maskln_cli.grading.confirm.KINDS), every probe is built the same
+twice (the grader's child and the grader build it apart), and a correct function confirms none
+of them: a cause is named only when its test holds. In process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from maskln_cli.grading import confirm
+from maskln_cli.grading.clauses import CLAUSES
+from maskln_cli.grading.clauses.causes import EXCEPTION_CAUSES, FAMILY_CAUSES
+from maskln_cli.grading.clauses.judging import CATALOGUE
+from maskln_cli.op.mistakes import NEGATIVE_ZERO, ONE_PASS, PRECISION_MISTAKES
+from tests.solutions.correct import masked_layer_normalization as correct
+
+GRADING = Path(confirm.__file__).parent
+
+
+def nameable() -> set[str]:
+    """Every cause a grade can name: the catalogues, and each Diagnosis or Cause the grading
+    package writes."""
+    names = {*CATALOGUE, *PRECISION_MISTAKES, ONE_PASS.name, NEGATIVE_ZERO.name}
+    names |= {c.mistake for c in EXCEPTION_CAUSES} | {c.mistake for c in FAMILY_CAUSES.values()}
+    pattern = re.compile(r'(?:Diagnosis\(|_diagnosis\(|Cause\(\s*"",)\s*"([a-z_0-9]+)"')
+    for path in GRADING.rglob("*.py"):
+        names |= set(pattern.findall(path.read_text()))
+    names |= {"nan_without_padding", "statistics_detached", "mean_detached", "variance_detached"}
+    return names
+
+
+def test_every_cause_the_grader_can_name_has_a_way_to_be_confirmed():
+    missing = sorted(nameable() - set(confirm.KINDS))
+    assert not missing, missing
+    assert set(confirm.JUDGES) | {confirm.OBSERVED} == set(confirm.KINDS.values())
+    for name, kind in confirm.KINDS.items():
+        if kind == confirm.FAMILY:
+            assert name in confirm.FAMILY_OF_CAUSE, name
+
+
+def _counterexample(kind: str):
+    clause = "second_order" if kind in (confirm.CUSTOM_BACKWARD, confirm.SECOND_ORDER_FORMULA) \
+        else "gradients"  # fmt: skip
+    cases = CLAUSES[clause].build(0)
+    index = next(i for i, c in enumerate(cases) if c.family == "random rows")
+    spec = confirm.Spec.of(clause, None, "grad_x at [0]" if clause == "gradients" else "")
+    return clause, cases[index], spec
+
+
+PROBED = sorted(name for name, kind in confirm.KINDS.items() if kind != confirm.OBSERVED)
+
+
+@pytest.mark.parametrize("mistake", PROBED)
+def test_a_probe_is_built_the_same_twice_and_a_correct_function_confirms_none(mistake):
+    clause, case, spec = _counterexample(confirm.KINDS[mistake])
+    first = confirm.build_probe(mistake, case, spec, 0, f"{clause} 0 7")
+    again = confirm.build_probe(mistake, case, spec, 0, f"{clause} 0 7")
+    assert first is not None and len(first.steps) == len(again.steps) >= 2
+    for a, b in zip(first.steps, again.steps, strict=True):
+        assert a.spec == b.spec and a.role == b.role
+        assert torch.equal(a.case.x, b.case.x) and torch.equal(a.case.valid, b.case.valid)
+    run = confirm.run_probe(correct, first, "cpu", [])
+    assert not confirm.JUDGES[first.kind](first, run), mistake  # its test does not hold
+    outcome = confirm.judge_probe(first, run)
+    assert not outcome.confirmed  # the counterexample, right again, was no counterexample
+    assert outcome.alternative.mistake == "result_from_earlier_call"

@@ -1,0 +1,49 @@
+"""Issue 38 (maskln grade, round four), item 4, in process: a cause is named only when a test
+confirms it (the counterexample re-run with the suspected cause's condition varied). Each wrong
+leading cause the issue lists is replaced by its own cause, confirmed, and the refuted one is
+named nowhere; without a confirmed cause, the counterexample and where it differs, in words.
+The solutions are tests/solutions/round_four.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from maskln_cli.grading.runner import grade
+from tests.solutions import round_four
+
+CONFIRMED = {
+    "float32_reciprocal_in_backward": ("gradients_in_float32", {"channel_remainder_lost"}),
+    "one_channel_returns_zeros": ("wrong_at_one_channel", {"stale_mask"}),
+    "clamped_variance": ("variance_clamped", {"eps_squared"}),
+    "statistics_cached_by_id": (
+        "result_from_earlier_call",
+        {"float64_not_cast_back", "broadcasting_error", "wrong_at_one_channel"},
+    ),
+    "nanmean_padding": ("nan_made_in_padding", {"eps_missing", "nan_without_padding"}),
+    "variance_around_detached_mean": ("mean_detached_in_variance", {"backward_from_saved_values"}),
+    "channels_from_size_one": ("channels_from_another_axis", {"statistics_over_valid_rows"}),
+    "backward_sums_padding_into_grad_bias": ("padding_in_grad_bias", set()),
+    "backward_leaves_grad_x_in_padding": ("grad_x_in_padding", set()),
+}
+"""Each solution: the cause that must lead its report, and the causes named before that its
+tests refute (named nowhere in the report)."""
+HANDOUT = ["second_order", "positive_zero"]
+
+
+@pytest.mark.parametrize("name", CONFIRMED)
+def test_each_cause_leads_its_report_and_no_refuted_one_is_named(name):
+    cause, refuted = CONFIRMED[name]
+    report = grade(getattr(round_four, name), include=HANDOUT)
+    assert not report.passed
+    assert report.root_cause is not None, report.text()
+    assert report.root_cause.mistake == cause, report.text()
+    named = {d["mistake"] for d in report.diagnosis if d["mistake"]}
+    assert not named & refuted, report.text()
+
+
+def test_without_a_confirmed_cause_the_report_says_where_it_differs():
+    report = grade(round_four.sqrt_eps_added_to_std, only=["values", "gradients"])
+    assert report.root_cause is None, report.text()
+    assert report.differs is not None
+    assert "out" in report.differs and "valid rows" in report.differs, report.differs
+    assert "where it differs" in report.text()
