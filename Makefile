@@ -41,12 +41,14 @@ demo: $(INSTALLED)
 	@$(call say,"The demo completed: every step ran as expected (the FAIL above is the deliberate mistake).")
 
 # The suite on the default (native) backend, then the op's own tests on the raw-op fallback
-# (test_native_kernel.py tests the native module itself, whichever backend: run once). The
-# adversarial suites marked slow (real processes, signals, fuzzed files) are `make test-slow`.
+# (test_native_kernel.py and test_native_rms.py test the native module itself, whichever
+# backend: run once). The adversarial suites marked slow (real processes, signals, fuzzed
+# files) are `make test-slow`.
 PYTEST := $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
 test: $(INSTALLED)
 	$(PYTEST) -m "not slow"
-	MASKLN_BACKEND=raw $(PYTEST) -m "not slow" tests/op --ignore tests/op/test_native_kernel.py
+	MASKLN_BACKEND=raw $(PYTEST) -m "not slow" tests/op --ignore tests/op/test_native_kernel.py \
+		--ignore tests/op/test_native_rms.py
 
 # The adversarial suites (CI runs them after `make test`).
 test-slow: $(INSTALLED)

@@ -1,10 +1,11 @@
 """Models: maskln on a whole torch model, every layer norm of it at once.
 
-This package knows ``torch.nn`` modules and their hooks: recording each call of every
-``nn.LayerNorm`` and ``MaskedLayerNorm`` of a model run into a dump file of its own
-(:mod:`.capture`, the files in :mod:`.dumps`), swapping a model's ``nn.LayerNorm`` modules for
-``MaskedLayerNorm`` fed the batch's mask (:mod:`.swap`), which layer norms a call takes
-(:mod:`.select`) and how a model's ``[batch, seq]`` mask meets a layer norm's rows
+This package knows ``torch.nn`` modules and their hooks: the kinds of norm it finds in a model
+(``nn.LayerNorm``, ``nn.RMSNorm``, the RMSNorms of LLaMA-family models, maskln's own: the
+table of :mod:`.kinds`), recording each call of every one of them in a model run into a dump
+file of its own (:mod:`.capture`, the files in :mod:`.dumps`), swapping a model's norms for
+``MaskedLayerNorm`` and ``MaskedRMSNorm`` fed the batch's mask (:mod:`.swap`), which norms a
+call takes (:mod:`.select`) and how a model's ``[batch, seq]`` mask meets a layer norm's rows
 (:mod:`.masks`).
 
 It may import the op (the module, the mask rule) and files (dumps are written atomically
@@ -15,6 +16,6 @@ verify, grading, jobs or the command line. Only the facade (``maskln_cli.capture
 """
 
 from maskln_cli.models.capture import Capture, capture
-from maskln_cli.models.swap import SwappedLayerNorm, swap_layer_norms
+from maskln_cli.models.swap import SwappedLayerNorm, SwappedRMSNorm, swap_layer_norms
 
-__all__ = ["Capture", "SwappedLayerNorm", "capture", "swap_layer_norms"]
+__all__ = ["Capture", "SwappedLayerNorm", "SwappedRMSNorm", "capture", "swap_layer_norms"]

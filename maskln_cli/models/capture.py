@@ -1,10 +1,12 @@
-"""``capture``: record each call of every layer norm of a model run, one dump file per call.
+"""``capture``: record each call of every layer norm of a model run, one dump file per call: the
+``nn.LayerNorm``, ``nn.RMSNorm``, LLaMA-family RMSNorm and maskln modules of
+:data:`~maskln_cli.models.kinds.KINDS`.
 
     with maskln_cli.capture(model, "dumps", valid=attention_mask):
         loss = model(input_ids, attention_mask=attention_mask).last_hidden_state.sum()
         loss.backward()  # optional: the gradients go into the same files
 
-Hooks on each ``nn.LayerNorm`` and ``MaskedLayerNorm`` write a call's forward dump as soon as
+Hooks on each of those modules write a call's forward dump as soon as
 the call returns, and its gradients as soon as a backward pass has computed them: nothing is
 held beyond the call being written (see :mod:`maskln_cli.models.dumps` for the files).
 
@@ -22,9 +24,11 @@ capture into it, in this process or another, is refused.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +39,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from maskln_cli.models.dumps import MAX_CALLS, DumpFolder
+from maskln_cli.models.kinds import Kind, lookalikes, summary
 from maskln_cli.models.masks import fit_mask
 from maskln_cli.models.select import select_layer_norms
-from maskln_cli.models.swap import SwappedLayerNorm
+from maskln_cli.models.swap import Swapped
 from maskln_cli.op.checks import as_valid_mask, dtype_name
-from maskln_cli.op.module import MaskedLayerNorm
 
 __all__ = ["Capture", "capture"]
 
@@ -47,8 +51,10 @@ PARAMETERS = (("weight", "scale", "grad_scale"), ("bias", "bias", "grad_bias"))
 """A module's parameter, its name in a dump, and its gradient's."""
 ORIGINAL = "_maskln_capture_original"
 """The attribute of a parameter's alias holding the parameter itself."""
-INPUT_NAMES = ("input", "x")
-"""A layer norm's input by name: nn.LayerNorm's forward(input), MaskedLayerNorm's (x, valid)."""
+INPUT_NAMES = ("input", "x", "hidden_states")
+"""A layer norm's input by name: nn.LayerNorm's forward(input), MaskedLayerNorm's (x, valid),
+transformers' RMSNorms' (hidden_states)."""
+log = logging.getLogger(__name__)
 
 
 def capture(
@@ -60,8 +66,10 @@ def capture(
     backward: bool = True,
     max_calls: int | None = None,
 ) -> Capture:
-    """Record each call of every ``nn.LayerNorm`` and ``MaskedLayerNorm`` of ``model`` run in
-    the ``with`` block into a dump file of its own in ``out_dir``.
+    """Record each call of every layer norm of ``model`` run in the ``with`` block into a dump
+    file of its own in ``out_dir``: each ``nn.LayerNorm``, ``nn.RMSNorm``, RMSNorm of a
+    LLaMA-family model (``LlamaRMSNorm``, ``GemmaRMSNorm``...:
+    :data:`~maskln_cli.models.kinds.KINDS`), ``MaskedLayerNorm`` and ``MaskedRMSNorm``.
 
     Args:
         model: any ``nn.Module`` (a transformers model, in eval or train mode, float32 or
@@ -72,10 +80,10 @@ def capture(
             into: dumps of two runs never mix.
         valid: the batch's mask, ``[batch, seq]`` as a transformers ``attention_mask`` (by the
             one mask rule: bool, or 0/1 of any integer or floating dtype, 1 = valid), for the
-            ``nn.LayerNorm`` calls; it must fit each call's rows (see
-            :func:`maskln_cli.models.masks.fit_mask`). Default: every row valid. A
-            ``MaskedLayerNorm``'s dump holds the mask it was given. Set
-            :attr:`Capture.valid` between batches.
+            calls of the model's own norms; it must fit each call's rows (see
+            :func:`maskln_cli.models.masks.fit_mask`). Default: every row valid. A masked
+            norm's dump holds the mask it was given. Set :attr:`Capture.valid` between
+            batches.
         modules: glob patterns of module paths (fnmatch: ``*`` matches dots too, so
             ``"encoder.layer.11.*"`` is every layer norm of layer 11): record only those layer
             norms. Default: all of them.
@@ -86,8 +94,14 @@ def capture(
             many were not recorded.
 
     Returns:
-        A :class:`Capture`, the context manager; ``with capture(...) as run:`` gives it, and
-        ``run.files`` lists the dumps written, in call order.
+        A :class:`Capture`, the context manager; ``with capture(...) as run:`` gives it,
+        ``run.found`` says which norms it records, by kind, and ``run.files`` lists the dumps
+        written, in call order.
+
+    Raises:
+        ValueError: the model has no layer norm maskln knows (the message names the modules
+            that look like norms but whose formula maskln does not know), or an argument is
+            wrong (the message names it).
     """
     return Capture(model, out_dir, valid, modules, backward, max_calls)
 
@@ -104,7 +118,8 @@ class _Call:
 
 
 class Capture:
-    """The context manager :func:`capture` returns. After (or during) the block:
+    """The context manager :func:`capture` returns. ``found``: how many norms of each kind it
+    records (``{"LlamaRMSNorm": 5}``). After (or during) the block:
 
     - ``files``: the dumps written, in call order;
     - ``calls``: how many calls were recorded, ``skipped`` how many were not (``max_calls``, or
@@ -122,7 +137,14 @@ class Capture:
     ) -> None:
         self._targets = select_layer_norms(_uncompiled(model), modules)
         if not self._targets:
-            raise ValueError(f"{type(model).__name__} has no nn.LayerNorm or MaskedLayerNorm")
+            raise ValueError(_none_found(model))
+        self._kinds = {id(found.module): found.kind for found in self._targets}
+        self.found = dict(Counter(found.kind.name for found in self._targets).most_common())
+        log.info(
+            "capture: %s: recording %s",
+            type(model).__name__,
+            summary(found.kind.name for found in self._targets),
+        )
         if max_calls is not None and (
             isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1
         ):
@@ -178,7 +200,7 @@ class Capture:
         # A torch.compile'd model would run its compiled code, which calls no hooks: nothing
         # would be recorded. Inside the block, compiled code runs eagerly instead.
         self._eager = torch.compiler.set_stance("force_eager")
-        for path, module in self._targets:
+        for path, module, _ in self._targets:
             self._handles += [
                 module.register_forward_pre_hook(self._before, with_kwargs=True),
                 module.register_forward_hook(
@@ -292,37 +314,16 @@ class Capture:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"capture: layer norm {path!r} returned {type(out).__name__}")
         x = call.x
-        shape = tuple(module.normalized_shape)  # type: ignore[arg-type]
+        kind = self._kinds[id(module)]
+        shape = kind.shape_of(module)
         if tuple(x.shape[-len(shape) :]) != shape or x.dim() < len(shape):
             raise ValueError(
                 f"capture: layer norm {path!r} normalizes {list(shape)}, but its input has shape"
                 f" {list(x.shape)}: maskln normalizes the last axes; leave it out with modules="
             )
         leading = tuple(x.shape[: x.dim() - len(shape)])
-        channels = math.prod(shape)
-        masked = isinstance(module, MaskedLayerNorm)
-        valid, source = self._valid_of(path, module, args, kwargs, x, leading)
-        tensors = {
-            "x": x.reshape(*leading, channels),
-            "valid": valid,
-            "scale": self._parameter(module, call, "weight", x, 1.0).reshape(channels),
-            "bias": self._parameter(module, call, "bias", x, 0.0).reshape(channels),
-            "out": out.reshape(*leading, channels),
-        }
-        metadata = {
-            "eps": repr(float(module.eps)),  # type: ignore[arg-type]
-            "module": path,
-            "call": str(call.index),
-            "dtype": dtype_name(x.dtype),
-            "module_type": f"{type(module).__module__}.{type(module).__qualname__}",
-            "padding": "zeroed" if masked else "normalized",
-            "valid_source": source,
-            "training": str(module.training).lower(),
-            "autocast": _autocast(x.device.type),
-            **_versions(),
-        }
-        if len(shape) > 1:
-            metadata["normalized_shape"] = str(list(shape))
+        valid, source = self._valid_of(path, module, kind, args, kwargs, x, leading)
+        tensors, metadata = _dump(path, module, kind, call, out, valid, source)
         with self._lock:
             self._dumps.write(call.index, path, tensors, metadata)
             if call.gradients and out.requires_grad:
@@ -334,32 +335,24 @@ class Capture:
         self,
         path: str,
         module: nn.Module,
+        kind: Kind,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         x: torch.Tensor,
         leading: tuple[int, ...],
     ) -> tuple[torch.Tensor, str]:
         """The call's mask of rows, and where it came from (metadata ``valid_source``)."""
-        if isinstance(module, MaskedLayerNorm):
+        if kind.masked:
             given = args[1] if len(args) > 1 else kwargs.get("valid")
             if given is not None:
                 return as_valid_mask(given, "valid"), "the module's valid argument"
-            if isinstance(module, SwappedLayerNorm):
+            if isinstance(module, Swapped):
                 return module.mask_for(x), "the model's mask (swap_layer_norms)"
         if self._valid is None:
             return torch.ones(leading, dtype=torch.bool, device=x.device), "none: every row"
         where = f"capture: layer norm {path!r}"
         mask = fit_mask(self._valid.to(x.device), leading, where)
         return mask, f"capture(valid=) {list(self._valid.shape)}"
-
-    @staticmethod
-    def _parameter(
-        module: nn.Module, call: _Call, name: str, x: torch.Tensor, fill: float
-    ) -> torch.Tensor:
-        parameter = call.parameters.get(name, module._parameters.get(name))
-        if parameter is None:  # no affine (or no bias): what the module multiplies or adds
-            return torch.full(module.normalized_shape, fill, dtype=x.dtype)  # type: ignore[arg-type]
-        return parameter
 
     # --- the backward pass --------------------------------------------------------------------
 
@@ -396,6 +389,81 @@ class Capture:
         self._pending_call, self._pending = None, {}
         if call is not None and gradients:
             self._dumps.add_gradients(call, gradients)
+
+
+def _dump(
+    path: str,
+    module: nn.Module,
+    kind: Kind,
+    call: _Call,
+    out: torch.Tensor,
+    valid: torch.Tensor,
+    source: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A call's dump: its tensors (an RMSNorm's without bias) and metadata (an RMSNorm's with
+    its ``norm`` and ``offset``: the gain is offset + scale)."""
+    x = call.x
+    shape = kind.shape_of(module)
+    leading = tuple(x.shape[: x.dim() - len(shape)])
+    channels = math.prod(shape)
+    tensors = {
+        "x": x.reshape(*leading, channels),
+        "valid": valid,
+        "scale": _parameter(module, call, "weight", x, shape, 1.0).reshape(channels),
+        "out": out.reshape(*leading, channels),
+    }
+    if kind.norm.centered:
+        tensors["bias"] = _parameter(module, call, "bias", x, shape, 0.0).reshape(channels)
+    metadata = {
+        "eps": repr(kind.eps_of(module, x.dtype)),
+        "module": path,
+        "call": str(call.index),
+        "dtype": dtype_name(x.dtype),
+        "module_type": f"{type(module).__module__}.{type(module).__qualname__}",
+        "padding": "zeroed" if kind.masked else "normalized",
+        "valid_source": source,
+        "training": str(module.training).lower(),
+        "autocast": _autocast(x.device.type),
+        **_versions(),
+    }
+    if not kind.norm.centered:
+        weighted = module._parameters.get("weight") is not None  # no weight: a gain of 1
+        metadata["norm"] = kind.norm.name
+        metadata["offset"] = repr(kind.offset_of(module) if weighted else 0.0)
+    if len(shape) > 1:
+        metadata["normalized_shape"] = str(list(shape))
+    return tensors, metadata
+
+
+def _parameter(
+    module: nn.Module,
+    call: _Call,
+    name: str,
+    x: torch.Tensor,
+    shape: tuple[int, ...],
+    fill: float,
+) -> torch.Tensor:
+    parameter = call.parameters.get(name, module._parameters.get(name))
+    if parameter is None:  # no affine (or no bias): what the module multiplies or adds
+        return torch.full(shape, fill, dtype=x.dtype)
+    return parameter
+
+
+def _none_found(model: nn.Module) -> str:
+    """Why a model has nothing to capture, naming its lookalikes."""
+    text = (
+        f"{type(model).__name__} has no layer norm maskln knows (nn.LayerNorm, nn.RMSNorm, the"
+        " RMSNorms of LLaMA-family models, MaskedLayerNorm, MaskedRMSNorm)"
+    )
+    unknown = lookalikes(model)
+    if unknown:
+        shown = ", ".join(repr(path) for path in list(unknown)[:3])
+        more = ", ..." if len(unknown) > 3 else ""
+        text += (
+            f"; it has modules that look like norms but whose formula maskln does not know"
+            f" ({summary(unknown.values())}: {shown}{more})"
+        )
+    return text
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:

@@ -1,5 +1,6 @@
-"""``swap_layer_norms``: a model's ``nn.LayerNorm`` modules become ``MaskedLayerNorm``, fed the
-mask of each forward call.
+"""``swap_layer_norms``: a model's layer norms become maskln's masked norms, fed the mask of each
+forward call: ``nn.LayerNorm`` becomes ``MaskedLayerNorm``; ``nn.RMSNorm`` and the RMSNorms of
+LLaMA-family models (:data:`~maskln_cli.models.kinds.KINDS`) become ``MaskedRMSNorm``.
 
 A transformers model calls its layer norms with the hidden states alone, so the mask reaches
 them through the model: a forward pre-hook on the model takes it from the call's arguments
@@ -13,17 +14,25 @@ the copy's hooks to the copy's layer norms: no closure keeps a copy reading the 
 from __future__ import annotations
 
 import inspect
+import logging
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from maskln_cli.models.kinds import KINDS, Kind, lookalikes, summary
 from maskln_cli.models.masks import fit_mask
-from maskln_cli.models.select import select_layer_norms
+from maskln_cli.models.select import Found, select_layer_norms
 from maskln_cli.op.checks import as_valid_mask
-from maskln_cli.op.module import MaskedLayerNorm
+from maskln_cli.op.module import MaskedLayerNorm, MaskedRMSNorm
 
-__all__ = ["ModelMask", "SwappedLayerNorm", "swap_layer_norms"]
+__all__ = ["ModelMask", "SwappedLayerNorm", "SwappedRMSNorm", "swap_layer_norms"]
+
+SWAPPED_KINDS = tuple(kind for kind in KINDS if not kind.masked)
+"""The kinds the swap replaces: every kind but maskln's own masked norms."""
+LAYER_NORM = next(kind for kind in KINDS if kind.match is nn.LayerNorm)
+log = logging.getLogger(__name__)
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -79,13 +88,13 @@ class ModelMask:
         self.given, self.converted = self._outer.pop() if self._outer else (None, None)
 
 
-class SwappedLayerNorm(MaskedLayerNorm):
-    """A ``MaskedLayerNorm`` standing in for a model's ``nn.LayerNorm``: called with the hidden
-    states alone, it takes its mask from the model's forward call (see
-    :func:`swap_layer_norms`); called with ``valid``, it uses that.
+class Swapped:
+    """What a masked norm standing in for a model's own needs: called with the hidden states
+    alone, it takes its mask from the model's forward call (see :func:`swap_layer_norms`);
+    called with ``valid``, it uses that.
 
     ``path`` is its place in the model (for messages); ``model_mask`` the model's
-    :class:`ModelMask`. Its parameters are the ``nn.LayerNorm``'s own, under the same names.
+    :class:`ModelMask`. Its parameters are the replaced module's own, under the same names.
     """
 
     path: str
@@ -94,7 +103,7 @@ class SwappedLayerNorm(MaskedLayerNorm):
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         if valid is None:
             valid = self.mask_for(x)
-        return super().forward(x, valid)
+        return super().forward(x, valid)  # type: ignore[misc]
 
     def mask_for(self, x: torch.Tensor) -> torch.Tensor:
         """The bool mask of ``x``'s rows, from the model's forward call in progress."""
@@ -112,13 +121,28 @@ class SwappedLayerNorm(MaskedLayerNorm):
             )
         return fit_mask(mask, x.shape[:-1], f"layer norm {self.path!r}")
 
+    def placed(self, module: nn.Module, model_mask: ModelMask, path: str) -> None:
+        """Take ``module``'s training mode and place in the model."""
+        self.train(module.training)  # type: ignore[attr-defined]
+        self.path = path
+        self.model_mask = model_mask
+
+    def extra_repr(self) -> str:
+        source = getattr(self, "model_mask", None)
+        return super().extra_repr() + (f", mask={source.argument}" if source else "")  # type: ignore[misc]
+
+
+class SwappedLayerNorm(Swapped, MaskedLayerNorm):
+    """A ``MaskedLayerNorm`` standing in for a model's ``nn.LayerNorm`` (see :class:`Swapped`).
+    Its parameters are the ``nn.LayerNorm``'s own, under the same names."""
+
     @classmethod
     def replacing(
         cls, layer_norm: nn.LayerNorm, model_mask: ModelMask, path: str
     ) -> SwappedLayerNorm:
         """A SwappedLayerNorm with ``layer_norm``'s size, eps, training mode and parameters:
         the same Parameter objects, so an optimizer made before the swap still trains them."""
-        _check_swappable(path, layer_norm)
+        _check_swappable(Found(path, layer_norm, LAYER_NORM))
         norm = cls(
             layer_norm.normalized_shape,
             eps=layer_norm.eps,
@@ -128,14 +152,34 @@ class SwappedLayerNorm(MaskedLayerNorm):
         )
         norm.weight = layer_norm.weight
         norm.bias = layer_norm.bias
-        norm.train(layer_norm.training)
-        norm.path = path
-        norm.model_mask = model_mask
+        norm.placed(layer_norm, model_mask, path)
         return norm
 
-    def extra_repr(self) -> str:
-        source = getattr(self, "model_mask", None)
-        return super().extra_repr() + (f", mask={source.argument}" if source else "")
+
+class SwappedRMSNorm(Swapped, MaskedRMSNorm):
+    """A ``MaskedRMSNorm`` standing in for a model's RMSNorm (``nn.RMSNorm``, ``LlamaRMSNorm``,
+    ``GemmaRMSNorm``...: see :class:`Swapped`). Its weight is the replaced module's own, under
+    the same name; its eps and offset are the module's kind's (Gemma's gain is ``1 + weight``).
+    """
+
+    @classmethod
+    def replacing(
+        cls, module: nn.Module, kind: Kind, model_mask: ModelMask, path: str
+    ) -> SwappedRMSNorm:
+        """A SwappedRMSNorm with ``module``'s size, eps, offset, training mode and weight (the
+        same Parameter object)."""
+        _check_swappable(Found(path, module, kind))
+        weight = module.weight
+        norm = cls(
+            kind.shape_of(module),
+            eps=getattr(module, kind.eps),  # None stays None: nn.RMSNorm's rule, per call
+            elementwise_affine=weight is not None,
+            offset=kind.offset_of(module),
+            device="meta",  # no memory: the weight is the module's own
+        )
+        norm.weight = weight
+        norm.placed(module, model_mask, path)
+        return norm
 
 
 def swap_layer_norms(
@@ -144,8 +188,15 @@ def swap_layer_norms(
     mask_argument: str = "attention_mask",
     modules: str | list[str] | None = None,
 ) -> nn.Module:
-    """Replace every ``nn.LayerNorm`` of ``model`` by a ``MaskedLayerNorm`` that zeroes the
-    padding, and return ``model`` (changed in place).
+    """Replace every layer norm of ``model`` by a masked norm that zeroes the padding, and return
+    ``model`` (changed in place): each ``nn.LayerNorm`` by a ``MaskedLayerNorm``; each
+    ``nn.RMSNorm``, and each RMSNorm of a LLaMA-family model (``LlamaRMSNorm``,
+    ``Qwen2RMSNorm``, ``MistralRMSNorm``, ``GemmaRMSNorm`` with its offset of 1,
+    ``T5LayerNorm``...: :data:`~maskln_cli.models.kinds.KINDS`) by a ``MaskedRMSNorm``.
+
+    It logs what it swapped, by kind (at INFO, on the ``maskln_cli.models.swap`` logger), and
+    warns when it swaps nothing (a model with no norm maskln knows), or leaves a module whose
+    class name says it is a norm but whose formula maskln does not know (never silently).
 
     Each forward call of ``model`` hands its ``mask_argument`` (by name or by position, as
     ``model.forward`` binds it) to every swapped layer norm, by maskln's one mask rule: bool,
@@ -164,8 +215,9 @@ def swap_layer_norms(
 
     Raises:
         TypeError: ``model.forward`` takes no ``mask_argument``.
-        ValueError: a layer norm that MaskedLayerNorm cannot stand in for (one normalizing
-            several axes, or a subclass with its own forward): leave it out with ``modules``.
+        ValueError: a layer norm that maskln's cannot stand in for (one normalizing several
+            axes, or a subclass of torch's with its own forward): leave it out with
+            ``modules``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
@@ -187,9 +239,9 @@ def swap_layer_norms(
         ...
         TypeError: Tagger was called without attention_mask, which its layer norms ...
     """
-    targets = select_layer_norms(model, modules, kinds=(nn.LayerNorm,))
-    for path, layer_norm in targets:  # every refusal before any change
-        _check_swappable(path, layer_norm)
+    targets = select_layer_norms(model, modules, kinds=SWAPPED_KINDS)
+    for found in targets:  # every refusal before any change
+        _check_swappable(found)
     model_mask = _hooked_mask(model)
     if model_mask is None:
         model_mask = ModelMask(mask_argument, _mask_position(model, mask_argument))
@@ -198,10 +250,7 @@ def swap_layer_norms(
             f"model's layer norms were swapped with their mask from {model_mask.argument!r};"
             f" they cannot take it from {mask_argument!r} too"
         )
-    swapped = {
-        id(layer_norm): SwappedLayerNorm.replacing(layer_norm, model_mask, path)
-        for path, layer_norm in targets
-    }
+    swapped = {id(found.module): _replacement(found, model_mask) for found in targets}
     # Set by identity, in every parent: a layer norm shared by two blocks stays shared.
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -210,24 +259,60 @@ def swap_layer_norms(
     if _hooked_mask(model) is None:
         model.register_forward_pre_hook(model_mask.take, with_kwargs=True)
         model.register_forward_hook(model_mask.drop, with_kwargs=True, always_call=True)
+    _say(model, targets, modules)
     return model
 
 
-def _check_swappable(path: str, layer_norm: nn.LayerNorm) -> None:
+def _replacement(found: Found, model_mask: ModelMask) -> Swapped:
+    if found.kind.norm.centered:
+        return SwappedLayerNorm.replacing(found.module, model_mask, found.path)  # type: ignore[arg-type]
+    return SwappedRMSNorm.replacing(found.module, found.kind, model_mask, found.path)
+
+
+def _say(model: nn.Module, targets: list[Found], modules: str | list[str] | None) -> None:
+    """Log what was swapped, by kind; warn when nothing was, or lookalikes were left."""
+    name = type(model).__name__
+    unknown = lookalikes(model) if modules is None else {}
+    if unknown:
+        shown = ", ".join(repr(path) for path in list(unknown)[:3])
+        more = ", ..." if len(unknown) > 3 else ""
+        warnings.warn(
+            f"swap_layer_norms: {name} has modules that look like norms but whose formula maskln"
+            f" does not know ({summary(unknown.values())}: {shown}{more}); they were not"
+            " swapped, and the padding reaches them",
+            stacklevel=3,
+        )
+    if targets:
+        log.info("swap_layer_norms: %s: swapped %s", name, summary(f.kind.name for f in targets))
+        return
+    if modules is None and not any(isinstance(m, Swapped) for m in model.modules()):
+        warnings.warn(
+            f"swap_layer_norms: {name} has no layer norm maskln knows (nn.LayerNorm, nn.RMSNorm,"
+            " or the RMSNorms of LLaMA-family models), so nothing was swapped",
+            stacklevel=3,
+        )
+
+
+def _check_swappable(found: Found) -> None:
+    path, module, kind = found
+    base = kind.match
+    what = "an nn.LayerNorm" if kind.norm.centered else "an nn.RMSNorm"
+    masked = "MaskedLayerNorm" if kind.norm.centered else "MaskedRMSNorm"
     if not path:
+        if not isinstance(base, type):
+            raise ValueError(f"model is itself a {kind.name}: swap the model it is part of")
+        converter = "from_layer_norm" if kind.norm.centered else "from_rms_norm"
+        raise ValueError(f"model is itself {what}: {masked}.{converter} converts it")
+    if isinstance(base, type) and type(module).forward is not base.forward:
         raise ValueError(
-            "model is itself an nn.LayerNorm: MaskedLayerNorm.from_layer_norm converts it"
+            f"layer norm {path!r} is a {type(module).__name__}, {what} with a forward of its"
+            f" own, which {masked} cannot stand in for; leave it out with modules="
         )
-    if type(layer_norm).forward is not nn.LayerNorm.forward:
+    shape = kind.shape_of(module)
+    if len(shape) != 1:
         raise ValueError(
-            f"layer norm {path!r} is a {type(layer_norm).__name__}, an nn.LayerNorm with a"
-            " forward of its own, which MaskedLayerNorm cannot stand in for; leave it out"
-            " with modules="
-        )
-    if len(layer_norm.normalized_shape) != 1:
-        raise ValueError(
-            f"layer norm {path!r} normalizes {list(layer_norm.normalized_shape)}:"
-            " MaskedLayerNorm normalizes the last axis only; leave it out with modules="
+            f"layer norm {path!r} normalizes {list(shape)}: {masked} normalizes the last axis"
+            " only; leave it out with modules="
         )
 
 

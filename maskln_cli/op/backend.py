@@ -10,8 +10,9 @@ When the native kernels cannot be built (no C++ compiler, ninja or Python header
 back to the raw-op kernels with one warning per process (:class:`NativeFallbackWarning`).
 
 :func:`forward` and :func:`backward` are the op's two computations on plain tensors whose
-inputs are already checked (:func:`maskln_cli.op.checks.check_inputs`): they return what the
-registered ops ``maskln::masked_layer_norm`` and ``maskln::masked_layer_norm_backward`` return,
+inputs are already checked (:func:`maskln_cli.op.checks.check_inputs`), for either norm (the
+calling convention of :mod:`maskln_cli.op.norms`): they return what the registered ops
+(``maskln::masked_layer_norm``, ``maskln::masked_rms_norm`` and their backward ops) return,
 in the same dtypes and layouts, whichever kernels run.
 """
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
 from maskln_cli.op import native
+from maskln_cli.op.norms import LAYER, Norm
 
 if TYPE_CHECKING:
     import torch
@@ -77,18 +79,17 @@ _native: ModuleType | None = None
 _native_tried = False
 _failure: str | None = None
 """Why loading the native kernels failed in this process."""
-_python_autograd: tuple[object, object] | None = None
-"""use_python_autograd's kernels."""
+_python_autograd: dict[str, tuple[object, object]] = {}
+"""use_python_autograd's kernels, by norm."""
 
 
-def use_python_autograd(forward: object, backward: object) -> None:
-    """The registered ops' Python autograd kernels (:mod:`maskln_cli.op.library`), which the
-    native library's C++ autograd kernels call back when a derivative may be taken; given before
-    the native kernels load (they are registered with them)."""
-    global _python_autograd
-    _python_autograd = (forward, backward)
+def use_python_autograd(norm: Norm, forward: object, backward: object) -> None:
+    """A norm's registered ops' Python autograd kernels (:mod:`maskln_cli.op.library`), which
+    the native library's C++ autograd kernels call back when a derivative may be taken; given
+    before the native kernels load (they are registered with them)."""
+    _python_autograd[norm.name] = (forward, backward)
     if _native is not None:
-        _native.set_python_autograd(forward, backward)
+        _native.set_python_autograd(norm.name, forward, backward)
 
 
 def requested() -> str:
@@ -200,8 +201,8 @@ def _load(build: bool) -> ModuleType | None:
         from maskln_cli.op.checks import raise_contract_error
 
         module.set_contract_error(raise_contract_error)
-        if _python_autograd is not None:
-            module.set_python_autograd(*_python_autograd)
+        for name, (forward, backward) in _python_autograd.items():
+            module.set_python_autograd(name, forward, backward)
         module.register_maskln_kernels(True)
         _native = module
         _native_tried = True
@@ -215,15 +216,21 @@ def forward(
     x: torch.Tensor,
     valid: torch.Tensor,
     scale: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     keep_statistics: bool = True,
+    norm: Norm = LAYER,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(y, mean, rstd)`` of checked plain tensors: y in x's dtype and layout, mean and rstd
-    ``[..., 1]`` in the compute dtype (None without ``keep_statistics``)."""
+    ``[..., 1]`` in the compute dtype (None without ``keep_statistics``; RMSNorm's mean None,
+    as its bias)."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
     if kernels is not None and x.device.type == "cpu":
-        return kernels.forward(x, valid, scale, bias, eps, keep_statistics)
+        if norm.centered:
+            return kernels.forward(x, valid, scale, bias, eps, keep_statistics)
+        y, rstd = kernels.rms_forward(x, valid, scale, eps, offset, keep_statistics)
+        return y, None, rstd
     # The raw-op kernels: half dtypes computed in float32, autocast off.
     from maskln_cli.op import blocked
     from maskln_cli.op.checks import compute_dtype
@@ -231,8 +238,9 @@ def forward(
     compute = compute_dtype(x.dtype)
     with _autocast_off(x.device.type):
         y, mean, rstd = blocked.forward(
-            x.to(compute), valid, scale.to(compute), bias.to(compute), eps, keep_statistics
-        )
+            x.to(compute), valid, scale.to(compute), None if bias is None else bias.to(compute),
+            eps, keep_statistics, norm, offset,
+        )  # fmt: skip
     return (y if y.dtype == x.dtype else y.to(x.dtype)), mean, rstd
 
 
@@ -241,16 +249,24 @@ def backward(
     x: torch.Tensor,
     valid: torch.Tensor,
     scale: torch.Tensor,
-    mean: torch.Tensor,
+    mean: torch.Tensor | None,
     rstd: torch.Tensor,
     eps: float,
     needs: tuple[bool, bool, bool],
+    norm: Norm = LAYER,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dscale, dbias)``, each None unless ``needs`` asks for it: dx in x's dtype and
-    layout, dscale and dbias in scale's dtype; +0.0 from invalid rows."""
+    layout, dscale and dbias in scale's dtype; +0.0 from invalid rows. RMSNorm takes no mean
+    and gives no dbias."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
     if kernels is not None and x.device.type == "cpu":
-        return spread(kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs)), needs)
+        if norm.centered:
+            computed = kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs))
+            return spread(computed, needs)
+        asked = [needs[0], needs[1]]
+        computed = kernels.rms_backward(dy, x, valid, scale, rstd, eps, offset, asked)
+        return spread(computed, (needs[0], needs[1], False))
     # The raw-op kernels, as forward's.
     import torch
 
@@ -261,8 +277,9 @@ def backward(
 
     with _autocast_off(x.device.type):
         dx, dscale, dbias = blocked.backward_in_place(
-            dy.to(compute), x.to(compute), valid, scale.to(compute), mean.to(compute),
-            rstd.to(compute), eps, *needs,
+            dy.to(compute), x.to(compute), valid, scale.to(compute),
+            None if mean is None else mean.to(compute), rstd.to(compute), eps, *needs, norm,
+            offset,
         )  # fmt: skip
     if dx is not None and not x.is_contiguous():
         dx = torch.empty_like(x).copy_(dx)  # in x's layout (and dtype), as the native kernel

@@ -15,7 +15,13 @@ and y = +0.0 on invalid rows. The backward pass, with wdy = scale * dy::
     dscale = sum over valid rows of dy * xhat
     dx     = rstd * (wdy - xhat * c1 - c2),   c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
 
-and dx = +0.0 on invalid rows. An invalid row is never mixed with another: its statistics are
+and dx = +0.0 on invalid rows. RMSNorm (``norm=RMS``; bias, mean and dbias None) is the same
+without centering, with the gain ``g = scale + offset``::
+
+    rstd = 1 / sqrt(sum(x * x) / C + eps),   xhat = x * rstd,   y = xhat * g
+    dx   = rstd * (wg - xhat * c1),   wg = dy * g,   c1 = mean_C(xhat * wg)
+
+An invalid row is never mixed with another: its statistics are
 its own and are set to 0 before use; NaN or inf in it, flagged by its non-finite mean, are
 zeroed before any other arithmetic; and every sum across rows (dscale, dbias) reads valid rows
 only. So whatever invalid rows hold never reaches an output or a gradient.
@@ -33,6 +39,7 @@ from collections.abc import Iterator
 import torch
 
 from maskln_cli.op.functional import gradients, ldexp_exact, normalized_rows, row_means
+from maskln_cli.op.norms import LAYER, RMS, Norm
 from maskln_cli.op.threads import map_blocks
 
 BLOCK_BYTES = 8 << 20
@@ -87,17 +94,19 @@ def forward(
     x: torch.Tensor,
     valid: torch.Tensor,
     scale: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     keep_statistics: bool = True,
+    norm: Norm = LAYER,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The forward pass without autograd: returns ``(y, mean, rstd)``.
 
     ``mean`` and ``rstd`` have shape ``[..., 1]`` and are 0 on invalid rows; with
     ``keep_statistics=False`` they are not kept (None), which saves their memory when no
-    backward pass will follow. The work happens in place in the output, a block of rows at a
-    time, so the only full-size allocation is ``y``. Inputs must already be checked (see
-    :func:`check_inputs`).
+    backward pass will follow; RMSNorm's mean is None. The work happens in place in the output,
+    a block of rows at a time, so the only full-size allocation is ``y``. Inputs must already be
+    checked (see :func:`check_inputs`).
 
     Example:
         >>> y, mean, rstd = forward(torch.tensor([[1.0, 3.0]]), torch.tensor([True]),
@@ -107,39 +116,48 @@ def forward(
     """
     with torch.no_grad():
         if x.numel() and x.numel() == x.shape[-1]:  # one row: computed as two, see below
-            y_pair, mean_pair, rstd_pair = forward(
-                *_as_pair(x), valid.reshape(1).expand(2), scale, bias, eps, keep_statistics
-            )
+            y_pair, *statistics = forward(
+                *_as_pair(x), valid.reshape(1).expand(2), scale, bias, eps, keep_statistics,
+                norm, offset,
+            )  # fmt: skip
             y = torch.empty_like(x).copy_(y_pair[0].view(x.shape))
-            if mean_pair is None or rstd_pair is None:
-                return y, None, None
-            return y, mean_pair[:1].view(*x.shape[:-1], 1), rstd_pair[:1].view(*x.shape[:-1], 1)
+            shape = (*x.shape[:-1], 1)
+            return y, *(None if s is None else s[:1].view(shape) for s in statistics)
         y = torch.empty_like(x, memory_format=torch.preserve_format)
         mean = rstd = None
         if keep_statistics:
-            mean = x.new_zeros((*x.shape[:-1], 1))
-            rstd = torch.zeros_like(mean)
+            rstd = x.new_zeros((*x.shape[:-1], 1))
+            mean = torch.zeros_like(rstd) if norm.centered else None
         if y.numel() == 0:
             return y, mean, rstd
         x_rows, y_rows = _rows(x), _rows(y)
         if x_rows is None or y_rows is None:  # a layout that cannot be viewed as rows
             y_contiguous, mean, rstd = forward(
-                x.contiguous(), valid, scale, bias, eps, keep_statistics
+                x.contiguous(), valid, scale, bias, eps, keep_statistics, norm, offset
             )
             return y.copy_(y_contiguous), mean, rstd
         valid_rows = valid.reshape(-1)
         blocks = list(row_blocks(len(x_rows), _block_rows(x, _block_bytes(x, BLOCK_BYTES))))
         invalid_by_block = _invalid_rows_by_block(valid_rows, blocks)
+        gain = None if norm.centered else scale + offset
 
         def block(index: int) -> None:
             start, stop = blocks[index]
-            if mean is None or rstd is None:  # statistics needed only inside the block
+            if rstd is None:  # statistics needed only inside the block
                 mean_rows, rstd_rows = x.new_empty(stop - start, 1), x.new_empty(stop - start, 1)
             else:
-                mean_rows, rstd_rows = mean.view(-1, 1)[start:stop], rstd.view(-1, 1)[start:stop]
+                rstd_rows = rstd.view(-1, 1)[start:stop]
+                mean_rows = None if mean is None else mean.view(-1, 1)[start:stop]
+            rows = (y_rows[start:stop], x_rows[start:stop], valid_rows[start:stop])
+            if gain is not None:
+                _forward_rows_rms(
+                    *rows, scale, gain, eps, offset, rstd_rows, invalid_by_block[index],
+                    keep_statistics,
+                )  # fmt: skip
+                return
             _forward_rows(
-                y_rows[start:stop], x_rows[start:stop], valid_rows[start:stop], scale, bias, eps,
-                mean_rows, rstd_rows, invalid_by_block[index], keep_statistics,
+                *rows, scale, bias, eps, mean_rows, rstd_rows, invalid_by_block[index],
+                keep_statistics,
             )  # fmt: skip
 
         map_blocks(block, range(len(blocks)))
@@ -227,6 +245,36 @@ def _forward_rows(
             _forward_rows_rescued(y, x, rows, scale, bias, eps, mean, rstd)
 
 
+def _forward_rows_rms(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    offset: float,
+    rstd: torch.Tensor,
+    invalid: torch.Tensor | None,
+    keep_statistics: bool = True,
+) -> None:
+    """RMSNorm's block of rows [R, C], as :func:`_forward_rows` (``gain`` is scale + offset):
+    the sum of squares of x itself, then xhat = x * rstd and y = xhat * gain in place in y."""
+    sum_of_squares = _row_sums_of_squares(x)
+    rstd.copy_(sum_of_squares.div(x.shape[-1]).add_(eps).rsqrt_())
+    torch.mul(x, rstd, out=y).mul_(gain)
+    if invalid is not None:
+        for tensor in (y, rstd) if keep_statistics else (y,):
+            tensor.index_fill_(0, invalid, 0.0)
+    # As _forward_rows': rows whose squares overflowed (float32 never: its squares are summed in
+    # float64) or hold NaN or inf, and float64 rows whose squares underflowed, redone scaled.
+    rescued = valid & ~sum_of_squares.isfinite().squeeze(1)
+    if x.dtype == torch.float64:
+        rescued |= (rstd > _LARGEST_EXACT_RSTD).squeeze(1)
+    if rescued.any():
+        rows = rescued.nonzero().squeeze(1)
+        _forward_rows_rescued(y, x, rows, scale, None, eps, None, rstd, offset)
+
+
 def _normalize(xc: torch.Tensor, shift: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """``xhat = (xc - shift) * rstd``, in place in xc.
 
@@ -256,21 +304,27 @@ def _forward_rows_rescued(
     x: torch.Tensor,
     rows: torch.Tensor,
     scale: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
-    mean: torch.Tensor,
+    mean: torch.Tensor | None,
     rstd: torch.Tensor,
+    offset: float = 0.0,
 ) -> None:
     """The given (valid) ``rows`` in float64, each scaled by a power of two so that nothing
-    overflows (:func:`maskln_cli.op.functional.normalized_rows`), written into y, mean and rstd.
-    A row holding NaN or inf comes out NaN, as the formula says."""
+    overflows (:func:`maskln_cli.op.functional.normalized_rows`), written into y, mean and rstd;
+    RMSNorm's when bias is None (no mean). A row holding NaN or inf comes out NaN, as the
+    formula says."""
     x64 = _two_rows_at_least(x.index_select(0, rows).double())
     every = torch.ones(len(x64), dtype=torch.bool, device=x.device)
-    xhat, rs, exponent = normalized_rows(x64, every, eps)
+    xhat, rs, exponent = normalized_rows(x64, every, eps, centered=bias is not None)
     count = len(rows)
-    out = xhat[:count] * scale.double() + bias.double()
+    if bias is not None:
+        out = xhat[:count] * scale.double() + bias.double()
+    else:
+        out = xhat[:count] * (offset + scale.double())
     y.index_copy_(0, rows, out.to(y.dtype))
-    mean.index_copy_(0, rows, row_means(x64)[:count].to(mean.dtype))
+    if mean is not None:
+        mean.index_copy_(0, rows, row_means(x64)[:count].to(mean.dtype))
     rstd.index_copy_(0, rows, ldexp_exact(rs, -exponent)[:count].to(rstd.dtype))
 
 
@@ -348,16 +402,19 @@ def backward_in_place(
     x: torch.Tensor,
     valid: torch.Tensor,
     scale: torch.Tensor,
-    mean: torch.Tensor,
+    mean: torch.Tensor | None,
     rstd: torch.Tensor,
     eps: float,
     need_dx: bool = True,
     need_dscale: bool = True,
     need_dbias: bool = True,
+    norm: Norm = LAYER,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The gradients of :func:`maskln_cli.op.functional.gradients`, without autograd, from the
     forward's ``mean`` and ``rstd``: in place on block-sized buffers, a block of rows at a time.
-    This is the first-order backward pass; dx is +0.0 on invalid rows.
+    This is the first-order backward pass; dx is +0.0 on invalid rows. RMSNorm's (``norm``)
+    takes no mean and gives no dbias.
 
     Example:
         >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
@@ -369,9 +426,10 @@ def backward_in_place(
         channels = x.shape[-1]
         if x.numel() and x.numel() == channels:  # one row: computed as two (see _as_pair)
             valid_pair = valid.reshape(1).expand(2)
+            mean_pair = None if mean is None else _as_pair(mean)[0]
             dx_pair, dscale_pair, dbias_pair = backward_in_place(
-                *_as_pair(dy, x), valid_pair, scale, *_as_pair(mean, rstd), eps,
-                need_dx, need_dscale, need_dbias,
+                *_as_pair(dy, x), valid_pair, scale, mean_pair, *_as_pair(rstd), eps,
+                need_dx, need_dscale, need_dbias, norm, offset,
             )  # fmt: skip
             dx = None if dx_pair is None else dx_pair[0].reshape(x.shape).clone()
             # each gradient sum counted the row twice: halving is exact
@@ -379,7 +437,7 @@ def backward_in_place(
             return dx, *halves
         # dscale and dbias accumulate the blocks' sums in float64
         dscale = x.new_zeros(channels, dtype=torch.float64) if need_dscale else None
-        dbias = x.new_zeros(channels, dtype=torch.float64) if need_dbias else None
+        dbias = x.new_zeros(channels, dtype=torch.float64) if need_dbias and norm.centered else None
         if x.numel() == 0:
             dx = torch.zeros_like(x) if need_dx else None
             return dx, *(None if g is None else g.to(x.dtype) for g in (dscale, dbias))
@@ -389,7 +447,9 @@ def backward_in_place(
         dy_rows = dy.contiguous().view(-1, channels) if dy_rows is None else dy_rows
         valid_rows = valid.reshape(-1)
         weight = valid_rows.to(x.dtype)
-        mean_rows, rstd_rows = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+        mean_rows = None if mean is None else mean.reshape(-1, 1)
+        rstd_rows = rstd.reshape(-1, 1)
+        gain = None if norm.centered else scale + offset
         blocks = list(
             row_blocks(len(x_rows), _block_rows(x, _block_bytes(x, BACKWARD_BLOCK_BYTES)))
         )
@@ -409,10 +469,18 @@ def backward_in_place(
             workspace = x_rows.new_empty(2 if need_dx else 3, stop - start, channels)
             block_dx = dx[rows] if dx is not None else workspace[2]
             sums = [None if g is None else torch.zeros_like(g) for g in (dscale, dbias)]
+            small = too_small[rows] if small_rows else None
+            if gain is not None:
+                _backward_rows_rms(
+                    dy_rows[rows], x_rows[rows], valid_rows[rows], scale, gain, rstd_rows[rows],
+                    eps, offset, block_dx, workspace[:2], sums[0], need_dx,
+                    invalid_by_block[index], small,
+                )  # fmt: skip
+                return sums[0], None
             _backward_rows(
                 dy_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale,
                 mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2], *sums, need_dx,
-                invalid_by_block[index], too_small[rows] if small_rows else None,
+                invalid_by_block[index], small,
             )  # fmt: skip
             return sums[0], sums[1]
 
@@ -499,6 +567,50 @@ def _backward_rows(
         _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
 
 
+def _backward_rows_rms(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    gain: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    offset: float,
+    dx: torch.Tensor,
+    workspace: torch.Tensor,
+    dscale: torch.Tensor | None,
+    need_dx: bool,
+    invalid: torch.Tensor | None,
+    too_small: torch.Tensor | None,
+) -> None:
+    """RMSNorm's block of rows [R, C], as :func:`_backward_rows` (``gain`` is scale + offset;
+    no dbias, no c2)."""
+    xhat_buffer, scratch = workspace
+    if invalid is not None and not dy.index_select(0, invalid).isfinite().all():
+        # NaN or inf in an invalid row's dy: zeroed before the sums over rows read it
+        dy = dy.clone().index_fill_(0, invalid, 0.0)
+    wg = torch.mul(dy, gain, out=dx)
+    xhat = torch.mul(x, rstd, out=xhat_buffer)
+    rescued = None
+    if too_small is not None:  # redone, scaled, below; 0 until then
+        rescued = valid & too_small
+        xhat.index_fill_(0, rescued.nonzero().squeeze(1), 0.0)
+    if invalid is not None:  # NaN or inf times their rstd of 0
+        xhat.index_fill_(0, invalid, 0.0)
+    if dscale is not None:
+        dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
+    if need_dx:
+        c1 = torch.mul(xhat, wg, out=scratch).mean(dim=-1, keepdim=True)
+        wg.addcmul_(xhat, c1, value=-1.0).mul_(rstd)  # dx = rstd * (wg - xhat * c1)
+        if invalid is not None:
+            wg.index_fill_(0, invalid, 0.0)
+    if rescued is not None and rescued.any():
+        _backward_rows_rescued(
+            dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx,
+            norm=RMS, offset=offset,
+        )  # fmt: skip
+
+
 _LARGEST_EXACT_RSTD = 1e146
 """Above this, var + eps is below float64's smallest normal number over its epsilon (about
 1e-292): the squares of the deviations were subnormal, or nearly, and lost precision."""
@@ -518,6 +630,8 @@ def _backward_rows_rescued(
     dx: torch.Tensor,
     dscale: torch.Tensor | None,
     need_dx: bool,
+    norm: Norm = LAYER,
+    offset: float = 0.0,
 ) -> None:
     """dx and dscale of the given (valid) ``rows`` in float64, from statistics recomputed from
     x with each row scaled by a power of two. Their xhat was zeroed in the block, so dscale
@@ -527,9 +641,9 @@ def _backward_rows_rescued(
     dy64 = _two_rows_at_least(dy.index_select(0, rows).double())
     every = torch.ones(len(x64), dtype=torch.bool, device=x.device)
     needs = (need_dx, False, False)
-    dx64, _, _ = gradients(dy64, x64, every, scale.double(), eps, needs)
+    dx64, _, _ = gradients(dy64, x64, every, scale.double(), eps, needs, norm, offset)
     if dx64 is not None:
         dx.index_copy_(0, rows, dx64[:count].to(dx.dtype))
     if dscale is not None:  # per row, then summed: the same whatever the company
-        xhat, _, _ = normalized_rows(x64, every, eps)
+        xhat, _, _ = normalized_rows(x64, every, eps, norm.centered)
         dscale += (dy64 * xhat)[:count].sum(dim=0)

@@ -1,4 +1,5 @@
-"""The op's argument checks and dtype rules, shared by the public function and the registered op.
+"""The op's argument checks and dtype rules, shared by the public functions and the registered
+ops, for both norms (RMSNorm's are LayerNorm's without the bias, with a finite offset).
 
 A message always names the offending argument, so a user can act on it without a traceback.
 The mask rule (:func:`as_valid_mask`) is here once, for the function, ``MaskedLayerNorm``,
@@ -45,6 +46,34 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
         ...              torch.ones(3), torch.zeros(3), 1e-5)
         1e-05
     """
+    return _check(x, valid, (("scale", scale), ("bias", bias)), eps)
+
+
+def check_rms_inputs(
+    x: object, valid: object, scale: object, eps: object, offset: object
+) -> tuple[float, float]:
+    """RMSNorm's arguments: as :func:`check_inputs` checks LayerNorm's (no bias), and offset a
+    finite number; return eps and offset as floats.
+
+    Example:
+        >>> check_rms_inputs(torch.zeros(2, 3), torch.ones(2, dtype=torch.bool),
+        ...                  torch.ones(3), 1e-6, 1)
+        (1e-06, 1.0)
+    """
+    eps = _check(x, valid, (("scale", scale),), eps)
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real | torch.SymFloat):
+        raise TypeError(f"offset must be a finite number, got {type(offset).__name__}")
+    if isinstance(offset, numbers.Integral):
+        try:
+            offset = float(offset)
+        except OverflowError:  # an int beyond float's range
+            offset = math.inf
+    if not (offset > -math.inf and offset < math.inf):  # NaN fails both
+        raise ValueError(f"offset must be a finite number, got {offset!r}")
+    return eps, offset  # type: ignore[return-value]
+
+
+def _check(x: object, valid: object, params: tuple[tuple[str, object], ...], eps: object) -> float:
     quiet_when_traced()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -52,7 +81,7 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
         raise TypeError(
             f"x must be a float32, float64, float16 or bfloat16 tensor, got {dtype_name(x.dtype)}"
         )
-    for name, tensor in (("x", x), ("valid", valid), ("scale", scale), ("bias", bias)):
+    for name, tensor in (("x", x), ("valid", valid), *params):
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
             raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
     if x.dim() == 0:
@@ -68,7 +97,7 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
     if valid.device != x.device:
         raise ValueError(f"valid must be on x's device {x.device}, got {valid.device}")
     channels = x.shape[-1]
-    for name, param in (("scale", scale), ("bias", bias)):
+    for name, param in params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(param).__name__}")
         if param.dtype != x.dtype and not (x.dtype in HALF_DTYPES and param.dtype == torch.float32):
@@ -100,11 +129,15 @@ def check_inputs(x: object, valid: object, scale: object, bias: object, eps: obj
 
 
 def raise_contract_error(
-    x: object, valid: object, scale: object, bias: object, eps: object
+    x: object, valid: object, scale: object, bias: object, eps: object, offset: object = 0.0
 ) -> None:
-    """Raise :func:`check_inputs`' error for these inputs (the native dispatcher ops call this
-    when their own check of the same conditions fails); return when it finds none."""
-    check_inputs(x, valid, scale, bias, eps)
+    """Raise :func:`check_inputs`' error for these inputs, or :func:`check_rms_inputs`' when
+    bias is None (the native dispatcher ops call this when their own check of the same
+    conditions fails); return when it finds none."""
+    if bias is None:
+        check_rms_inputs(x, valid, scale, eps, offset)
+    else:
+        check_inputs(x, valid, scale, bias, eps)
 
 
 def check_backward_inputs(
@@ -131,6 +164,28 @@ def check_backward_inputs(
     if len(output_mask) != 3:
         raise ValueError(f"output_mask must have 3 entries, got {len(output_mask)}")
     return eps
+
+
+def check_rms_backward_inputs(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: object,
+    offset: object,
+    output_mask: list[bool],
+) -> tuple[float, float]:
+    """RMSNorm's backward op's arguments, as :func:`check_backward_inputs` (rstd alone, and
+    output_mask two bools: dx, dscale)."""
+    eps, offset = check_rms_inputs(x, valid, scale, eps, offset)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {list(x.shape)}, got {list(dy.shape)}")
+    if rstd.numel() != valid.numel():
+        raise ValueError(f"rstd must have one value per row ({valid.numel()}), got {rstd.numel()}")
+    if len(output_mask) != 2:
+        raise ValueError(f"output_mask must have 2 entries, got {len(output_mask)}")
+    return eps, offset
 
 
 def eps_rounds_to_zero(eps: float, dtype: torch.dtype) -> bool:

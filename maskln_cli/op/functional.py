@@ -7,6 +7,9 @@ what second derivatives differentiate (:mod:`maskln_cli.op.autograd`), and the r
 redo with it the rare rows whose arithmetic overflows. :func:`masked_layer_norm_functional`,
 the forward, is a float64 oracle for the kernels in tests.
 
+Both norms (:mod:`maskln_cli.op.norms`): RMSNorm's rows are LayerNorm's without centering
+(``xc = xs``, the mean 0), and its affine is ``xhat * (offset + scale)`` without a bias.
+
 The arithmetic, row by row, in float64 (Ba et al., 2016, with a corrected two-pass variance)::
 
     xs    = x * 2**-e1                  # e1: the row's binary exponent, so |xs| <= 1
@@ -30,13 +33,16 @@ import math
 
 import torch
 
+from maskln_cli.op.norms import LAYER, Norm
+
 __all__ = [
     "gradients",
     "ldexp_exact",
     "masked_layer_norm_functional",
-    "masked_layer_norm_with_statistics",
+    "masked_norm_functional",
     "normalized_rows",
     "row_means",
+    "with_statistics",
 ]
 
 _EXPONENT_LIMIT = 960
@@ -81,10 +87,11 @@ def row_means(x: torch.Tensor) -> torch.Tensor:
 
 
 def normalized_rows(
-    x: torch.Tensor, valid: torch.Tensor, eps: float
+    x: torch.Tensor, valid: torch.Tensor, eps: float, centered: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xhat, rs, e)`` in float64: the normalized rows, and per row a scaled rstd and its
-    exponent, ``rstd = rs * 2**-e`` (see the module docstring).
+    exponent, ``rstd = rs * 2**-e`` (see the module docstring); RMSNorm's without
+    ``centered``.
 
     ``xhat`` is 0 on invalid rows, whatever they hold. Differentiable, to any order, in x.
 
@@ -102,8 +109,10 @@ def normalized_rows(
         return x, rs, torch.zeros_like(rs)
     e1 = _magnitude_exponent(x)
     xs = torch.ldexp(x, -e1)
-    centered = xs - xs.mean(dim=-1, keepdim=True)
-    xc = centered - centered.mean(dim=-1, keepdim=True)
+    xc = xs
+    if centered:
+        deviations = xs - xs.mean(dim=-1, keepdim=True)
+        xc = deviations - deviations.mean(dim=-1, keepdim=True)
     deviation = xc.detach().abs().amax(dim=-1, keepdim=True)
     # Deviations are scaled to below 1, but never below the exponent of sqrt(eps), at which
     # eps itself would dominate: then eps * 4**-(e1 + e2) is about 1, never inf or 0.
@@ -140,40 +149,74 @@ def masked_layer_norm_functional(
         tensor([[-0.5000,  0.5000],
                 [ 0.0000,  0.0000]])
     """
-    xhat, _, _ = normalized_rows(x, valid, eps)
-    y = torch.where(valid.unsqueeze(-1), xhat * scale.double() + bias.double(), 0.0)
+    return masked_norm_functional(LAYER, x, valid, scale, bias, eps, 0.0)
+
+
+def masked_norm_functional(
+    norm: Norm,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    offset: float,
+) -> torch.Tensor:
+    """Either norm, composite: LayerNorm's ``xhat * scale + bias`` or RMSNorm's ``xhat *
+    (offset + scale)`` (bias None) on valid rows, ``+0.0`` on invalid ones, as
+    :func:`masked_layer_norm_functional`.
+
+    Example:
+        >>> from maskln_cli.op.norms import RMS
+        >>> masked_norm_functional(RMS, torch.tensor([[3.0, 4.0], [9.0, -9.0]]),
+        ...                        torch.tensor([True, False]), torch.tensor([0.0, 1.0]), None,
+        ...                        3.5, 1.0)
+        tensor([[0.7500, 2.0000],
+                [0.0000, 0.0000]])
+    """
+    xhat, _, _ = normalized_rows(x, valid, eps, norm.centered)
+    if bias is not None:
+        affine = xhat * scale.double() + bias.double()
+    else:
+        affine = xhat * (offset + scale.double())
+    y = torch.where(valid.unsqueeze(-1), affine, 0.0)
     # In x's layout, as the eager op's output (reductions along the way made y contiguous): a
     # binary op's result takes its first operand's layout. Out of place, for vmap's sake.
     return torch.zeros_like(x) + y.to(x.dtype)
 
 
-def masked_layer_norm_with_statistics(
+def with_statistics(
+    norm: Norm,
     x: torch.Tensor,
     valid: torch.Tensor,
     scale: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
+    offset: float,
     statistics_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, mean, rstd)`` as the registered op returns them, composite: y as
-    :func:`masked_layer_norm_functional` (differentiable), mean and rstd ``[..., 1]`` in
-    ``statistics_dtype``, 0 on invalid rows, detached (the op's are not differentiable).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(y, mean, rstd)`` as the kernels return them, composite: y as
+    :func:`masked_norm_functional` (differentiable), mean and rstd ``[..., 1]`` in
+    ``statistics_dtype``, 0 on invalid rows, detached (the op's are not differentiable); mean
+    None for RMSNorm.
 
     Example:
-        >>> y, mean, rstd = masked_layer_norm_with_statistics(
-        ...     torch.tensor([[1.0, 3.0], [9.0, -9.0]]), torch.tensor([True, False]),
-        ...     torch.ones(2), torch.zeros(2), 3.0, torch.float32)
+        >>> y, mean, rstd = with_statistics(
+        ...     LAYER, torch.tensor([[1.0, 3.0], [9.0, -9.0]]), torch.tensor([True, False]),
+        ...     torch.ones(2), torch.zeros(2), 3.0, 0.0, torch.float32)
         >>> mean.flatten().tolist(), rstd.flatten().tolist()
         ([2.0, 0.0], [0.5, 0.0])
     """
-    y = masked_layer_norm_functional(x, valid, scale, bias, eps)
+    y = masked_norm_functional(norm, x, valid, scale, bias, eps, offset)
     with torch.no_grad():
         keep = valid.unsqueeze(-1)
         clean = torch.where(keep, x.double(), 0.0)
-        _, rs, exponent = normalized_rows(clean, valid, eps)
-        mean = torch.where(keep, row_means(clean), 0.0) if x.shape[-1] else torch.zeros_like(rs)
+        _, rs, exponent = normalized_rows(clean, valid, eps, norm.centered)
+        mean = None
+        if norm.centered:
+            mean = torch.where(keep, row_means(clean), 0.0) if x.shape[-1] else torch.zeros_like(rs)
+            mean = mean.to(statistics_dtype)
         rstd = torch.where(keep, ldexp_exact(rs, -exponent), 0.0)
-    return y, mean.to(statistics_dtype), rstd.to(statistics_dtype)
+    return y, mean, rstd.to(statistics_dtype)
 
 
 def gradients(
@@ -183,6 +226,8 @@ def gradients(
     scale: torch.Tensor,
     eps: float,
     needs: tuple[bool, bool, bool] = (True, True, True),
+    norm: Norm = LAYER,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dscale, dbias)`` of ``sum(y * dy)``, analytic, from statistics recomputed from x::
 
@@ -191,9 +236,10 @@ def gradients(
         dx     = rstd * (wdy - xhat * c1 - c2),   wdy = dy * scale,
                  c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
 
-    and dx = 0 on invalid rows. Differentiable in every argument, so autograd can take it
-    again for second-order gradients. ``needs`` says which of the three to compute; they are
-    computed in float64 and returned in the dtype of dy, x and scale.
+    and dx = 0 on invalid rows; RMSNorm's with ``norm``: no dbias, c2 = 0, and wdy = dy *
+    (offset + scale). Differentiable in every argument, so autograd can take it again for
+    second-order gradients. ``needs`` says which of the three to compute; they are computed in
+    float64 and returned in the dtype of dy, x and scale.
 
     Example:
         >>> gradients(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 3.0]]), torch.tensor([True]),
@@ -204,16 +250,18 @@ def gradients(
     keep = valid.unsqueeze(-1)
     dtype = dy.dtype
     dy = torch.where(keep, dy.double(), 0.0)  # outputs of invalid rows are constants
-    xhat, rs, exponent = normalized_rows(x, valid, eps)
-    dbias = _sum_over_rows(dy).to(dtype) if need_dbias else None
+    xhat, rs, exponent = normalized_rows(x, valid, eps, norm.centered)
+    dbias = _sum_over_rows(dy).to(dtype) if need_dbias and norm.centered else None
     dscale = _sum_over_rows(dy * xhat).to(dtype) if need_dscale else None
     dx = None
     if need_dx:
-        wdy = dy * scale.double()
+        wdy = dy * scale.double() if norm.centered else dy * (offset + scale.double())
         c1 = (xhat * wdy).mean(dim=-1, keepdim=True)
-        c2 = wdy.mean(dim=-1, keepdim=True)
+        difference = wdy - xhat * c1
+        if norm.centered:
+            difference = difference - wdy.mean(dim=-1, keepdim=True)  # c2
         # rstd = rs * 2**-e: scaled last, so that tiny results round once.
-        dx = torch.where(keep, ldexp_exact((wdy - xhat * c1 - c2) * rs, -exponent), 0.0)
+        dx = torch.where(keep, ldexp_exact(difference * rs, -exponent), 0.0)
         dx = dx.to(dtype)
     return dx, dscale, dbias
 

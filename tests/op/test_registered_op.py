@@ -1,6 +1,7 @@
-"""The registered ops, ``torch.ops.maskln.masked_layer_norm`` and its backward, as PyTorch's own
-tools see them: opcheck, inductor, export and load in a fresh process, jit.trace, autocast under
-torch.compile, input checks, forward-mode AD, second order, and torch.func on the kernels.
+"""The registered ops, ``torch.ops.maskln.masked_layer_norm`` and its backward (and
+``masked_rms_norm`` and its backward), as PyTorch's own tools see them: opcheck, inductor,
+export and load in a fresh process, jit.trace, autocast under torch.compile, input checks,
+forward-mode AD, second order, and torch.func on the kernels.
 
 Values are checked against the float64 reference (maskln_cli.op.reference, and autograd through
 it) or against the eager op; each test runs on whichever backend the suite runs (native by
@@ -22,14 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 
-from maskln_cli import MaskedLayerNorm, masked_layer_normalization
+from maskln_cli import MaskedLayerNorm, masked_layer_normalization, masked_rms_normalization
 from maskln_cli.op import functional
+from maskln_cli.op.norms import LAYER, RMS
 from maskln_cli.op.reference import reference_masked_layer_norm
 from tests.op.test_core import make_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 OP = torch.ops.maskln.masked_layer_norm.default
 BACKWARD_OP = torch.ops.maskln.masked_layer_norm_backward.default
+RMS_OP = torch.ops.maskln.masked_rms_norm.default
+RMS_BACKWARD_OP = torch.ops.maskln.masked_rms_norm_backward.default
 CHEAP_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
@@ -67,6 +71,28 @@ SAMPLES = {
 }
 
 
+def rms_arguments(name: str, offset: float = 1.0):
+    """(x, valid, scale, eps, offset) for the RMSNorm op, from a sample of the LayerNorm op."""
+    x, valid, scale, _, eps = SAMPLES[name]
+    return x, valid, scale, eps, offset
+
+
+RMS_SAMPLES = ["2-d float32", "1-d one row", "3-d float64 permuted", "transposed x.t()",
+               "bfloat16, float32 parameters", "float16", "scale alone requires grad", "no grad",
+               "all rows invalid", "one channel", "empty"]  # fmt: skip
+
+
+def rms_backward_arguments(name: str, mask=(True, True)):
+    """(dy, x, valid, scale, rstd, eps, offset, output_mask) from the forward of a sample."""
+    x, valid, scale, eps, offset = rms_arguments(name)
+    with torch.no_grad():
+        _, rstd = RMS_OP(x, valid, scale, eps, offset)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(x.dtype)
+    dy = torch.empty_like(x).copy_(dy).requires_grad_()
+    leaves = (x.detach().clone().requires_grad_(), scale.detach().clone().requires_grad_())
+    return dy, leaves[0], valid, leaves[1], rstd, eps, offset, list(mask)
+
+
 def backward_arguments(name: str, mask=(True, True, True)):
     """(dy, x, valid, scale, mean, rstd, eps, output_mask) from the forward of a sample."""
     x, valid, scale, bias, eps = SAMPLES[name]
@@ -95,6 +121,15 @@ def test_opcheck_forward_op(name):
 def test_opcheck_backward_op(name, mask):
     """The fake backward gave contiguous dx where the real one has x's strides."""
     torch.library.opcheck(BACKWARD_OP, backward_arguments(name, mask), test_utils=CHEAP_CHECKS)
+
+
+@pytest.mark.parametrize("name", RMS_SAMPLES)
+def test_opcheck_rms_ops(name):
+    """The RMSNorm op and its backward, with every output_mask, on the LayerNorm op's samples."""
+    torch.library.opcheck(RMS_OP, rms_arguments(name), test_utils=CHEAP_CHECKS)
+    for mask in ((True, True), (True, False), (False, True)):
+        arguments = rms_backward_arguments(name, mask)
+        torch.library.opcheck(RMS_BACKWARD_OP, arguments, test_utils=CHEAP_CHECKS)
 
 
 @pytest.mark.parametrize("name", ["3-d float64 permuted", "bfloat16, float32 parameters"])
@@ -126,6 +161,9 @@ FULL_OPCHECK = {
     "maskln::masked_layer_norm": lambda: (OP, SAMPLES["3-d float64 permuted"]),
     "maskln::masked_layer_norm_backward": lambda: (BACKWARD_OP,
                                                    backward_arguments("transposed x.t()")),
+    "maskln::masked_rms_norm": lambda: (RMS_OP, rms_arguments("3-d float64 permuted")),
+    "maskln::masked_rms_norm_backward": lambda: (RMS_BACKWARD_OP,
+                                                 rms_backward_arguments("transposed x.t()")),
 }  # fmt: skip
 
 
@@ -147,24 +185,28 @@ def test_full_opcheck_of_each_op(name):
 @pytest.fixture
 def python_autograd_calls(monkeypatch):
     """Calls of the registered ops' Python autograd kernels, which the native library's C++
-    autograd kernels call back (native backend only)."""
+    autograd kernels call back (native backend only), of both norms."""
     from maskln_cli.op import backend, library
 
     if backend.active_backend().name != "native":
         pytest.skip("the C++ autograd kernels come with the native kernels")
     calls: list[str] = []
 
-    def forward(*args):  # type: ignore[no-untyped-def]
-        calls.append("forward")
-        return library._forward_autograd(*args)
+    def spying(name, kernel):  # type: ignore[no-untyped-def]
+        def spy(*args):  # type: ignore[no-untyped-def]
+            calls.append(name)
+            return kernel(*args)
 
-    def backward(*args):  # type: ignore[no-untyped-def]
-        calls.append("backward")
-        return library._backward_autograd(*args)
+        return spy
 
-    backend.use_python_autograd(forward, backward)
+    for norm, prefix in ((LAYER, ""), (RMS, "rms ")):
+        forward, backward = library.AUTOGRAD_KERNELS[norm.name]
+        backend.use_python_autograd(
+            norm, spying(f"{prefix}forward", forward), spying(f"{prefix}backward", backward)
+        )
     yield calls
-    backend.use_python_autograd(library._forward_autograd, library._backward_autograd)
+    for norm in (LAYER, RMS):
+        backend.use_python_autograd(norm, *library.AUTOGRAD_KERNELS[norm.name])
 
 
 def test_no_python_runs_per_call_where_no_derivative_can_be_taken(python_autograd_calls):
@@ -188,6 +230,31 @@ def test_no_python_runs_per_call_where_no_derivative_can_be_taken(python_autogra
                                .square().sum(), leaves)  # fmt: skip
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_no_python_runs_per_call_of_the_rms_op_either(python_autograd_calls):
+    x, valid, scale, eps, offset = rms_arguments("2-d float32")
+    x, scale = x.detach(), scale.detach()
+    y, rstd = RMS_OP(x, valid, scale, eps, offset)
+    RMS_BACKWARD_OP(torch.ones_like(y), x, valid, scale, rstd, eps, offset, [True, True])
+    leaves = tuple(t.clone().requires_grad_() for t in (x, scale))
+    with torch.no_grad():
+        RMS_OP(leaves[0], valid, leaves[1], eps, offset)
+    assert python_autograd_calls == []
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, s: masked_rms_normalization(a, valid, s, offset=1.0),
+                             backend="inductor", fullgraph=True)  # fmt: skip
+    torch.autograd.grad(compiled(*leaves).square().sum(), leaves)
+    python_autograd_calls.clear()
+    got = torch.autograd.grad(compiled(*leaves).square().sum(), leaves)
+    assert python_autograd_calls == []
+    want = torch.autograd.grad(masked_rms_normalization(leaves[0], valid, leaves[1], offset=1.0)
+                               .square().sum(), leaves)  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    y = RMS_OP(leaves[0], valid, leaves[1], eps, offset)[0]
+    torch.autograd.grad(y.sum(), leaves)
+    assert python_autograd_calls == ["rms forward"]
 
 
 def test_a_derivative_through_the_op_takes_the_python_autograd(python_autograd_calls):

@@ -1,4 +1,4 @@
-"""Every composition of two torch.func transforms of the op, against an oracle.
+"""Every composition of two torch.func transforms of the op, of both norms, against an oracle.
 
 The same composition is applied to the op and to an oracle written here in plain torch ops
 (sanitize x, two-pass mean and population variance, affine, zero the invalid rows), which every
@@ -7,6 +7,12 @@ matrix is generated: an outer transform of ``grad``, ``vjp``, ``jvp``, ``jacrev`
 ``vmap`` applied to an inner one of the same six (and ``hessian``, and each transform alone),
 each with respect to x, scale and bias, the invalid rows of x holding NaN and inf; for the
 public function and for the registered op ``torch.ops.maskln.masked_layer_norm``.
+
+The RMSNorm op goes through the same matrix, each composition with respect to x and scale,
+with Gemma's offset of 1, against an oracle of its own (no centering, no bias): a slice of it
+in ``make test`` (each transform alone, ``hessian`` and a few compositions that take each way
+of the op: nested forward mode, batched gradients, forward over reverse), the whole of it
+marked slow.
 
 Each level ends in a loss that is not linear in what the level below returns: a loss linear in
 the op's output has a second derivative that does not depend on the first derivative of the
@@ -22,7 +28,7 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from maskln_cli import masked_layer_normalization
+from maskln_cli import masked_layer_normalization, masked_rms_normalization
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 EPS = 1e-3
@@ -37,6 +43,15 @@ def oracle(x, valid, scale, bias, eps):
     centered = clean - mean
     variance = (centered * centered).mean(dim=-1, keepdim=True)
     y = centered / torch.sqrt(variance + eps) * scale + bias
+    return torch.where(keep, y, 0.0)
+
+
+def rms_oracle(x, valid, scale, eps, offset):
+    """The RMSNorm op in plain differentiable torch ops (float64 in, float64 out)."""
+    keep = valid.unsqueeze(-1)
+    clean = torch.where(keep, x, 0.0)
+    mean_square = (clean * clean).mean(dim=-1, keepdim=True)
+    y = clean / torch.sqrt(mean_square + eps) * (offset + scale)
     return torch.where(keep, y, 0.0)
 
 
@@ -152,16 +167,57 @@ WAYS_IN = {"function": masked_layer_normalization, "torch.ops": registered_op}
 @pytest.mark.parametrize("composition", list(COMPOSITIONS))
 @pytest.mark.parametrize("way_in", list(WAYS_IN))
 def test_the_composition_equals_the_oracle(way_in: str, composition: str, argument: str):
+    assert_composition_equals_oracle(WAYS_IN[way_in], oracle, composition, argument)
+
+
+def assert_composition_equals_oracle(op, truth_op, composition: str, argument: str) -> None:
     given = inputs()
     transform = COMPOSITIONS[composition]
     start = given[argument]
-    ours = transform(of_argument(WAYS_IN[way_in], argument, given))(start)
-    truth = transform(of_argument(oracle, argument, given))(start)
+    ours = transform(of_argument(op, argument, given))(start)
+    truth = transform(of_argument(truth_op, argument, given))(start)
     assert truth.isfinite().all(), "the oracle itself must be finite"
     torch.testing.assert_close(ours, truth, rtol=1e-8, atol=1e-8)
 
 
-def test_the_oracle_agrees_with_autograd_and_finite_differences():
+OFFSET = 1.0
+"""Gemma's: the gain is 1 + scale."""
+
+
+def rms_function(x, valid, scale, bias, eps):
+    """The RMSNorm function in the matrix's signature (bias, the LayerNorm op's, unused)."""
+    return masked_rms_normalization(x, valid, scale, eps, offset=OFFSET)
+
+
+def rms_registered_op(x, valid, scale, bias, eps):
+    return torch.ops.maskln.masked_rms_norm(x, valid, scale, eps, OFFSET)[0]
+
+
+def rms_truth(x, valid, scale, bias, eps):
+    return rms_oracle(x, valid, scale, eps, OFFSET)
+
+
+RMS_WAYS_IN = {"function": rms_function, "torch.ops": rms_registered_op}
+RMS_SLICE = ("grad", "jvp", "vmap", "hessian", "jvp(jvp)", "vmap(grad)", "jacrev(jacfwd)",
+             "grad(vjp)")  # fmt: skip
+"""The compositions ``make test`` runs: each way of the op (the Function's backward and jvp,
+its vmap rule, the composite under two forward-mode levels, second order)."""
+
+
+@pytest.mark.parametrize(
+    ("way_in", "composition", "argument"),
+    [
+        pytest.param(way, composition, argument,
+                     marks=() if composition in RMS_SLICE else pytest.mark.slow)
+        for way in RMS_WAYS_IN for composition in COMPOSITIONS for argument in ("x", "scale")
+    ],
+)  # fmt: skip
+def test_the_rms_composition_equals_the_oracle(way_in: str, composition: str, argument: str):
+    assert_composition_equals_oracle(RMS_WAYS_IN[way_in], rms_truth, composition, argument)
+
+
+@pytest.mark.parametrize("truth", [oracle, rms_truth], ids=["layer", "rms"])
+def test_the_oracle_agrees_with_autograd_and_finite_differences(truth):
     """The oracle's hessian by torch.func equals torch.autograd's, and finite differences of
     its gradient (so the matrix's truth is the truth)."""
     given = inputs()
@@ -169,7 +225,7 @@ def test_the_oracle_agrees_with_autograd_and_finite_differences():
     x = torch.where(valid.unsqueeze(-1), given["x"], 0.0)
 
     def loss(a: torch.Tensor) -> torch.Tensor:
-        return nonlinear(oracle(a, valid, given["scale"], given["bias"], EPS))
+        return nonlinear(truth(a, valid, given["scale"], given["bias"], EPS))
 
     by_func = hessian(loss)(x)
     by_autograd = torch.autograd.functional.hessian(loss, x)

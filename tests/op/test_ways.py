@@ -3,7 +3,8 @@ enumerated over the contexts a call can be made in, each row of the tables reach
 
 That each way computes the right values is for the other tests (test_transform_matrix.py,
 test_torch_features.py); this one holds the rule itself, so that a change to a condition shows
-up as a change of way in a named context.
+up as a change of way in a named context. The rule is one for both norms: the RMSNorm function
+takes the same way as the LayerNorm function in every context.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import grad, jacfwd, jvp, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from maskln_cli import masked_layer_normalization
+from maskln_cli import masked_layer_normalization, masked_rms_normalization
 from maskln_cli.op import api, autograd
 from maskln_cli.op.autograd import BACKWARD_WAYS, FORWARD_WAYS, Way
 
@@ -68,6 +69,18 @@ class Watching(TorchDispatchMode):
 
 def call(x, valid, scale, bias):  # type: ignore[no-untyped-def]
     return masked_layer_normalization(x, valid, scale, bias)
+
+
+def rms_call(x, valid, scale, bias):  # type: ignore[no-untyped-def]
+    return masked_rms_normalization(x, valid, scale, offset=1.0)
+
+
+@pytest.fixture(params=["layer", "rms"])
+def norm(request, monkeypatch) -> str:
+    """Each context run with the norm's public function (``call`` is looked up at run time)."""
+    if request.param == "rms":
+        monkeypatch.setattr(__import__(__name__, fromlist=["call"]), "call", rms_call)
+    return request.param
 
 
 def loss(x, valid, scale, bias):  # type: ignore[no-untyped-def]
@@ -143,7 +156,7 @@ FORWARD_CONTEXTS: dict[str, tuple[Callable[[], None], Way]] = {
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning")
 @pytest.mark.parametrize("context", list(FORWARD_CONTEXTS))
-def test_the_public_function_takes_its_way(context: str, forward_ways: list[Way]):
+def test_the_public_function_takes_its_way(context: str, forward_ways: list[Way], norm: str):
     run, expected = FORWARD_CONTEXTS[context]
     run()
     assert forward_ways, "the op was not called"
@@ -190,7 +203,7 @@ BACKWARD_CONTEXTS: dict[str, tuple[Callable[[], None], Way]] = {
 
 
 @pytest.mark.parametrize("context", list(BACKWARD_CONTEXTS))
-def test_the_backward_takes_its_way(context: str, backward_ways: list[Way]):
+def test_the_backward_takes_its_way(context: str, backward_ways: list[Way], norm: str):
     run, expected = BACKWARD_CONTEXTS[context]
     run()
     assert backward_ways, "no backward ran"

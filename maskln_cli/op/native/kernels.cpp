@@ -1,5 +1,5 @@
-// The row kernels of masked_layer_norm.h, compiled for three instruction sets and run over
-// threads with at::parallel_for.
+// The row kernels of masked_layer_norm.h, for both norms (LayerNorm and RMSNorm), compiled for
+// three instruction sets and run over threads with at::parallel_for.
 //
 // Instruction sets: the kernels are compiled three times in this translation unit, for the
 // build's baseline (x86-64: SSE2, vectors of 2 float64), for AVX2 (4) and for AVX-512 (8),
@@ -66,34 +66,38 @@ struct Kernels {
   }
 
 #define MASKLN_VARIANT(NAME, ATTRIBUTES, W)                                                    \
-  template <typename T>                                                                       \
+  template <typename T, bool kCentered>                                                       \
   ATTRIBUTES void forward_##NAME(const ForwardArgs<T>& a, int64_t begin, int64_t end) {       \
-    MASKLN_BY_LENGTH((forward_rows<T, W, kC>(a, begin, end)))                                 \
+    MASKLN_BY_LENGTH((forward_rows<T, W, kCentered, kC>(a, begin, end)))                      \
   }                                                                                           \
-  template <typename T>                                                                       \
+  template <typename T, bool kCentered>                                                       \
   ATTRIBUTES void backward_##NAME(                                                            \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    MASKLN_BY_LENGTH((backward_rows<T, W, true, true, kC>(a, begin, end, dscale, dbias)))     \
+    MASKLN_BY_LENGTH(                                                                         \
+        (backward_rows<T, W, kCentered, true, true, kC>(a, begin, end, dscale, dbias)))       \
   }                                                                                           \
-  template <typename T>                                                                       \
+  template <typename T, bool kCentered>                                                       \
   ATTRIBUTES void backward_sums_##NAME(                                                       \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    MASKLN_BY_LENGTH((backward_rows<T, W, false, true, kC>(a, begin, end, dscale, dbias)))    \
+    MASKLN_BY_LENGTH(                                                                         \
+        (backward_rows<T, W, kCentered, false, true, kC>(a, begin, end, dscale, dbias)))      \
   }                                                                                           \
-  template <typename T>                                                                       \
+  template <typename T, bool kCentered>                                                       \
   ATTRIBUTES void backward_dx_##NAME(                                                         \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    MASKLN_BY_LENGTH((backward_rows<T, W, true, false, kC>(a, begin, end, dscale, dbias)))    \
+    MASKLN_BY_LENGTH(                                                                         \
+        (backward_rows<T, W, kCentered, true, false, kC>(a, begin, end, dscale, dbias)))      \
   }                                                                                           \
   template <typename T>                                                                       \
   ATTRIBUTES void backward_dbias_##NAME(                                                      \
       const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dbias) {                  \
     backward_rows_dbias<T, W>(a, begin, end, dbias);                                          \
   }                                                                                           \
-  template <typename T>                                                                       \
+  template <typename T, bool kCentered>                                                       \
   Kernels<T> kernels_##NAME() {                                                               \
-    return {&forward_##NAME<T>, &backward_##NAME<T>, &backward_sums_##NAME<T>,                \
-            &backward_dx_##NAME<T>, &backward_dbias_##NAME<T>};                               \
+    return {&forward_##NAME<T, kCentered>, &backward_##NAME<T, kCentered>,                    \
+            &backward_sums_##NAME<T, kCentered>, &backward_dx_##NAME<T, kCentered>,           \
+            &backward_dbias_##NAME<T>};                                                       \
   }
 
 MASKLN_VARIANT(base, MASKLN_BASE, 2)
@@ -146,19 +150,25 @@ std::atomic<int>& current_isa() {
   return isa;
 }
 
-template <typename T>
-Kernels<T> kernels() {
+// The kernels of the norm (kCentered: LayerNorm; else RMSNorm) for the current instruction set.
+template <typename T, bool kCentered>
+Kernels<T> kernels_of_norm() {
 #ifdef MASKLN_X86
   switch (current_isa().load(std::memory_order_relaxed)) {
     case kAvx512:
-      return kernels_avx512<T>();
+      return kernels_avx512<T, kCentered>();
     case kAvx2:
-      return kernels_avx2<T>();
+      return kernels_avx2<T, kCentered>();
     default:
       break;
   }
 #endif
-  return kernels_base<T>();
+  return kernels_base<T, kCentered>();
+}
+
+template <typename T>
+Kernels<T> kernels(bool centered) {
+  return centered ? kernels_of_norm<T, true>() : kernels_of_norm<T, false>();
 }
 
 std::string isa() { return kIsaNames[current_isa().load()]; }
@@ -202,8 +212,8 @@ void forward_typed(const ForwardCall& c) {
                             static_cast<const P*>(c.scale), static_cast<const P*>(c.bias),
                             static_cast<T*>(c.y),           static_cast<P*>(c.mean),
                             static_cast<P*>(c.rstd),        c.C,
-                            c.eps};
-  const auto kernel = kernels<T>().forward;
+                            c.eps,                          c.offset};
+  const auto kernel = kernels<T>(c.centered).forward;
   at::parallel_for(0, c.rows, grain_rows(c.C), [&](int64_t begin, int64_t end) {
     kernel(args, begin, end);
   });
@@ -245,8 +255,8 @@ void backward_typed(const BackwardCall& c) {
                              c.valid,                       static_cast<const P*>(c.scale),
                              static_cast<const P*>(c.mean), static_cast<const P*>(c.rstd),
                              static_cast<T*>(c.dx),         c.C,
-                             c.eps};
-  const Kernels<T> k = kernels<T>();
+                             c.eps,                         c.offset};
+  const Kernels<T> k = kernels<T>(c.centered);
   const bool need_dx = c.dx != nullptr;
   const bool need_dscale = c.dscale != nullptr;
   const bool need_dbias = c.dbias != nullptr;
@@ -262,13 +272,16 @@ void backward_typed(const BackwardCall& c) {
   const int64_t blocks = (c.rows + per_block - 1) / per_block;
   const bool need_xhat = need_dx || need_dscale;  // else dbias alone: x is not read
   std::vector<double> partial_dscale(need_xhat ? blocks * c.C : 0);
-  std::vector<double> partial_dbias(blocks * c.C);
+  // LayerNorm's kernels add to dbias whenever they add to dscale; RMSNorm has none
+  std::vector<double> partial_dbias(c.centered ? blocks * c.C : 0);
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
       const int64_t begin = b * per_block;
       const int64_t end = std::min(c.rows, begin + per_block);
-      double* block_dbias = partial_dbias.data() + b * c.C;
-      std::fill(block_dbias, block_dbias + c.C, 0.0);
+      double* block_dbias = c.centered ? partial_dbias.data() + b * c.C : nullptr;
+      if (block_dbias != nullptr) {
+        std::fill(block_dbias, block_dbias + c.C, 0.0);
+      }
       if (!need_xhat) {
         k.backward_dbias(args, begin, end, block_dbias);
         continue;

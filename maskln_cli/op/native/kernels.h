@@ -12,8 +12,11 @@ namespace maskln_native {
 enum class Dtype : int { kFloat, kDouble, kHalf, kBFloat16 };
 
 // Contiguous rows; mean, rstd, scale and bias in the compute dtype (double for double x, else
-// float). mean and rstd null: the statistics are not kept.
+// float). mean and rstd null: the statistics are not kept. RMSNorm (centered false): bias and
+// mean null, the gain is scale + offset.
 struct ForwardCall {
+  bool centered;
+  double offset;
   Dtype dtype;
   const void* x;
   const bool* valid;
@@ -28,7 +31,10 @@ struct ForwardCall {
 };
 
 // dx, dscale, dbias null: not wanted. dscale and dbias have sums_dtype (scale's own dtype).
+// RMSNorm (centered false): mean and dbias null, the gain is scale + offset.
 struct BackwardCall {
+  bool centered;
+  double offset;
   Dtype dtype;
   const void* dy;
   const void* x;

@@ -1,15 +1,22 @@
-// Masked layer normalization on CPU: tensors, checks and bindings around kernels.cpp.
+// Masked layer and RMS normalization on CPU: tensors, checks and bindings around kernels.cpp.
 //
 //   forward(x, valid, scale, bias, eps) -> (y, mean, rstd)
 //   backward(dy, x, valid, scale, mean, rstd, eps, output_mask) -> the requested of
 //       (dx, dscale, dbias)
+//   rms_forward(x, valid, scale, eps, offset) -> (y, rstd)
+//   rms_backward(dy, x, valid, scale, rstd, eps, offset, output_mask) -> the requested of
+//       (dx, dscale)
+//
+// One implementation of each direction (norm_forward, norm_backward), the norm a parameter: a
+// null bias (and mean) is RMSNorm's.
 //
 // y and dx have x's layout (torch.empty_like(x)); mean and rstd are [..., 1] in the compute
 // dtype (float32 for float32, float16 and bfloat16; float64 for float64), 0 on invalid rows;
 // dscale and dbias have scale's dtype. Two ways in: pybind functions (bindings.cpp: the
 // cheapest call, which maskln's eager path and its autograd.Function take), and the CPU
 // kernels of maskln's own custom ops, maskln::masked_layer_norm(_backward), once
-// register_maskln_kernels is called (what graphs from torch.compile and torch.export call).
+// register_maskln_kernels is called (what graphs from torch.compile and torch.export call):
+// maskln::masked_layer_norm(_backward) and maskln::masked_rms_norm(_backward).
 // The library defines no ops of its own (no TORCH_LIBRARY): the ops, their fake kernels,
 // autograd and vmap rules are defined once, in maskln_cli/op/library.py.
 // No C++ autograd node: maskln's autograd is a Python autograd.Function, which torch.func
@@ -138,7 +145,7 @@ void set_contract_error(ContractError report) {
 bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 bool meets_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
-                    const at::Tensor& bias, double eps) {
+                    const at::Tensor& bias, double eps) {  // RMSNorm: scale stands for bias
   const auto t = x.scalar_type();
   if (!(t == at::kFloat || t == at::kDouble || is_half(t))) {
     return false;
@@ -164,37 +171,46 @@ bool meets_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tens
   return eps > 0.0 && std::isfinite(eps) && (t == at::kDouble || eps > std::ldexp(1.0, -150));
 }
 
+// bias null: RMSNorm's contract, whose offset must be finite.
 void check_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
-                    const at::Tensor& bias, double eps) {
-  if (meets_contract(x, valid, scale, bias, eps)) {
+                    const at::Tensor* bias, double eps, double offset = 0.0) {
+  if (bias != nullptr ? meets_contract(x, valid, scale, *bias, eps)
+                      : meets_contract(x, valid, scale, scale, eps) && std::isfinite(offset)) {
     return;
   }
-  if (contract_error != nullptr) {
-    (*contract_error)(x, valid, scale, bias, eps);  // raises the op's own error
+  if (contract_error != nullptr) {  // raises the op's own error
+    (*contract_error)(x, valid, scale, bias != nullptr ? *bias : at::Tensor(), eps, offset);
   }
   TORCH_CHECK(false, "maskln: the inputs are outside the op's contract (x ", x.scalar_type(),
               " ", x.sizes(), ", valid ", valid.scalar_type(), " ", valid.sizes(), ", scale ",
-              scale.scalar_type(), " ", scale.sizes(), ", bias ", bias.scalar_type(), " ",
-              bias.sizes(), ", eps ", eps, ")");
+              scale.scalar_type(), " ", scale.sizes(), ", eps ", eps, ", offset ", offset, ")");
 }
 
 // --- forward --------------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
-    const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor& bias,
-    double eps, bool keep_statistics) {
-  check_inputs(x, valid, scale, &bias, eps);
+// (y, mean, rstd) of either norm: bias null is RMSNorm's (mean then undefined, the gain scale +
+// offset).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(
+    const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor* bias,
+    double eps, double offset, bool keep_statistics) {
+  check_inputs(x, valid, scale, bias, eps);
+  const bool centered = bias != nullptr;
   const auto p = compute_type(x.scalar_type());
   at::Tensor y = output_like(x);
   at::Tensor mean, rstd;
   const int64_t C = x.size(-1);
   const int64_t rows = valid.numel();
   if (keep_statistics) {
-    mean = at::detail::empty_cpu(statistics_shape(x), p);
+    if (centered) {
+      mean = at::detail::empty_cpu(statistics_shape(x), p);
+    }
     rstd = at::detail::empty_cpu(statistics_shape(x), p);
     if (C == 0) {  // nothing to normalize: statistics 0, as maskln_cli.op.blocked.forward
-      mean.zero_();
-      rstd.zero_();
+      for (at::Tensor* statistic : {&mean, &rstd}) {
+        if (statistic->defined()) {
+          statistic->zero_();
+        }
+      }
     }
   }
   if (rows == 0 || C == 0) {
@@ -203,13 +219,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
   const at::Tensor x_rows = contiguous(x);
   const at::Tensor valid_rows = contiguous(valid);
   const at::Tensor scale_p = contiguous_as(scale, p);
-  const at::Tensor bias_p = contiguous_as(bias, p);
+  const at::Tensor bias_p = centered ? contiguous_as(*bias, p) : at::Tensor();
   // Rows are written contiguous, and copied when y's layout differs.
   const at::Tensor y_rows = y.is_contiguous() ? y : at::detail::empty_cpu(x.sizes(), x.scalar_type());
-  run_forward({kernel_dtype(x.scalar_type()), x_rows.const_data_ptr(),
+  run_forward({centered, offset, kernel_dtype(x.scalar_type()), x_rows.const_data_ptr(),
                valid_rows.const_data_ptr<bool>(), scale_p.const_data_ptr(),
-               bias_p.const_data_ptr(), y_rows.mutable_data_ptr(),
-               keep_statistics ? mean.mutable_data_ptr() : nullptr,
+               centered ? bias_p.const_data_ptr() : nullptr, y_rows.mutable_data_ptr(),
+               keep_statistics && centered ? mean.mutable_data_ptr() : nullptr,
                keep_statistics ? rstd.mutable_data_ptr() : nullptr, rows, C, eps});
   if (!y_rows.is_same(y)) {
     y.copy_(y_rows);
@@ -217,27 +233,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
   return {y, mean, rstd};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
+    const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor& bias,
+    double eps, bool keep_statistics) {
+  return norm_forward(x, valid, scale, &bias, eps, 0.0, keep_statistics);
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_forward_impl(
+    const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, double eps,
+    double offset, bool keep_statistics) {
+  auto [y, mean, rstd] = norm_forward(x, valid, scale, nullptr, eps, offset, keep_statistics);
+  return {y, rstd};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, const at::Tensor& bias,
     double eps) {
-  check_contract(x, valid, scale, bias, eps);
+  check_contract(x, valid, scale, &bias, eps);
   return forward_impl(x, valid, scale, bias, eps, true);
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_forward(const at::Tensor& x, const at::Tensor& valid,
+                                               const at::Tensor& scale, double eps,
+                                               double offset) {
+  check_contract(x, valid, scale, nullptr, eps, offset);
+  return rms_forward_impl(x, valid, scale, eps, offset, true);
 }
 
 // --- backward -------------------------------------------------------------------------------
 
-std::vector<at::Tensor> backward_impl(
+// The requested of (dx, dscale, dbias) of either norm: mean null is RMSNorm's (no dbias, the
+// gain scale + offset).
+std::vector<at::Tensor> norm_backward(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
-    const at::Tensor& mean, const at::Tensor& rstd, double eps, bool need_dx, bool need_dscale,
-    bool need_dbias) {
+    const at::Tensor* mean, const at::Tensor& rstd, double eps, double offset, bool need_dx,
+    bool need_dscale, bool need_dbias) {
   check_inputs(x, valid, scale, nullptr, eps);
+  const bool centered = mean != nullptr;
+  TORCH_CHECK(centered || !need_dbias, "maskln native: RMSNorm has no bias");
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.device().is_cpu() && dy.layout() == at::kStrided,
               "maskln native: dy must be a dense CPU tensor of x's shape ", x.sizes(), ", got ",
               dy.sizes());
   const int64_t C = x.size(-1);
   const int64_t rows = valid.numel();
-  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows && mean.device().is_cpu() &&
-                  rstd.device().is_cpu(),
+  TORCH_CHECK((!centered || (mean->numel() == rows && mean->device().is_cpu())) &&
+                  rstd.numel() == rows && rstd.device().is_cpu(),
               "maskln native: mean and rstd must have one value per row (", rows, ")");
   const auto p = compute_type(x.scalar_type());
   at::Tensor dx, dscale, dbias;
@@ -261,15 +301,16 @@ std::vector<at::Tensor> backward_impl(
     const at::Tensor dy_rows = contiguous_as(dy, x.scalar_type());
     const at::Tensor valid_rows = contiguous(valid);
     const at::Tensor scale_p = contiguous_as(scale, p);
-    const at::Tensor mean_p = contiguous_as(mean, p);
+    const at::Tensor mean_p = centered ? contiguous_as(*mean, p) : at::Tensor();
     const at::Tensor rstd_p = contiguous_as(rstd, p);
     at::Tensor dx_rows;
     if (need_dx) {
       dx_rows = dx.is_contiguous() ? dx : at::detail::empty_cpu(x.sizes(), x.scalar_type());
     }
-    run_backward({kernel_dtype(x.scalar_type()), dy_rows.const_data_ptr(),
+    run_backward({centered, offset, kernel_dtype(x.scalar_type()), dy_rows.const_data_ptr(),
                   x_rows.const_data_ptr(), valid_rows.const_data_ptr<bool>(),
-                  scale_p.const_data_ptr(), mean_p.const_data_ptr(), rstd_p.const_data_ptr(),
+                  scale_p.const_data_ptr(), centered ? mean_p.const_data_ptr() : nullptr,
+                  rstd_p.const_data_ptr(),
                   need_dx ? dx_rows.mutable_data_ptr() : nullptr,
                   need_dscale ? dscale.mutable_data_ptr() : nullptr,
                   need_dbias ? dbias.mutable_data_ptr() : nullptr,
@@ -291,17 +332,34 @@ std::vector<at::Tensor> backward(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
     const at::Tensor& mean, const at::Tensor& rstd, double eps, c10::List<bool> output_mask) {
   TORCH_CHECK(output_mask.size() == 3, "maskln native: output_mask must have 3 entries");
-  check_contract(x, valid, scale, scale, eps);  // scale stands for bias: the same rules
-  return backward_impl(dy, x, valid, scale, mean, rstd, eps, output_mask[0], output_mask[1],
-                       output_mask[2]);
+  check_contract(x, valid, scale, &scale, eps);  // scale stands for bias: the same rules
+  return norm_backward(dy, x, valid, scale, &mean, rstd, eps, 0.0, output_mask[0],
+                       output_mask[1], output_mask[2]);
 }
 
 std::vector<at::Tensor> backward_py(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
     const at::Tensor& mean, const at::Tensor& rstd, double eps, std::vector<bool> output_mask) {
   TORCH_CHECK(output_mask.size() == 3, "maskln native: output_mask must have 3 entries");
-  return backward_impl(dy, x, valid, scale, mean, rstd, eps, output_mask[0], output_mask[1],
-                       output_mask[2]);
+  return norm_backward(dy, x, valid, scale, &mean, rstd, eps, 0.0, output_mask[0],
+                       output_mask[1], output_mask[2]);
+}
+
+std::vector<at::Tensor> rms_backward(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+    const at::Tensor& rstd, double eps, double offset, c10::List<bool> output_mask) {
+  TORCH_CHECK(output_mask.size() == 2, "maskln native: output_mask must have 2 entries");
+  check_contract(x, valid, scale, nullptr, eps, offset);
+  return norm_backward(dy, x, valid, scale, nullptr, rstd, eps, offset, output_mask[0],
+                       output_mask[1], false);
+}
+
+std::vector<at::Tensor> rms_backward_py(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+    const at::Tensor& rstd, double eps, double offset, std::vector<bool> output_mask) {
+  TORCH_CHECK(output_mask.size() == 2, "maskln native: output_mask must have 2 entries");
+  return norm_backward(dy, x, valid, scale, nullptr, rstd, eps, offset, output_mask[0],
+                       output_mask[1], false);
 }
 
 // --- autograd on CPU: no Python when no derivative can be taken -------------------------------
@@ -317,12 +375,21 @@ std::vector<at::Tensor> backward_py(
 
 PythonForward* python_forward = nullptr;  // set once from Python, never destroyed
 PythonBackward* python_backward = nullptr;
+PythonRmsForward* python_rms_forward = nullptr;
+PythonRmsBackward* python_rms_backward = nullptr;
 
 void set_python_autograd(PythonForward forward, PythonBackward backward) {
   delete python_forward;
   delete python_backward;
   python_forward = new PythonForward(std::move(forward));
   python_backward = new PythonBackward(std::move(backward));
+}
+
+void set_rms_python_autograd(PythonRmsForward forward, PythonRmsBackward backward) {
+  delete python_rms_forward;
+  delete python_rms_backward;
+  python_rms_forward = new PythonRmsForward(std::move(forward));
+  python_rms_backward = new PythonRmsBackward(std::move(backward));
 }
 
 bool derivative_possible(std::initializer_list<const at::Tensor*> differentiable,
@@ -379,10 +446,44 @@ std::vector<at::Tensor> backward_autograd(
                        std::move(output_mask));
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_forward_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, double eps, double offset) {
+  if (derivative_possible({&x, &scale}, {&valid})) {
+    TORCH_CHECK(python_rms_forward != nullptr,
+                "maskln native: set_python_autograd was not called for rms");
+    return (*python_rms_forward)(keys, x, valid, scale, eps, offset);
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("maskln::masked_rms_norm", "")
+                             .typed<decltype(rms_forward)>();
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset);
+  return op.redispatch(keys & c10::after_autograd_keyset, x, valid, scale, eps, offset);
+}
+
+std::vector<at::Tensor> rms_backward_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, const at::Tensor& rstd, double eps, double offset,
+    c10::List<bool> output_mask) {
+  if (derivative_possible({&dy, &x, &scale}, {&valid, &rstd})) {
+    TORCH_CHECK(python_rms_backward != nullptr,
+                "maskln native: set_python_autograd was not called for rms");
+    return (*python_rms_backward)(keys, dy, x, valid, scale, rstd, eps, offset,
+                                  output_mask.vec());
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("maskln::masked_rms_norm_backward", "")
+                             .typed<decltype(rms_backward)>();
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset);
+  return op.redispatch(keys & c10::after_autograd_keyset, dy, x, valid, scale, rstd, eps, offset,
+                       std::move(output_mask));
+}
+
 // --- the CPU kernels of maskln's own custom ops -------------------------------------------------
 
 // Registers (or, with enable false, withdraws) forward and backward as the CPU kernels of
-// maskln::masked_layer_norm and maskln::masked_layer_norm_backward, which maskln_cli.op.library
+// maskln::masked_layer_norm and maskln::masked_layer_norm_backward (and rms_forward and
+// rms_backward those of maskln::masked_rms_norm(_backward)), which maskln_cli.op.library
 // defines in Python: the dispatcher then calls C++ directly for CPU tensors, ahead of the
 // ops' Python implementation (CompositeExplicitAutograd), under their Python autograd and fake
 // kernels. Returns whether they were registered before.
@@ -397,10 +498,14 @@ bool register_maskln_kernels(bool enable) {
                                                     c10::DispatchKey::CPU, __FILE__, __LINE__);
     kernels->impl("masked_layer_norm", TORCH_FN(forward));
     kernels->impl("masked_layer_norm_backward", TORCH_FN(backward));
+    kernels->impl("masked_rms_norm", TORCH_FN(rms_forward));
+    kernels->impl("masked_rms_norm_backward", TORCH_FN(rms_backward));
     auto derivatives = std::make_unique<torch::Library>(
         torch::Library::IMPL, "maskln", c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
     derivatives->impl("masked_layer_norm", TORCH_FN(forward_autograd));
     derivatives->impl("masked_layer_norm_backward", TORCH_FN(backward_autograd));
+    derivatives->impl("masked_rms_norm", TORCH_FN(rms_forward_autograd));
+    derivatives->impl("masked_rms_norm_backward", TORCH_FN(rms_backward_autograd));
     cpu = kernels.release();
     autograd = derivatives.release();
   } else if (!enable && was) {

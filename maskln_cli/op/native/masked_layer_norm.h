@@ -1,7 +1,8 @@
-// Masked layer normalization: the row kernels, forward and backward side by side.
+// Masked layer and RMS normalization: the row kernels, forward and backward side by side, with
+// the norm a template parameter (kCentered: LayerNorm subtracts the mean, RMSNorm does not).
 //
-// For each valid row x of C channels (Ba et al., 2016), with the corrected two-pass variance
-// (Chan, Golub & LeVeque, 1983), every statistic accumulated in float64:
+// LayerNorm: for each valid row x of C channels (Ba et al., 2016), with the corrected two-pass
+// variance (Chan, Golub & LeVeque, 1983), every statistic accumulated in float64:
 //
 //     mean  = sum(x) / C
 //     xc    = x - mean
@@ -15,6 +16,15 @@
 //     dbias  = sum over valid rows of dy
 //     dscale = sum over valid rows of dy * xhat
 //     dx     = rstd * (wdy - xhat * c1 - c2),   c1 = mean_C(xhat * wdy),  c2 = mean_C(wdy)
+//
+// RMSNorm (Zhang & Sennrich, 2019), the same without the mean and the bias, and with an offset
+// on the gain (Gemma's 1 + scale); wg = dy * (scale + offset):
+//
+//     rstd   = 1 / sqrt(sum(x * x) / C + eps)
+//     xhat   = x * rstd
+//     y      = xhat * (scale + offset)
+//     dscale = sum over valid rows of dy * xhat
+//     dx     = rstd * (wg - xhat * c1),   c1 = mean_C(xhat * wg)
 //
 // Invalid rows are written +0.0 (and their statistics 0) without reading them, so whatever they
 // hold never reaches an output or a gradient. Rows whose arithmetic overflows (float64 |x| from
@@ -308,25 +318,29 @@ inline double plain_sum(const double* row, int64_t n) {
 //     xs = x * 2**-e1;  xc = xs - mean(xs) - mean(xs - mean(xs));  d = xc * 2**-e2
 //     rs = 1 / sqrt(mean(d * d) + eps * 4**-(e1 + e2));  xhat = d * rs
 //
-// Scaling by powers of two rounds nothing; NaN or inf in the row makes it NaN, as the formula.
+// Uncentered (RMSNorm), xc = xs and the mean is 0. Scaling by powers of two rounds nothing; NaN
+// or inf in the row makes it NaN, as the formula.
 struct Rescued {
   double rs;
   int exponent;
   double mean;
 };
 
-MASKLN_NOINLINE inline Rescued normalized_row(double* row, int64_t n, double eps) {
+MASKLN_NOINLINE inline Rescued normalized_row(double* row, int64_t n, double eps, bool centered) {
   const int e1 = row_exponent(max_magnitude(row, n));
   for (int64_t j = 0; j < n; ++j) {
     row[j] = std::ldexp(row[j], -e1);
   }
-  const double scaled_mean = plain_sum(row, n) / static_cast<double>(n);
-  for (int64_t j = 0; j < n; ++j) {
-    row[j] -= scaled_mean;
-  }
-  const double shift = plain_sum(row, n) / static_cast<double>(n);
-  for (int64_t j = 0; j < n; ++j) {
-    row[j] -= shift;
+  double scaled_mean = 0.0;
+  if (centered) {
+    scaled_mean = plain_sum(row, n) / static_cast<double>(n);
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] -= scaled_mean;
+    }
+    const double shift = plain_sum(row, n) / static_cast<double>(n);
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] -= shift;
+    }
   }
   // Deviations scaled to below 1, never below sqrt(eps)'s exponent, where eps dominates.
   int eps_exponent = 0;
@@ -364,15 +378,16 @@ struct ForwardArgs {
   const T* x;         // [rows, C], contiguous
   const bool* valid;  // [rows]
   const P* scale;     // [C]
-  const P* bias;      // [C]
+  const P* bias;      // [C]; null for RMSNorm
   T* y;               // [rows, C], contiguous
-  P* mean;            // [rows], or null when the statistics are not kept
-  P* rstd;            // [rows], likewise
+  P* mean;            // [rows], or null when the statistics are not kept (always for RMSNorm)
+  P* rstd;            // [rows], or null when the statistics are not kept
   int64_t C;
   double eps;
+  double offset;      // RMSNorm's gain is scale + offset
 };
 
-template <typename T>
+template <typename T, bool kCentered>
 MASKLN_NOINLINE void forward_row_rescued(const ForwardArgs<T>& a, int64_t i) {
   using P = typename ForwardArgs<T>::P;
   const int64_t C = a.C;
@@ -381,23 +396,92 @@ MASKLN_NOINLINE void forward_row_rescued(const ForwardArgs<T>& a, int64_t i) {
   for (int64_t j = 0; j < C; ++j) {
     row[j] = widen(x[j]);
   }
-  const Rescued r = normalized_row(row.data(), C, a.eps);
+  const Rescued r = normalized_row(row.data(), C, a.eps, kCentered);
   T* y = a.y + i * C;
   for (int64_t j = 0; j < C; ++j) {
-    y[j] = narrow<T>(row[j] * widen(a.scale[j]) + widen(a.bias[j]));
+    if constexpr (kCentered) {
+      y[j] = narrow<T>(row[j] * widen(a.scale[j]) + widen(a.bias[j]));
+    } else {
+      y[j] = narrow<T>(row[j] * (widen(a.scale[j]) + a.offset));
+    }
   }
-  if (a.mean != nullptr) {
-    a.mean[i] = static_cast<P>(r.mean);
+  if (a.rstd != nullptr) {
+    if constexpr (kCentered) {
+      a.mean[i] = static_cast<P>(r.mean);
+    }
     a.rstd[i] = static_cast<P>(std::ldexp(r.rs, -r.exponent));
   }
 }
 
+// RMSNorm's batch of count rows from row first: a pass for each row's sum of squares, then one
+// writing y (from cache). sums[r][1] and rstd[r] are the forward_rows' statistics of row r.
+template <typename T, int W, int64_t kC>
+MASKLN_INLINE void forward_rows_rms(const ForwardArgs<T>& a, int64_t first, int64_t count,
+                                    double inverse, double (*sums)[2], double* rstd) {
+  using P = typename ForwardArgs<T>::P;
+  using V = typename Vec<W>::d;
+  const int64_t C = kC != 0 ? kC : a.C;
+  const P* scale = a.scale;
+  const double offset = a.offset;
+  for (int64_t r = 0; r < count; ++r) {
+    const T* x = a.x + (first + r) * C;
+    double squares[1] = {0.0};
+    if (a.valid[first + r]) {
+      accumulate<W>(
+          C,
+          [&](int64_t j, V* s) {
+            const V v = load<W>(x + j);
+            s[0] += v * v;
+          },
+          [&](int64_t j, double* s) {
+            const double v = widen(x[j]);
+            s[0] += v * v;
+          },
+          squares);
+    }
+    sums[r][0] = 0.0;
+    sums[r][1] = squares[0];
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    rstd[r] = 1.0 / std::sqrt(sums[r][1] * inverse + a.eps);
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t i = first + r;
+    T* y = a.y + i * C;
+    if (!a.valid[i]) {  // +0.0 is all-zero bits in every dtype
+      std::memset(static_cast<void*>(y), 0, sizeof(T) * C);
+      if (a.rstd != nullptr) {
+        a.rstd[i] = P(0);
+      }
+      continue;
+    }
+    // Non-finite: the row holds NaN or inf, or (float64) its squares overflowed; or (float64)
+    // its squares underflowed.
+    if (!std::isfinite(sums[r][1]) || rstd[r] > kLargestExactRstd) {
+      forward_row_rescued<T, false>(a, i);
+      continue;
+    }
+    const T* x = a.x + i * C;
+    const double rs = rstd[r];
+    int64_t j = 0;
+    for (; j + W <= C; j += W) {
+      store<W>(y + j, (load<W>(x + j) * rs) * (load<W>(scale + j) + offset));
+    }
+    for (; j < C; ++j) {
+      y[j] = narrow<T>((widen(x[j]) * rs) * (widen(scale[j]) + offset));
+    }
+    if (a.rstd != nullptr) {
+      a.rstd[i] = static_cast<P>(rs);
+    }
+  }
+}
+
 // Rows [begin, end), a batch of rows at a time: each row is read twice for its statistics (the
-// second time from cache) and once more to write y.
+// second time from cache) and once more to write y; RMSNorm's, once for its sum of squares.
 // kC: the row length when the caller knows it at compile time (0: a.C, read at run time). The
 // loops over a row then unroll, which short rows need (C = 16: their loops' overhead cost as
 // much as their arithmetic); the bits are the same either way.
-template <typename T, int W, int64_t kC = 0>
+template <typename T, int W, bool kCentered, int64_t kC = 0>
 MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
   using P = typename ForwardArgs<T>::P;
   using V = typename Vec<W>::d;
@@ -407,9 +491,13 @@ MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t 
   const P* bias = a.bias;
   const int64_t batch = batch_rows(C * static_cast<int64_t>(sizeof(T)));
   double mean[kMaxBatch], shift[kMaxBatch], rstd[kMaxBatch];
-  double centered[kMaxBatch][2];  // sum(xc), sum(xc * xc)
+  double centered[kMaxBatch][2];  // sum(xc), sum(xc * xc); RMSNorm: 0, sum(x * x)
   for (int64_t first = begin; first < end; first += batch) {
     const int64_t count = std::min(batch, end - first);
+    if constexpr (!kCentered) {
+      forward_rows_rms<T, W, kC>(a, first, count, inverse, centered, rstd);
+      continue;
+    }
     for (int64_t r = 0; r < count; ++r) {
       const T* x = a.x + (first + r) * C;
       double sum[1] = {0.0};
@@ -460,7 +548,7 @@ MASKLN_INLINE void forward_rows(const ForwardArgs<T>& a, int64_t begin, int64_t 
       // (float64) its squares underflowed.
       if (!std::isfinite(centered[r][0]) || !std::isfinite(centered[r][1]) ||
           rstd[r] > kLargestExactRstd) {
-        forward_row_rescued(a, i);
+        forward_row_rescued<T, true>(a, i);
         continue;
       }
       const T* x = a.x + i * C;
@@ -491,11 +579,12 @@ struct BackwardArgs {
   const T* x;         // [rows, C], contiguous
   const bool* valid;  // [rows]
   const P* scale;     // [C]
-  const P* mean;      // [rows], as the forward saved it
+  const P* mean;      // [rows], as the forward saved it; null for RMSNorm
   const P* rstd;      // [rows], likewise
   T* dx;              // [rows, C], or null when not needed
   int64_t C;
   double eps;
+  double offset;      // RMSNorm's gain is scale + offset
 };
 
 // Below this an rstd is subnormal, or nearly: it has lost precision (|x| near the limit).
@@ -507,7 +596,8 @@ constexpr double smallest_exact_rstd() {
 
 // dx, and the dscale and dbias terms, of one valid row from statistics recomputed by
 // normalized_row (its saved rstd is too small to be exact, or its x - mean overflowed).
-template <typename T>
+// RMSNorm: no mean, c2 = 0, no dbias; wdy = dy * (scale + offset).
+template <typename T, bool kCentered>
 MASKLN_NOINLINE void backward_row_rescued(
     const BackwardArgs<T>& a, int64_t i, double* dscale, double* dbias) {
   const int64_t C = a.C;
@@ -518,19 +608,26 @@ MASKLN_NOINLINE void backward_row_rescued(
   for (int64_t j = 0; j < C; ++j) {
     xhat[j] = widen(x[j]);
   }
-  const Rescued r = normalized_row(xhat.data(), C, a.eps);
+  const Rescued r = normalized_row(xhat.data(), C, a.eps, kCentered);
+  const auto weighted = [&](int64_t j) {
+    if constexpr (kCentered) {
+      return widen(dy[j]) * widen(a.scale[j]);
+    } else {
+      return widen(dy[j]) * (widen(a.scale[j]) + a.offset);
+    }
+  };
   double c1 = 0.0, c2 = 0.0;  // mean_C(xhat * wdy), mean_C(wdy)
   for (int64_t j = 0; j < C; ++j) {
-    const double wdy = widen(dy[j]) * widen(a.scale[j]);
+    const double wdy = weighted(j);
     c1 += xhat[j] * wdy;
     c2 += wdy;
   }
   c1 /= channels;
-  c2 /= channels;
+  c2 = kCentered ? c2 / channels : 0.0;
   if (a.dx != nullptr) {
     T* dx = a.dx + i * C;
     for (int64_t j = 0; j < C; ++j) {
-      const double wdy = widen(dy[j]) * widen(a.scale[j]);
+      const double wdy = weighted(j);
       // rstd = rs * 2**-exponent, applied last so that tiny results round once
       dx[j] = narrow<T>(std::ldexp(((wdy - xhat[j] * c1) - c2) * r.rs, -r.exponent));
     }
@@ -539,16 +636,92 @@ MASKLN_NOINLINE void backward_row_rescued(
     for (int64_t j = 0; j < C; ++j) {
       const double g = widen(dy[j]);
       dscale[j] += g * xhat[j];
-      dbias[j] += g;
+      if constexpr (kCentered) {
+        dbias[j] += g;
+      }
+    }
+  }
+}
+
+// RMSNorm's backward of count rows from row first (see backward_rows): a pass for each row's
+// c1 = mean_C(xhat * wg), then one for dx and the dscale terms (from cache).
+template <typename T, int W, bool kDx, bool kSums, int64_t kC>
+MASKLN_INLINE void backward_rows_rms(const BackwardArgs<T>& a, int64_t first, int64_t count,
+                                     double inverse, double (*sums)[3], double* dscale) {
+  using P = typename BackwardArgs<T>::P;
+  using V = typename Vec<W>::d;
+  const int64_t C = kC != 0 ? kC : a.C;
+  const P* scale = a.scale;
+  const double offset = a.offset;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t i = first + r;
+    sums[r][0] = 0.0;
+    if (!a.valid[i]) {
+      continue;
+    }
+    const T* x = a.x + i * C;
+    const T* dy = a.dy + i * C;
+    const double rstd = widen(a.rstd[i]);
+    double terms[1];  // sum(xhat * wg)
+    accumulate<W>(
+        C,
+        [&](int64_t j, V* s) {
+          const V wg = load<W>(dy + j) * (load<W>(scale + j) + offset);
+          s[0] += (load<W>(x + j) * rstd) * wg;
+        },
+        [&](int64_t j, double* s) {
+          const double wg = widen(dy[j]) * (widen(scale[j]) + offset);
+          s[0] += (widen(x[j]) * rstd) * wg;
+        },
+        terms);
+    sums[r][0] = terms[0];
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t i = first + r;
+    T* dx = kDx ? a.dx + i * C : nullptr;
+    if (!a.valid[i]) {  // outputs of invalid rows are constants: dx +0.0, no parameter terms
+      if (kDx) {
+        std::memset(static_cast<void*>(dx), 0, sizeof(T) * C);
+      }
+      continue;
+    }
+    const double rstd = widen(a.rstd[i]);
+    if (!(rstd >= smallest_exact_rstd<P>())) {  // NaN too: the forward's rescued rows
+      backward_row_rescued<T, false>(a, i, kSums ? dscale : nullptr, nullptr);
+      continue;
+    }
+    const double c1 = sums[r][0] * inverse;
+    const T* x = a.x + i * C;
+    const T* dy = a.dy + i * C;
+    int64_t j = 0;
+    for (; j + W <= C; j += W) {
+      const V g = load<W>(dy + j);
+      const V xhat = load<W>(x + j) * rstd;
+      if (kDx) {
+        store<W>(dx + j, (g * (load<W>(scale + j) + offset) - xhat * c1) * rstd);
+      }
+      if (kSums) {
+        store<W>(dscale + j, load<W>(dscale + j) + g * xhat);
+      }
+    }
+    for (; j < C; ++j) {
+      const double g = widen(dy[j]);
+      const double xhat = widen(x[j]) * rstd;
+      if (kDx) {
+        dx[j] = narrow<T>((g * (widen(scale[j]) + offset) - xhat * c1) * rstd);
+      }
+      if (kSums) {
+        dscale[j] += g * xhat;
+      }
     }
   }
 }
 
 // Rows [begin, end) of the backward pass, a batch of rows at a time: dx (when kDx), and with
 // kSums the rows' dscale and dbias terms added to dscale and dbias [C] (the caller's float64
-// block sums). Each row is read twice (the second time from cache): for shift, c1 and c2, then
-// for xhat, dx and the terms.
-template <typename T, int W, bool kDx, bool kSums, int64_t kC = 0>
+// block sums; RMSNorm has no dbias). Each row is read twice (the second time from cache): for
+// shift, c1 and c2, then for xhat, dx and the terms.
+template <typename T, int W, bool kCentered, bool kDx, bool kSums, int64_t kC = 0>
 MASKLN_INLINE void backward_rows(
     const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {
   using P = typename BackwardArgs<T>::P;
@@ -560,6 +733,10 @@ MASKLN_INLINE void backward_rows(
   double sums[kMaxBatch][3];  // sum(xc), sum(wdy), sum(xc * rstd * wdy)
   for (int64_t first = begin; first < end; first += batch) {
     const int64_t count = std::min(batch, end - first);
+    if constexpr (!kCentered) {
+      backward_rows_rms<T, W, kDx, kSums, kC>(a, first, count, inverse, sums, dscale);
+      continue;
+    }
     for (int64_t r = 0; r < count; ++r) {
       const int64_t i = first + r;
       sums[r][0] = sums[r][1] = sums[r][2] = 0.0;
@@ -602,7 +779,7 @@ MASKLN_INLINE void backward_rows(
       const double rstd = widen(a.rstd[i]);
       const double shift = sums[r][0] * inverse;
       if (!(rstd >= smallest_exact_rstd<P>()) || !std::isfinite(shift)) {
-        backward_row_rescued(a, i, kSums ? dscale : nullptr, dbias);
+        backward_row_rescued<T, true>(a, i, kSums ? dscale : nullptr, dbias);
         continue;
       }
       const double c2 = sums[r][1] * inverse;

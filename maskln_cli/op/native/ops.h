@@ -1,4 +1,5 @@
-// The tensor-level entry points of masked_layer_norm.cpp, for bindings.cpp.
+// The tensor-level entry points of masked_layer_norm.cpp, for bindings.cpp: LayerNorm's and
+// RMSNorm's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,14 +19,24 @@ std::vector<at::Tensor> backward_py(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
     const at::Tensor& mean, const at::Tensor& rstd, double eps, std::vector<bool> output_mask);
 
+// RMSNorm: (y, rstd), rstd undefined without keep_statistics; the requested of (dx, dscale).
+std::tuple<at::Tensor, at::Tensor> rms_forward_impl(
+    const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale, double eps,
+    double offset, bool keep_statistics);
+
+std::vector<at::Tensor> rms_backward_py(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+    const at::Tensor& rstd, double eps, double offset, std::vector<bool> output_mask);
+
 bool register_maskln_kernels(bool enable);
 
-// Raises the op's own error for inputs outside its contract (maskln_cli.op.checks.check_inputs,
-// called back in Python): the dispatcher ops check the contract in C++ and, only when it is not
-// met, call this for the message, so that there is one source of messages.
+// Raises the op's own error for inputs outside its contract (maskln_cli.op.checks, called back
+// in Python): the dispatcher ops check the contract in C++ and, only when it is not met, call
+// this for the message, so that there is one source of messages. bias is undefined (None in
+// Python) for RMSNorm, whose offset it checks too.
 using ContractError = std::function<void(const at::Tensor& x, const at::Tensor& valid,
                                          const at::Tensor& scale, const at::Tensor& bias,
-                                         double eps)>;
+                                         double eps, double offset)>;
 void set_contract_error(ContractError report);
 
 // The ops' autograd kernels written in Python (maskln_cli.op.library), which the C++ autograd
@@ -38,5 +49,14 @@ using PythonBackward = std::function<std::vector<at::Tensor>(
     const at::Tensor& scale, const at::Tensor& mean, const at::Tensor& rstd, double eps,
     std::vector<bool> output_mask)>;
 void set_python_autograd(PythonForward forward, PythonBackward backward);
+
+using PythonRmsForward = std::function<std::tuple<at::Tensor, at::Tensor>(
+    c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, double eps, double offset)>;
+using PythonRmsBackward = std::function<std::vector<at::Tensor>(
+    c10::DispatchKeySet keys, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& valid,
+    const at::Tensor& scale, const at::Tensor& rstd, double eps, double offset,
+    std::vector<bool> output_mask)>;
+void set_rms_python_autograd(PythonRmsForward forward, PythonRmsBackward backward);
 
 }  // namespace maskln_native
