@@ -19,12 +19,23 @@ wide (where a value off the grid would rarely land on it by chance), at least
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from maskln_cli.verify.diagnose import Sample
+    from maskln_cli.files.problem import Problem
+
+
+class Sample(Protocol):
+    """What this module reads of a diagnosis's sample (:class:`.diagnose.Sample`), named here
+    so that the module stays below the diagnosis that calls it."""
+
+    problem: Problem
+    actual: torch.Tensor
+    x: torch.Tensor
+    valid: torch.Tensor
+    grad_out: torch.Tensor | None
 
 RESOLVED = 30.0
 """A value's grid is resolved where its spacing is this many standard errors of the value
