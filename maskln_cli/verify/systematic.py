@@ -163,6 +163,7 @@ def fit_rows(
     e0: float = 0.0,
     stored: torch.Tensor | None = None,
     first_row: int = 0,
+    shifted: torch.Tensor | None = None,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -173,7 +174,12 @@ def fit_rows(
     rounding of each row's stored values (None: 0). From these each row's factor gets the
     noise a correct kernel's rounding gives it (``wn``): xhat errs by ``A * e0`` an element,
     relative to xhat's own size ``sqrt(var / (var + eps))``, which eps makes small; and a row
-    stored with a large bias rounds by more than its small normalized part.
+    stored with a large bias rounds by more than its small normalized part. ``shifted``
+    (``[C]``; out: scale) is the shape the error takes when the row's mean rounds: xhat shifted
+    by ``A * e0`` on every element at once, which no averaging over the row shrinks, and which a
+    scale that varies by channel makes partly like z (the share regressed on z adds to the
+    noise: an offset row of 16 channels of a correct float32 kernel reached twice its bound
+    without it).
 
     Example:
         >>> import torch
@@ -212,6 +218,9 @@ def fit_rows(
         sums.va = float((v * offset[usable]).sum())
         xhat_energy = (1 - eps * rstd[usable].square()).clamp_min(0) * channels
         noise = offset[usable] * e0 / xhat_energy.sqrt()
+        if shifted is not None:
+            zs, ss = (z * shifted).sum(dim=1)[usable], shifted.sum()
+            noise += offset[usable] * e0 * ((zs * channels - sz * ss) / det).abs()
         if stored is not None:
             noise += stored[usable] / w.sqrt()
         sums.wn = float((w * noise).sum())
