@@ -244,8 +244,7 @@ class BlockWork:
         stored += info.tiny * info.eps / 2
         shifted = problem.scale.double() if checked.name == "out" else None
         sums = fit_rows(
-            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row,
-            shifted,
+            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row, shifted
         )
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0

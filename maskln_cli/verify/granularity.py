@@ -37,6 +37,7 @@ class Sample(Protocol):
     valid: torch.Tensor
     grad_out: torch.Tensor | None
 
+
 RESOLVED = 30.0
 """A value's grid is resolved where its spacing is this many standard errors of the value
 (three either side of a grid point then covers a fifth of it at most)."""
