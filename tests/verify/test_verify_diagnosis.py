@@ -101,8 +101,9 @@ def test_a_row_sum_accumulated_in_float16_has_its_granularity_and_is_named():
 
 @pytest.mark.parametrize("scale", [1.0, 1e-3])
 def test_float16_statistics_overflowing_are_not_blamed_on_the_padding(scale):
-    """Before: 'NaN or inf from the padding of x' (the padding holds NaN, but so would every
-    valid row whose squares pass 65,504)."""
+    """Before: no cause on these rows, and 'NaN or inf from the padding of x' on rows of small
+    spread, where this kernel's float16 statistics leave NaN in grad_x (the padding holds NaN
+    too; see also the test below)."""
     _, tensors = named("statistics in the half dtype", "N(0, 300)", scale, dtype="float16")
     found = causes(tensors)
     assert found == {"statistics_overflow"}, {n: t["diagnosis"] for n, t in tensors.items()}
