@@ -92,7 +92,7 @@ class Allowance:
             else:
                 budget = budget.judged_in(precision)
             if grad_out is None:
-                model, size = budget.out(), self.out_size
+                model, size = budget.out(truth), self.out_size
             else:
                 model, size = budget.grad_x(grad_out), budget.grad_x_size(grad_out)
             return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error, size)

@@ -195,17 +195,22 @@ class RowBudget:
             return dy
         return torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
 
-    def out(self) -> torch.Tensor:
-        """The model of ``out``'s error."""
+    def out(self, truth: torch.Tensor | None = None) -> torch.Tensor:
+        """The model of ``out``'s error: ``A |scale| e0 + |xhat scale| (e0 + e2 + u_reduce +
+        u_params) + |bias| (u_reduce + u_params) + |out| u_store``, with ``out`` the rows'
+        true output, ``truth`` when the caller has it (else made from xhat). In place, a
+        pass over the rows per term: this is most of what a passing check computes."""
         p = self.precision
-        scaled = (self.xhat * self.scale).abs()
-        model = (
-            self.offset * self.scale.abs() * self.e0
-            + scaled * (self.e0 + self.e2 + p.reduce + p.params)
-            + self.bias.abs() * (p.reduce + p.params)
-            + (self.xhat * self.scale + self.bias).abs() * p.store
-        )
-        return model.masked_fill_(~self.valid, 0.0)
+        abs_scale = self.scale.abs()
+        model = self.xhat.abs().mul_(abs_scale).mul_(self.e2 + (self.e0 + p.reduce + p.params))
+        model.addcmul_(self.offset * self.e0, abs_scale)
+        model.add_(self.bias.abs() * (p.reduce + p.params))
+        if truth is None:
+            truth = torch.mul(self.xhat, self.scale).add_(self.bias)
+        model.add_(truth.abs(), alpha=p.store)
+        if not bool(self.valid.all()):
+            model.masked_fill_(~self.valid, 0.0)
+        return model
 
     def grad_x(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64):
@@ -374,8 +379,10 @@ def floor(
     info = torch.finfo(dtype)
     relative = max(rtol, ULPS * info.eps)
     always = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
-    always.add_(atol).add_(ULPS * info.tiny * info.eps)
-    return always
+    subnormal = ULPS * info.tiny * info.eps
+    if isinstance(atol, torch.Tensor):
+        return always.add_(atol).add_(subnormal)
+    return always.add_(atol + subnormal)
 
 
 def scaled_atol(atol: float, size: float | torch.Tensor | None) -> float | torch.Tensor:
