@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.op.mistakes import Diagnosis, Mistake
-    from maskln_cli.verify.diagnose import Sample
     from maskln_cli.verify.plan import Checked, Plan
+    from maskln_cli.verify.sample import Sample
     from maskln_cli.verify.systematic import Finding
 
 CONSISTENT = 3.0

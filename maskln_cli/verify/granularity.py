@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from maskln_cli.verify.diagnose import Sample
+    from maskln_cli.verify.sample import Sample
 
 RESOLVED = 30.0
 """A value's grid is resolved where its spacing is this many standard errors of the value
