@@ -92,7 +92,7 @@ class Allowance:
             else:
                 budget = budget.judged_in(precision)
             if grad_out is None:
-                model, size = budget.out(), self.out_size
+                model, size = budget.out(truth), self.out_size
             else:
                 model, size = budget.grad_x(grad_out), budget.grad_x_size(grad_out)
             return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error, size)
@@ -105,10 +105,12 @@ class Allowance:
         valid: torch.Tensor,
         grad_out: torch.Tensor | None = None,
         rstd: torch.Tensor | None = None,
+        budget: RowBudget | None = None,
     ) -> float:
         """At most every element's allowance on the valid rows of a block (see
         :meth:`Comparison.measure`): the atol of its smallest row (grad_x, given the upstream
-        ``grad_out`` and the rows' ``rstd``, both float64) or out's."""
+        ``grad_out`` and the rows' ``rstd``, both float64, or the block's ``budget``, whose
+        sizes its allowances take) or out's."""
         import torch
 
         from maskln_cli.verify.budget import scaled_atol
@@ -116,10 +118,14 @@ class Allowance:
         atol = comparison.atol
         if not self.scaled or self.mode != "budget":
             return atol
-        if grad_out is None or rstd is None:
+        if grad_out is None or (rstd is None and budget is None):
             return float(scaled_atol(atol, self.out_size))
-        wdy = torch.where(valid.unsqueeze(1), grad_out, 0.0).mul_(self.problem.scale)
-        sizes = wdy.square_().mean(dim=1).sqrt_().mul_(rstd.reshape(-1))[valid]
+        if budget is not None:
+            sizes = budget.grad_x_size(grad_out).reshape(-1)[valid]
+        else:
+            assert rstd is not None
+            wdy = torch.where(valid.unsqueeze(1), grad_out, 0.0).mul_(self.problem.scale)
+            sizes = wdy.square_().mean(dim=1).sqrt_().mul_(rstd.reshape(-1))[valid]
         return float(scaled_atol(atol, float(sizes.min()) if sizes.numel() else 1.0))
 
     def from_model(

@@ -165,7 +165,7 @@ class BlockWork:
             # Every element of a valid row is allowed its row's atol or more: what is always
             # allowed (budget.floor) adds it, and the allowance is at least that.
             lower = streaming.allowance.lower(
-                comparison, valid, dy64 if name == "grad_x" else None, rstd
+                comparison, valid, dy64 if name == "grad_x" else None, rstd, budget
             )
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,

@@ -154,6 +154,10 @@ class RowBudget:
         self.rstd = (centered.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
         self.xhat = centered.mul_(self.rstd)
         self.offset = x.abs().mean(dim=-1, keepdim=True).mul_(self.rstd)  # A
+        # The upstream gradient as these rows take it, and its rows' rms times scale, for the
+        # grad_out last given: the models of grad_x and the sums all start from them.
+        self._upstream: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._wdy_rms: tuple[torch.Tensor, torch.Tensor] | None = None
         self._judged_in(precision)
 
     def _judged_in(self, precision: Precision) -> None:
@@ -184,37 +188,93 @@ class RowBudget:
         some = copy.copy(self)
         for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
             setattr(some, name, getattr(self, name).index_select(0, index))
+        some._upstream = some._wdy_rms = None
         return some
 
     def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
-        """``grad_out`` (float64) with 0 on invalid rows and for NaN and inf."""
+        """``grad_out`` (float64) with 0 on invalid rows and for NaN and inf: made once for
+        the same ``grad_out``, and not to be written."""
+        if self._upstream is not None and self._upstream[0] is grad_out:
+            return self._upstream[1]
         dy = torch.where(self.valid, grad_out, 0.0)
         # A finite float64 sum means every value is finite (float32 and half values cannot
         # overflow it): then isfinite, a pass over the rows, is not needed.
-        if math.isfinite(float(dy.sum())):
-            return dy
-        return torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
+        if not math.isfinite(float(dy.sum())):
+            dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
+        self._upstream = (grad_out, dy)
+        return dy
 
-    def out(self) -> torch.Tensor:
-        """The model of ``out``'s error."""
+    def wdy_rms(self, grad_out: torch.Tensor, wdy: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's rms of ``scale * grad_out`` ``[R, 1]`` (from ``wdy``, that product, when
+        the caller has it), made once for the same ``grad_out``."""
+        if self._wdy_rms is not None and self._wdy_rms[0] is grad_out:
+            return self._wdy_rms[1]
+        if wdy is None:
+            wdy = self.upstream(grad_out) * self.scale
+        rms = wdy.square().mean(dim=-1, keepdim=True).sqrt_()
+        self._wdy_rms = (grad_out, rms)
+        return rms
+
+    def out(self, truth: torch.Tensor | None = None) -> torch.Tensor:
+        """The model of ``out``'s error: ``A |scale| e0 + |xhat scale| (e0 + e2 + u_reduce +
+        u_params) + |bias| (u_reduce + u_params) + |out| u_store``, with ``out`` the rows'
+        true output, ``truth`` when the caller has it (else made from xhat). In place, a
+        pass over the rows per term: this is most of what a passing check computes."""
         p = self.precision
-        scaled = (self.xhat * self.scale).abs()
-        model = (
-            self.offset * self.scale.abs() * self.e0
-            + scaled * (self.e0 + self.e2 + p.reduce + p.params)
-            + self.bias.abs() * (p.reduce + p.params)
-            + (self.xhat * self.scale + self.bias).abs() * p.store
-        )
-        return model.masked_fill_(~self.valid, 0.0)
+        abs_scale = self.scale.abs()
+        model = self.xhat.abs().mul_(abs_scale).mul_(self.e2 + (self.e0 + p.reduce + p.params))
+        model.addcmul_(self.offset * self.e0, abs_scale)
+        model.add_(self.bias.abs() * (p.reduce + p.params))
+        if truth is None:
+            truth = torch.mul(self.xhat, self.scale).add_(self.bias)
+        model.add_(truth.abs(), alpha=p.store)
+        if not bool(self.valid.all()):
+            model.masked_fill_(~self.valid, 0.0)
+        return model
 
     def grad_x(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64):
-        the sum of :meth:`grad_x_terms`, grown by the rows' second-order rounding."""
-        terms = iter(self.grad_x_terms(grad_out).values())
-        model = next(terms)
-        for term in terms:
-            model += term
-        return model.mul_(self.growth).masked_fill_(~self.valid, 0.0)
+        the sum of :meth:`grad_x_terms`, grown by the rows' second-order rounding. Each term
+        is, row by row, a multiple of ``|xhat|``, of 1, of ``|wdy|`` or of ``|dx|``: the sum is
+        made as that one combination (a few passes over the rows, not a few per term)."""
+        p = self.precision
+        e1 = self.e0 + p.store
+        wdy = self.upstream(grad_out) * self.scale
+        c1, c2, n1, n2 = self._backward_sums(grad_out, wdy)
+        rstd_e1 = self.rstd * e1
+        rstd_ed = self.rstd * self._ed()
+        moved = rstd_e1 * self.offset  # the shift's, per unit of n1 and n2
+        # shift: moved (n2 |xhat| + n2 + n1); factor: 2 rstd e1 n1 |xhat|; sums: rstd ed
+        # (n1 |xhat| + n2 + |wdy|); stored: rstd (e2 + e1 + u_store) |wdy - xhat c1 - c2|.
+        on_xhat = (moved * n2).add_(rstd_e1 * n1 * 2).add_(rstd_ed * n1).mul_(self.growth)
+        constant = (moved * (n2 + n1)).add_(rstd_ed * n2).mul_(self.growth)
+        on_dx = (self.rstd * (self.e2 + (e1 + p.store))).mul_(self.growth)
+        model = torch.addcmul(constant, self.xhat.abs(), on_xhat)
+        model.addcmul_(wdy.abs(), rstd_ed * self.growth)
+        dx = torch.addcmul(wdy, self.xhat, c1, value=-1).sub_(c2).abs_()
+        model.addcmul_(dx, on_dx)
+        if not bool(self.valid.all()):
+            model.masked_fill_(~self.valid, 0.0)
+        return model
+
+    def _ed(self) -> float:
+        """The relative rounding of the backward's own sums and of wdy (see
+        :meth:`grad_x_terms`)."""
+        p = self.precision
+        return math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
+
+    def _backward_sums(
+        self, grad_out: torch.Tensor, wdy: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """c1 = mean(xhat * wdy), c2 = mean(wdy), and what each errs by per unit of a sum's
+        relative rounding (n1, n2; see :meth:`grad_x_terms`), each ``[R, 1]``."""
+        root = math.sqrt(self.channels)
+        products = self.xhat * wdy
+        c1 = products.mean(dim=-1, keepdim=True)
+        c2 = wdy.mean(dim=-1, keepdim=True)
+        n1 = products.square_().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c1.abs())
+        n2 = self.wdy_rms(grad_out, wdy).div(root).add_(c2.abs())
+        return c1, c2, n1, n2
 
     def grad_x_terms(self, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
         """The terms of grad_x's model, each what one source of a correct kernel's rounding
@@ -238,16 +298,11 @@ class RowBudget:
         """
         p = self.precision
         e1 = self.e0 + p.store
-        ed = math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
-        root = math.sqrt(self.channels)
-        wdy = self.upstream(grad_out).mul_(self.scale)
+        ed = self._ed()
+        wdy = self.upstream(grad_out) * self.scale
         xhat_abs = self.xhat.abs()
-        products = self.xhat * wdy
-        c1 = products.mean(dim=-1, keepdim=True)
-        c2 = wdy.mean(dim=-1, keepdim=True)
-        # What c1 and c2 err by, per unit of a sum's relative rounding (see above).
-        n1 = products.square_().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c1.abs())
-        n2 = wdy.square().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c2.abs())
+        # c1, c2, and what they err by per unit of a sum's relative rounding (see above).
+        c1, c2, n1, n2 = self._backward_sums(grad_out, wdy)
         dx = (wdy - self.xhat * c1).sub_(c2).mul_(self.rstd).abs_()
         rstd_e1 = self.rstd * e1
         shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(self.offset).mul_(rstd_e1)
@@ -259,8 +314,7 @@ class RowBudget:
     def grad_x_size(self, grad_out: torch.Tensor) -> torch.Tensor:
         """Each row's magnitude of grad_x's terms, ``rstd * rms(scale * grad_out)`` ``[R, 1]``:
         what its atol is in units of (:func:`scaled_atol`)."""
-        wdy = self.upstream(grad_out).mul_(self.scale)
-        return wdy.square_().mean(dim=-1, keepdim=True).sqrt_().mul_(self.rstd)
+        return self.wdy_rms(grad_out) * self.rstd
 
     def share_of_sums(self, grad_out: torch.Tensor) -> SumBudget:
         """This chunk's (or block's) share of the grad_scale and grad_bias models, to be
@@ -281,7 +335,7 @@ class RowBudget:
         sums.second_order_sum += float(energy.dot(self.e2.reshape(-1)))
         sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
-        moved = self.xhat.abs().add_(self.offset).mul_(dy.abs_()).mul_(self.growth)
+        moved = self.xhat.abs().add_(self.offset).mul_(dy.abs()).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
 
 
@@ -374,8 +428,10 @@ def floor(
     info = torch.finfo(dtype)
     relative = max(rtol, ULPS * info.eps)
     always = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
-    always.add_(atol).add_(ULPS * info.tiny * info.eps)
-    return always
+    subnormal = ULPS * info.tiny * info.eps
+    if isinstance(atol, torch.Tensor):
+        return always.add_(atol).add_(subnormal)
+    return always.add_(atol + subnormal)
 
 
 def scaled_atol(atol: float, size: float | torch.Tensor | None) -> float | torch.Tensor:

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     import torch
 
     from maskln_cli.op.mistakes import Diagnosis, Mistake
-    from maskln_cli.verify.diagnose import Sample
     from maskln_cli.verify.plan import Checked, Plan
+    from maskln_cli.verify.sample import Sample
     from maskln_cli.verify.systematic import Finding
 
 CONSISTENT = 3.0
@@ -213,7 +213,7 @@ class Causes:
                 if overflow is not None:
                     return overflow
         if nonfinite and checked.name == "grad_x":
-            if evidence == "same":
+            if evidence == "same" or not self._padding_may_leak(checked):
                 return None
             return catalogue.diagnose_nan_gradient(
                 "grad_x", sample.actual, truth, sample.x, sample.valid, sample.grad_out
@@ -243,6 +243,23 @@ class Causes:
             return same if found_here.mistake == same.mistake else None
         return found_here
 
+    def _padding_may_leak(self, checked: Checked) -> bool:
+        """Whether NaN or inf in ``checked`` may come from the padding (verify cannot call the
+        kernel again on clean padding, as grade does): a kernel's rows are its own, so grad_x
+        must be non-finite on its padding rows, not only on valid rows (an overflow of their
+        own: NaN there says nothing of the padding, whatever it holds). A sum (grad_scale,
+        grad_bias) adds up the valid rows' terms too: when grad_x is non-finite on valid rows
+        and right on the padding's, those are what its NaN comes from."""
+        grad_x = checked if checked.name == "grad_x" else next(
+            (c for c in self.plan.checked if c.name == "grad_x"), None
+        )  # fmt: skip
+        if grad_x is None or grad_x.comparison is None or grad_x.outcome is None:
+            return checked.name != "grad_x"
+        outcome = grad_x.outcome
+        nonfinite = (outcome.nan_where_finite or 0) + (outcome.inf_where_finite or 0)
+        in_padding = grad_x.comparison.nonfinite_in_invalid_rows
+        return in_padding > 0 or (checked.name != "grad_x" and nonfinite == 0)
+
     def _finding_of(self, diagnosis: Diagnosis) -> Finding | None:
         earlier = self.explained
         return earlier.finding if earlier is not None and earlier.diagnosis is diagnosis else None
@@ -262,7 +279,7 @@ class Causes:
         if nonfinite:
             if same is not None and same.mistake == "statistics_overflow":
                 return same
-            if evidence == "same":
+            if evidence == "same" or not self._padding_may_leak(checked):
                 return None
             index = torch.tensor(self.poisoned, dtype=torch.long)
             reference = torch.zeros(problem.channels, dtype=torch.float64)

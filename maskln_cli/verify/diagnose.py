@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +24,8 @@ if TYPE_CHECKING:
     from maskln_cli.files.tensorfile import TensorFile
     from maskln_cli.op.mistakes import Diagnosis, Mistake
     from maskln_cli.verify.systematic import Finding
+
+from maskln_cli.verify.sample import Sample
 
 DIAGNOSIS_ELEMENTS = 1 << 17
 """At most this many elements of failing rows are re-read for a diagnosis: enough to tell the
@@ -39,33 +40,6 @@ C u from C = 16 to 4,096; a bfloat16 one's, in float16's u, 0.14 to 0.27."""
 STORED = (0.2, 2.0)
 """Values rounded to a dtype of unit roundoff u err, relative, by ``STORED[0] * u`` to
 ``STORED[1] * u``: float16 and bfloat16 outputs 0.65 to 0.75 u; bfloat16's in float16's u, 5.7."""
-
-
-@dataclass
-class Sample:
-    """Rows of INPUT and RESULT re-read for a diagnosis, in their leading shape."""
-
-    problem: Problem
-    actual: torch.Tensor
-    x: torch.Tensor
-    valid: torch.Tensor
-    grad_out: torch.Tensor | None
-
-    def reference(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The truth (float64) and PyTorch's result in ``dtype`` for ``name`` on these rows."""
-        from maskln_cli.verify.blockwork import float64_truth
-        from maskln_cli.verify.budget import yardstick
-
-        problem = self.problem
-        channels = problem.channels
-        rows, valid = self.x.reshape(-1, channels), self.valid.reshape(-1)
-        upstream = self.grad_out.reshape(-1, channels) if name == "grad_x" else None
-        dy64 = upstream.double() if upstream is not None else None
-        truth = float64_truth(problem, rows.double(), valid, dy64)[0][name]
-        guess = yardstick(rows, valid, problem.scale, problem.bias, problem.eps, dtype, upstream)
-        value = guess.out if upstream is None else guess.grad_x
-        assert value is not None
-        return truth.reshape(self.x.shape), value.double().reshape(self.x.shape)
 
 
 def take_sample(

@@ -189,11 +189,15 @@ class Explainer:
         self.causes.said(checked, diagnosis, found)
 
     def _beyond(self, checked: Checked) -> bool:
-        """Whether a failing tensor's values are beyond their budget (not only non-finite, nor
-        only its padding): what an unexplained error's words then locate."""
+        """Whether a failing tensor's values are beyond their budget, or non-finite, on its
+        valid rows (not only its padding): what an unexplained error's words then locate."""
         comparison = checked.comparison
         assert comparison is not None
-        return comparison.beyond - comparison.beyond_in_invalid_rows > 0
+        outcome = checked.outcome
+        assert outcome is not None
+        nonfinite = (outcome.nan_where_finite or 0) + (outcome.inf_where_finite or 0)
+        in_valid_rows = nonfinite - comparison.nonfinite_in_invalid_rows
+        return comparison.beyond - comparison.beyond_in_invalid_rows > 0 or in_valid_rows > 0
 
     def _specific(self, checked: Checked) -> list[str]:
         """What kind of wrong, beyond the catalogue (see :mod:`.findings`), said first: a
@@ -273,6 +277,8 @@ def words_of(
             if bad_invalid == invalid_total
             else f", all in invalid rows ({bad_invalid:,} of {invalid_total:,})"
         ) + ": padding not zeroed"
+    elif nonfinite and name in ROW_TENSORS and comparison.nonfinite_in_invalid_rows == 0:
+        where = ", all in valid rows (the padding's are right)"
     for kind, count in (("NaN", outcome.nan_where_finite), ("inf", outcome.inf_where_finite)):
         if count:
             words.append(

@@ -19,24 +19,12 @@ wide (where a value off the grid would rarely land on it by chance), at least
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from maskln_cli.files.problem import Problem
-
-
-class Sample(Protocol):
-    """What this module reads of a diagnosis's sample (:class:`.diagnose.Sample`), named here
-    so that the module stays below the diagnosis that calls it."""
-
-    problem: Problem
-    actual: torch.Tensor
-    x: torch.Tensor
-    valid: torch.Tensor
-    grad_out: torch.Tensor | None
-
+    from maskln_cli.verify.sample import Sample
 
 RESOLVED = 30.0
 """A value's grid is resolved where its spacing is this many standard errors of the value

@@ -114,3 +114,35 @@ def test_yardstick_zeroes_the_padding_first():
     assert guess.out[1].tolist() == [0.0, 0.0] and guess.grad_x is not None
     assert bool(guess.grad_x.isfinite().all()) and bool(guess.grad_scale.isfinite().all())
     assert guess.grad_bias.tolist() == [1.0, -1.0]  # the valid row's upstream gradient alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_the_models_made_in_few_passes_are_their_terms(dtype, offset):
+    """out's model and grad_x's are each made as one per-row combination (fewer passes over
+    the rows): they are the formulas term by term, to float64's rounding, the padding 0."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(33, 96, generator=g, dtype=torch.float64) * 3 + offset
+    x[5] = math.nan  # padding holding NaN
+    valid = torch.rand(33, generator=g) > 0.2
+    valid[5] = False
+    scale = torch.randn(96, generator=g, dtype=torch.float64)
+    bias = torch.randn(96, generator=g, dtype=torch.float64)
+    dy = torch.randn(33, 96, generator=g, dtype=torch.float64)
+    rows = RowBudget(x, valid, scale, bias, 1e-5, Precision.of(dtype, x_dtype=torch.float64))
+    keep = valid.unsqueeze(1)
+    p = rows.precision
+    xhat, scaled = rows.xhat, (rows.xhat * scale).abs()
+    out = (
+        rows.offset * scale.abs() * rows.e0
+        + scaled * (rows.e0 + rows.e2 + p.reduce + p.params)
+        + bias.abs() * (p.reduce + p.params)
+        + (xhat * scale + bias).abs() * p.store
+    ).masked_fill(~keep, 0.0)
+    torch.testing.assert_close(rows.out(), out, rtol=1e-13, atol=0.0)
+    truth = torch.where(keep, xhat * scale + bias, 0.0)
+    torch.testing.assert_close(rows.out(truth), out, rtol=1e-13, atol=0.0)
+    terms = sum(rows.grad_x_terms(dy).values())
+    grad_x = (terms * rows.growth).masked_fill(~keep, 0.0)
+    torch.testing.assert_close(rows.grad_x(dy), grad_x, rtol=1e-13, atol=0.0)
+    assert (rows.grad_x(dy)[~valid] == 0).all() and (rows.grad_x(dy)[valid] > 0).all()
