@@ -507,16 +507,47 @@ MASKLN_F32_INLINE void gradient_row(const X* x, const T* dy, const float* scale,
   }
 }
 
+// dx of a row whose bracket cancels: C = 2 (LayerNorm) or C = 1 (RMSNorm), where xhat's squares
+// sum to C var / (var + eps) and wdy - c2 - xhat c1 leaves eps / (var + eps) = eps rstd^2 of its
+// terms, below float-float's resolution when var >> eps. Its closed form instead, every factor
+// in ff: LayerNorm dx = +-(wdy0 - wdy1) / 2 * eps rstd^3, RMSNorm dx = wdy * eps rstd^3.
+template <class Isa, bool kCentered>
+constexpr bool cancels(int64_t C) {
+  return C == (kCentered ? 2 : 1);
+}
+
+template <class Isa, bool kCentered, typename T>
+MASKLN_F32_INLINE void cancelled_dx(const T* dy, const float* scale, int64_t C,
+                                    const RowStatistics& s, const Ff& eps, T* dx, float factor) {
+  F w, we;
+  two_prod<Isa>(load_partial(dy, C, 0.0f), load_partial(scale, C, 0.0f), w, we);
+  Ff bracket{w, we};
+  if (kCentered) {  // lane 0: (w0 - w1) / 2, lane 1: its negation
+    constexpr I swap = {1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const Ff other{__builtin_shuffle(w, swap), __builtin_shuffle(we, swap)};
+    const Ff difference = add(bracket, negate(other));
+    bracket = {difference.hi * 0.5f, difference.lo * 0.5f};
+  }
+  const Ff rstd{s.rstd_hi, s.rstd_lo};
+  const Ff cube = mul<Isa>(mul<Isa>(rstd, rstd), rstd);
+  const Ff value = mul<Isa>(bracket, mul<Isa>(eps, cube));
+  store_partial(dx, C, (value.hi + value.lo) * splat(factor));
+}
+
 template <class Isa, bool kCentered, bool kDx, bool kSums, typename T>
 MASKLN_F32_INLINE void backward_rescued_row(const BackwardArgs<T>& a, int64_t i, double eps,
                                               int trouble, ColumnSums* sums) {
   const int64_t C = a.C;
   const RescuedRow<Isa, kCentered, true, T> row(a.x + i * C, a.dy + i * C, a.scale, C, eps,
                                                 trouble);
-  gradient_row<Isa, kCentered, kDx, kSums>(row.x.data(), a.dy + i * C, a.scale, C,
-                                           row_statistics(row.st, 0),
-                                           kDx ? a.dx + i * C : nullptr, sums,
-                                           std::ldexp(1.0f, -row.exponent));
+  const RowStatistics statistics = row_statistics(row.st, 0);
+  const float factor = std::ldexp(1.0f, -row.exponent);
+  gradient_row<Isa, kCentered, kDx, kSums>(row.x.data(), a.dy + i * C, a.scale, C, statistics,
+                                           kDx ? a.dx + i * C : nullptr, sums, factor);
+  if (kDx && cancels<Isa, kCentered>(C)) {  // eps as the rescued row's statistics scaled it
+    cancelled_dx<Isa, kCentered>(a.dy + i * C, a.scale, C, statistics,
+                                 ff_of(std::ldexp(eps, -2 * row.exponent)), a.dx + i * C, factor);
+  }
 }
 
 template <class Isa, bool kCentered, bool kDx, bool kSums, typename T>
@@ -560,8 +591,12 @@ MASKLN_F32_INLINE void backward_rows(const BackwardArgs<T>& a, const Constants& 
         backward_rescued_row<Isa, kCentered, kDx, kSums>(a, i, k.eps_value, st.trouble[r], sums);
         continue;
       }
-      gradient_row<Isa, kCentered, kDx, kSums>(a.x + i * C, a.dy + i * C, a.scale, C,
-                                               row_statistics(st, r), dx, sums, 1.0f);
+      const RowStatistics statistics = row_statistics(st, r);
+      gradient_row<Isa, kCentered, kDx, kSums>(a.x + i * C, a.dy + i * C, a.scale, C, statistics,
+                                               dx, sums, 1.0f);
+      if (kDx && cancels<Isa, kCentered>(C)) {
+        cancelled_dx<Isa, kCentered>(a.dy + i * C, a.scale, C, statistics, k.eps, dx, 1.0f);
+      }
     }
   }
 }
