@@ -23,10 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 
-from maskln_cli import MaskedLayerNorm, masked_layer_normalization, masked_rms_normalization
+from maskln_cli import (
+    MaskedLayerNorm,
+    MaskedRMSNorm,
+    masked_layer_normalization,
+    masked_rms_normalization,
+)
 from maskln_cli.op import functional
 from maskln_cli.op.norms import LAYER, RMS
-from maskln_cli.op.reference import reference_masked_layer_norm
+from maskln_cli.op.reference import reference_masked_layer_norm, reference_masked_rms_norm
 from tests.op.test_core import make_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -499,6 +504,75 @@ def test_exported_graph_loads_in_a_fresh_process_after_import_maskln(tmp_path):
     probe = "import sys, maskln_cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.strip() == "False", done.stderr
+
+
+class _LayerThenRMS(nn.Module):
+    """Both of maskln's norms in one module, as a model holds them."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.layer = MaskedLayerNorm(channels)
+        self.rms = MaskedRMSNorm(channels)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.rms(self.layer(x, valid) * 3.0 - 1.0, valid)
+
+
+@pytest.mark.slow  # AOTInductor compiles C++: about 25 s on two cores
+def test_aoti_package_loads_in_a_fresh_process_after_import_maskln(tmp_path):
+    """A module using the ops, packaged by torch._inductor.aoti_compile_and_package and loaded
+    by aoti_load_package in a fresh process: without maskln's ops defined the load fails
+    ("Could not find schema for maskln::masked_layer_norm"); after ``import maskln_cli`` (either
+    order with torch) the package gives eager's values, NaN padding included, and those are
+    the float64 reference's to float32 rounding."""
+    torch.manual_seed(0)
+    module = _LayerThenRMS(64).eval()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    x, valid = make_inputs((8, 16), 64, torch.float32, poison=True)[:2]
+    with torch.no_grad():
+        want = module(x, valid)
+        layer = reference_masked_layer_norm(
+            x.double(), valid, module.layer.weight.double(), module.layer.bias.double()
+        )
+        rms = module.rms
+        reference = reference_masked_rms_norm(
+            layer.float().double() * 3.0 - 1.0, valid, rms.weight.double(), rms.eps, rms.offset
+        )
+    torch.testing.assert_close(want.double(), reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(want[~valid], torch.zeros_like(want[~valid]))
+    package = torch._inductor.aoti_compile_and_package(
+        torch.export.export(module, (x, valid)), package_path=str(tmp_path / "norms.pt2")
+    )
+    torch.save({"x": x, "valid": valid, "want": want}, tmp_path / "io.pt")
+    load = textwrap.dedent(f"""
+        loaded = torch._inductor.aoti_load_package({package!r})
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        got = loaded(io["x"], io["valid"])
+        assert torch.equal(got, io["want"]), (got - io["want"]).abs().max()
+        print("ok")
+    """)
+    for imports in ("import maskln_cli\nimport torch", "import torch\nimport maskln_cli"):
+        script = imports + load
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr
+    done = subprocess.run([sys.executable, "-c", "import torch" + load],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode != 0
+    assert "Could not find schema for maskln::masked_layer_norm" in done.stderr, done.stderr
+
+
+@pytest.mark.slow  # AOTInductor compiles C++: about 30 s on two cores
+def test_aoti_example_of_the_docs_runs(tmp_path):
+    """docs/op/torch.md's AOTInductor example packages and loads in a fresh process."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "aoti_package.py"), str(tmp_path / "norm.pt2")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "loaded in a fresh process: the same values as eager"
 
 
 def test_jit_trace_records_the_op_and_keeps_the_overflow_rescue():

@@ -1,0 +1,84 @@
+"""Float32 masked LayerNorm and RMSNorm kernels with compensated (float-float) arithmetic.
+
+Phase one of issue 40: the numerical core, built as its own torch extension and called from
+Python, not yet the op's kernel. ``load()`` compiles ``extension.cpp`` (with ``ff.h`` and
+``ff_rows.h``) once into ``prototypes/f32/build/<hash>/`` (about 10 minutes of one core: 72
+flattened kernel instances) with the flags of maskln_cli/op/native (no FMA contraction,
+OpenMP for torch's threads) and returns the module::
+
+    forward(x, valid, scale, bias, eps, centered=True) -> (y, mean, rstd)
+    backward(dy, x, valid, scale, mean, eps, output_mask, centered=True) -> [dx, dscale, dbias]
+    isa() -> "avx512" | "avx2" | "base";  set_isa(name) -> the previous one
+
+``centered=False`` is RMSNorm (no mean, no bias; ``bias`` may be None, dbias is None).
+
+Tests: ``test_f32.py`` (accuracy against float64/mpmath, bits across threads and ISAs); times:
+``bench_f32.py`` (against the compiled one-liner and maskln's op) and ``overhead.py`` (where a
+compiled call's time goes at [8, 16, 64]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("extension.cpp", "ff.h", "ff_rows.h")
+CFLAGS = (
+    "-O3",
+    "-ffp-contract=off",  # no fused multiply-adds but the explicit ones: the same bits everywhere
+    "-fno-math-errno",
+    "-Wno-psabi",
+    "-fopenmp",
+)
+LDFLAGS = ("-fopenmp",)
+
+_module: ModuleType | None = None
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
+    digest.update("\0".join(CFLAGS + LDFLAGS).encode())
+    return digest.hexdigest()[:12]
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """The extension, compiled on first use (about a minute)."""
+    global _module
+    if _module is not None:
+        return _module
+    from torch.utils import cpp_extension
+
+    name = f"maskln_f32_{source_hash()}"
+    build = HERE / "build" / name
+    build.mkdir(parents=True, exist_ok=True)
+    old_path = os.environ.get("PATH", "")
+    try:  # cpp_extension runs ninja from PATH: the venv's, when it is not activated
+        import ninja  # type: ignore[import-not-found]
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old_path
+    except ImportError:
+        pass
+    try:
+        _module = cpp_extension.load(
+            name,
+            sources=[str(HERE / "extension.cpp")],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(HERE)],
+            build_directory=str(build),
+            verbose=verbose,
+        )
+    finally:
+        os.environ["PATH"] = old_path
+    return _module
+
+
+def available() -> bool:
+    """Whether a C++ compiler is there to build the extension."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
