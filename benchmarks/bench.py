@@ -92,6 +92,7 @@ from workloads import (
     CONTENDERS,
     EPS,
     OP_CASES,
+    RMS_PEERS,
     THREADS,
     TINY_SHAPES,
     Case,
@@ -99,6 +100,7 @@ from workloads import (
     Inputs,
     make_inputs,
     ours,
+    ours_rms,
     peer,
 )
 
@@ -111,12 +113,12 @@ ROOT = HERE.parent
 PYTHON = sys.executable
 MASKLN = shutil.which("maskln", path=str(Path(PYTHON).parent)) or "maskln"
 GROUPS = {
-    "core": (1, 2, 9, 13, 14),
+    "core": (1, 2, 9, 13, 14, 18, 19),
     "memory": (3, 4),
     "cli": (5, 6, 7, 8, 10, 11, 12, 15, 17),
     "testing": (16,),
 }
-FIGURES = 17
+FIGURES = 19
 LARGE_FLOAT32 = (Case((131072, 128), "float32"), Case((524288, 16), "float32"))
 BIG_SHAPE = "1048576,128"
 HUGE_SHAPE = "2097152,128"  # a 1 GiB x (figure 15)
@@ -317,10 +319,11 @@ def forward_call(contender: Contender, inputs: Inputs) -> Callable[[], object]:
 
 
 def forward_backward_call(
-    contender: Contender, inputs: Inputs, grad_out: torch.Tensor
+    contender: Contender, inputs: Inputs, grad_out: torch.Tensor, with_bias: bool = True
 ) -> Callable[[], object]:
-    """One forward and backward, returning the gradients of x, scale and bias."""
-    wrt = (inputs.x, inputs.scale, inputs.bias)
+    """One forward and backward, returning the gradients of x, scale and bias (RMSNorm: of x
+    and scale, its op having no bias)."""
+    wrt = (inputs.x, inputs.scale, inputs.bias) if with_bias else (inputs.x, inputs.scale)
 
     def call() -> object:
         return torch.autograd.grad(contender(inputs), wrt, grad_out)
@@ -343,7 +346,7 @@ def op_target(limit: float) -> CaseTarget:
 
 
 def training_calls(
-    first: Contender, second: Contender
+    first: Contender, second: Contender, with_bias: bool = True
 ) -> Callable[[Case], tuple[Callable[[], object], Callable[[], object]]]:
     """``make_calls`` for timing_rows: forward + backward of each on the same inputs and
     upstream gradient."""
@@ -353,8 +356,8 @@ def training_calls(
         generator = torch.Generator().manual_seed(1)
         grad_out = torch.randn(case.shape, dtype=inputs.x.dtype, generator=generator)
         return (
-            forward_backward_call(first, inputs, grad_out),
-            forward_backward_call(second, inputs, grad_out),
+            forward_backward_call(first, inputs, grad_out, with_bias),
+            forward_backward_call(second, inputs, grad_out, with_bias),
         )
 
     return make_calls
@@ -417,6 +420,36 @@ def figure_2(settings: Settings, report: Report) -> None:
     rows = timing_rows(figure, make_calls, settings, op_target(0.80), OP_CASES)
     met = all(r.met for r in rows)
     report.rows += [*rows, summary_row(figure, rows, "each its target", met)]
+
+
+def figure_18(settings: Settings, report: Report) -> None:
+    """RMSNorm forward time without grad, ours / each peer (issue 39: <= 0.60)."""
+    for peer_name, rms_peer in RMS_PEERS.items():
+        figure = f"18 RMSNorm fwd, no grad / {peer_name}"
+
+        def make_calls(
+            case: Case, rms_peer: Contender = rms_peer
+        ) -> tuple[Callable[[], object], Callable[[], object]]:
+            inputs = make_inputs(case)
+            with torch.no_grad():
+                expected, actual = rms_peer(inputs), ours_rms(inputs)
+            tolerance = 1e-4 if inputs.x.dtype == torch.float32 else 1e-10
+            torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+            return forward_call(ours_rms, inputs), forward_call(rms_peer, inputs)
+
+        rows = timing_rows(figure, make_calls, settings, op_target(0.60), OP_CASES)
+        met = all(r.met for r in rows)
+        report.rows += [*rows, summary_row(figure, rows, "each its target", met)]
+
+
+def figure_19(settings: Settings, report: Report) -> None:
+    """RMSNorm forward + backward time (gradients of x and scale), ours / each peer."""
+    for peer_name, rms_peer in RMS_PEERS.items():
+        figure = f"19 RMSNorm fwd+bwd / {peer_name}"
+        make_calls = training_calls(ours_rms, rms_peer, with_bias=False)
+        rows = timing_rows(figure, make_calls, settings, op_target(0.60), OP_CASES)
+        met = all(r.met for r in rows)
+        report.rows += [*rows, summary_row(figure, rows, "each its target", met)]
 
 
 def figure_9(settings: Settings, report: Report) -> None:
@@ -1228,6 +1261,8 @@ def main() -> None:
             15: lambda: figure_15(settings, report, Path(tmp)),
             16: lambda: figure_16(settings, report),
             17: lambda: figure_17(settings, report, Path(tmp)),
+            18: lambda: figure_18(settings, report),
+            19: lambda: figure_19(settings, report),
         }
         for number in sorted(figures):
             progress.print(f"figure {number}")

@@ -2,6 +2,9 @@
 
 "ours" is ``maskln_cli.masked_layer_normalization``; "peer" is the torch one-liner a user
 would otherwise write: ``F.layer_norm(...)`` followed by ``masked_fill`` of the invalid rows.
+For RMSNorm (figures 18 and 19), ``maskln_cli.masked_rms_normalization`` against both peers of
+issue 39: the plain one-liner LLaMA's code writes, and torch's own ``F.rms_norm``, each followed
+by ``masked_fill`` (bias unused).
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from maskln_cli import masked_layer_normalization
+from maskln_cli import masked_layer_normalization, masked_rms_normalization
 
 EPS = 1e-5
+RMS_EPS = 1e-6  # LLaMA's rms_norm_eps and the op's default
 THREADS = 2
 INVALID_FRACTION = 0.25
 
@@ -94,3 +98,30 @@ def peer(inputs: Inputs) -> torch.Tensor:
 
 
 CONTENDERS: dict[str, Contender] = {"ours": ours, "peer": peer}
+
+
+def ours_rms(inputs: Inputs) -> torch.Tensor:
+    """maskln's RMSNorm op."""
+    return masked_rms_normalization(inputs.x, inputs.valid, inputs.scale, RMS_EPS)
+
+
+def peer_rms_plain(inputs: Inputs) -> torch.Tensor:
+    """The plain-ops one-liner of LLaMA-family code, then zero the invalid rows."""
+    x = inputs.x
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS) * inputs.scale
+    return out.masked_fill(~inputs.valid[..., None], 0)
+
+
+def peer_rms_torch(inputs: Inputs) -> torch.Tensor:
+    """torch's own rms_norm, then zero the invalid rows."""
+    x = inputs.x
+    out = F.rms_norm(x, (x.shape[-1],), inputs.scale, RMS_EPS)
+    return out.masked_fill(~inputs.valid[..., None], 0)
+
+
+RMS_CONTENDERS: dict[str, Contender] = {
+    "ours": ours_rms,
+    "plain": peer_rms_plain,
+    "F.rms_norm": peer_rms_torch,
+}
+RMS_PEERS: dict[str, Contender] = {"plain": peer_rms_plain, "F.rms_norm": peer_rms_torch}
