@@ -3,6 +3,8 @@ grader passed (global state a correct result hides; a second derivative wrong on
 ties), and wrong ones whose leading cause it named wrongly. Each is right but for its one
 mistake."""
 
+import itertools
+
 import torch
 
 
@@ -218,3 +220,30 @@ def sqrt_eps_added_to_std(x, valid, scale, bias, eps=1e-05):
     mean, var = _statistics(xc)
     y = (xc - mean) / (torch.sqrt(var) + eps**0.5) * scale + bias
     return torch.where(keep, y, 0.0)
+
+
+# --- slow but correct, and a hang (issue 38, item 3) ---------------------------------------------
+
+
+def python_row_loop(x, valid, scale, bias, eps=1e-05):
+    """A beginner's loop over every position of the leading axes, each row written into the
+    output in place: right, and some 2,000 times maskln's op's time on thousands of rows."""
+    dtype = torch.result_type(x, scale)
+    everywhere = torch.ones_like(x, dtype=torch.bool)
+    out = x.masked_fill(everywhere, 0.0).to(dtype) + 0.0 * bias  # zeros, in the graph
+    for index in itertools.product(*[range(n) for n in valid.shape]):
+        if valid[index]:
+            row = x[index]
+            n = row.shape[0]
+            mean = torch.sum(row) / n
+            var = torch.sum((row - mean) * (row - mean)) / n
+            out[index] = (row - mean) / torch.sqrt(var + eps) * scale + bias
+    return out
+
+
+def hangs_on_many_rows(x, valid, scale, bias, eps=1e-05):
+    """Right on a few rows; never returns on a thousand or more."""
+    if x[..., 0].numel() >= 1000:
+        while True:
+            pass
+    return _correct(x, valid, scale, bias, eps)
