@@ -279,3 +279,9 @@ def affine_skipped_when_identity(x, valid, scale, bias, eps=1e-05):
         y = y * scale + bias
     return torch.where(keep, y, 0.0)
 
+
+def one_channel_bias_detached(x, valid, scale, bias, eps=1e-05):
+    """C = 1 short-cut: the output is bias, taken detached: right values, no gradient."""
+    if x.shape[-1] == 1:
+        return torch.where(_keep(valid), bias.detach().expand_as(x), 0.0)
+    return _correct(x, valid, scale, bias, eps)
