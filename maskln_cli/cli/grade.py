@@ -336,6 +336,7 @@ def _grade_class(
 
             messages.error(result.problem)
         if csv_path is not None:
-            write_gradebook(csv_path, result, folder=folder, rules=rules.name)
+            write_gradebook(csv_path, result, folder=folder, rules=rules.name,
+                            rules_source=rules.source_words)  # fmt: skip
     if code:
         raise typer.Exit(code)

@@ -161,3 +161,15 @@ def test_the_class_table_fits_the_terminal_folding_marks_that_do_not(tmp_path, m
         alice = next(i for i, line in enumerate(lines) if line.startswith("alice.py"))
         assert lines[alice + 1].startswith("a_rather")  # nothing folded under a row that passes
     assert any("sha256 0123456789ab" in line for line in lines)
+
+
+def test_every_gradebook_row_names_the_rules_file_and_hash_those_not_graded_too(tmp_path):
+    """Issue 38, item 1: the rules' path and hash on every row; a row not graded (dan) had
+    none."""
+    for name in ("alice.py", "bob.py", "carol.py", "dan.py"):
+        (tmp_path / name).write_text("")
+    source = f"{tmp_path / 'maskln-grade.toml'}, sha256 0123456789ab"
+    rows = gradebook_rows(_class(tmp_path), folder=str(tmp_path), rules="week 3",
+                          rules_source=source)  # fmt: skip
+    column = rows[0].index("rules_source")
+    assert [row[column] for row in rows[1:]] == [source] * 4, rows

@@ -279,7 +279,10 @@ def class_verdict_line(result: ClassReport) -> str:
 
 
 def gradebook_rows(
-    result: ClassReport, folder: str | None = None, rules: str | None = None
+    result: ClassReport,
+    folder: str | None = None,
+    rules: str | None = None,
+    rules_source: str | None = None,
 ) -> list[list[str]]:
     """The gradebook: a header, then a row per submission (not graded ones too), its path
     relative to ``folder``, the rule set that graded it."""
@@ -301,7 +304,7 @@ def gradebook_rows(
             report.root_cause.mistake if report.root_cause else "",
             _why(report),
             report.rules or rules or "",
-            report.rules_source or "",
+            report.rules_source or rules_source or "",
         ]
         for name in names:
             clause = clauses.get(name)
@@ -309,7 +312,7 @@ def gradebook_rows(
         rows.append([plain_safe(cell) for cell in cells])
     for target in result.not_graded:
         shown = relative_target(target, folder)
-        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 4) + [rules or "", ""]
+        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 4) + [rules or "", rules_source or ""]
         rows.append([plain_safe(cell) for cell in cells + [""] * len(names)])
     return rows
 
@@ -322,7 +325,11 @@ def _verdict_word(clause: ClauseResult) -> str:
 
 
 def write_gradebook(
-    path: str, result: ClassReport, folder: str | None = None, rules: str | None = None
+    path: str,
+    result: ClassReport,
+    folder: str | None = None,
+    rules: str | None = None,
+    rules_source: str | None = None,
 ) -> None:
     """The gradebook as CSV, written atomically (a new file replaces ``path`` only when
     complete); a note on stderr says where, and under which rules."""
@@ -330,7 +337,7 @@ def write_gradebook(
     from maskln_cli.files.output import open_output
 
     text = io.StringIO(newline="")
-    csv.writer(text).writerows(gradebook_rows(result, folder, rules))
+    csv.writer(text).writerows(gradebook_rows(result, folder, rules, rules_source))
     data = text.getvalue().encode()
     with open_output(path, len(data)) as stream:
         stream.write(data)
