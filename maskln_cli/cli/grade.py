@@ -92,7 +92,8 @@ def grade(
             "--timeout",
             metavar="SECONDS",
             help="Time limit of each clause. (default: the rules', else each call may take"
-            " 10000 times what maskln's op takes on its case, at least 5 s; a clause 60 s)",
+            " 10000 times what maskln's op takes on its case, or 25 times a Python loop over its"
+            " rows, at least 5 s; a clause 60 s)",
             show_default=False,
         ),
     ] = None,
@@ -223,7 +224,8 @@ def _check_gradebook(path: str, targets: list[str]) -> None:
 
 DEFAULT_TIMEOUT: float | None = None
 """Seconds each clause may take, unless the rules or --timeout say otherwise: None, each call
-its own limit, from what maskln's op takes on its case (the grading library's default)."""
+its own limit, from what maskln's op and a Python loop over the rows take on its case (the
+grading library's default)."""
 DEFAULT_SEED = 0
 """The seed of the cases, unless the rules or --seed say otherwise."""
 
@@ -334,6 +336,7 @@ def _grade_class(
 
             messages.error(result.problem)
         if csv_path is not None:
-            write_gradebook(csv_path, result, folder=folder, rules=rules.name)
+            write_gradebook(csv_path, result, folder=folder, rules=rules.name,
+                            rules_source=rules.source_words)  # fmt: skip
     if code:
         raise typer.Exit(code)

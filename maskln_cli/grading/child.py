@@ -17,11 +17,12 @@ or forked from a class grade's worker, which imported torch and the grader alrea
   module of Python, of the grader or of an installed package).
 
 Per-call time limits: unless ``--timeout`` is given, before each clause the child times maskln's
-own op (forward and backward) on each of the clause's cases, and before each call of the graded
-function it tells the grader (``{"tick": seconds}``) how long that call may take:
-:data:`TIME_FACTOR` times the op's time on a case of the same shape and dtype, at least
-:data:`FLOOR_SECONDS`. The grader bounds what the child says by the clause's limit (a
-submission can only lengthen its own wait, within that limit).
+own op (forward and backward) on each of the clause's cases, and a plain Python loop over the
+rows of those with many (:func:`row_loop_seconds`), and before each call of the graded function
+it tells the grader (``{"tick": seconds}``) how long that call may take: :data:`TIME_FACTOR`
+times the op's time on a case of the same shape and dtype, or :data:`LOOP_FACTOR` times the
+loop's, at least :data:`FLOOR_SECONDS`. The grader bounds what the child says by the clause's
+limit (a submission can only lengthen its own wait, within that limit).
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ TIME_FACTOR = 10000.0
 may take: a Python loop over the channels takes up to 1,400 times the op's time (measured on
 every clause's cases; the half-precision ones the slowest), and a machine under load slows both
 alike."""
+LOOP_FACTOR = 25.0
+"""How many times a plain Python loop over the rows (:func:`row_loop_seconds`) a call may take.
+The op's time, under a millisecond, hardly sees a loaded machine (it runs within one time
+slice), while a loop over 4,000 rows, a second or more, is slowed by the whole load: at a load
+of 8 a correct beginner's loop took 20,000 times the op's time. The loop's own timing sees the
+load; a beginner's loop does up to 3 times its work; 25 leaves that a load of 4 or more the
+timing did not see. A hang is still stopped within a clause's minute."""
+LOOP_MIN_ROWS = 64
+"""Cases with fewer rows are not timed as a loop: 64 rows take a few tens of milliseconds, far
+below :data:`FLOOR_SECONDS` / :data:`LOOP_FACTOR`."""
+LOOP_SAMPLE_ROWS = 32
+"""The loop is timed on this many of a case's rows at a time (its time scaled to all of them),
+again until :data:`LOOP_TIMING_SECONDS` have passed."""
+LOOP_TIMING_SECONDS = 0.05
+"""How long the loop is timed for, at least: long enough for the scheduler to share the CPU with
+whatever else runs (a few milliseconds' timing sees no load at all)."""
 MEMORY_BYTES_ENV = "_MASKLN_GRADE_MEMORY_BYTES"
 PARENT_ENV = "_MASKLN_GRADE_PARENT"
 
@@ -334,7 +351,8 @@ def _probe(
 
 class CallLimits:
     """How long a call may take, from what maskln's op takes on the clause's cases (forward and
-    backward; the better of two runs, the first paying for any lazy start-up)."""
+    backward; the better of two runs, the first paying for any lazy start-up), and from what a
+    plain Python loop over the rows takes on those with many (:func:`row_loop_seconds`)."""
 
     def __init__(self, cases: list[Any], device: str) -> None:
         self.by_input: dict[tuple[tuple[int, ...], str], float] = {}
@@ -347,6 +365,8 @@ class CallLimits:
 
     @staticmethod
     def _time(case: Any, device: str) -> tuple[tuple[tuple[int, ...], str], float] | None:
+        """The case's key and its limit's reference: the op's time times :data:`TIME_FACTOR`,
+        or the row loop's times :data:`LOOP_FACTOR`, whichever is longer."""
         import torch
 
         from maskln_cli.op.api import masked_layer_normalization
@@ -370,16 +390,52 @@ class CallLimits:
             except Exception:  # a case the op refuses on purpose (a wrong dtype): not timed
                 break
             best = seconds if best is None else min(best, seconds)
-        return None if best is None else (key, best)
+        if best is None:
+            return None
+        loop = row_loop_seconds(t["x"], t["scale"], t["bias"], case.eps)
+        return key, max(TIME_FACTOR * best, LOOP_FACTOR * loop)
 
     def seconds(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
-        """The limit of a call with these arguments: the op's time on a case whose x has the
-        same shape and dtype (else the clause's slowest case), times :data:`TIME_FACTOR`, at
-        least :data:`FLOOR_SECONDS`."""
+        """The limit of a call with these arguments: the reference of a case whose x has the
+        same shape and dtype (else the clause's slowest case), at least :data:`FLOOR_SECONDS`."""
         x = kwargs.get("x", args[0] if args else None)
         key = (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
         reference = self.by_input.get(key, self.slowest)
-        return max(FLOOR_SECONDS, TIME_FACTOR * reference)
+        return max(FLOOR_SECONDS, reference)
+
+
+def row_loop_seconds(x: Any, scale: Any, bias: Any, eps: float) -> float:
+    """What a plain Python loop over ``x``'s rows takes, forward and backward (every row valid,
+    as a loop that skips none), in this process, now: timed on :data:`LOOP_SAMPLE_ROWS` of them
+    at a time for :data:`LOOP_TIMING_SECONDS` (or all of them), and scaled to all; 0 for fewer
+    than :data:`LOOP_MIN_ROWS` rows, or where the loop cannot run (a dtype torch has no kernel
+    for)."""
+    import torch
+
+    channels = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // max(1, channels)
+    if rows < LOOP_MIN_ROWS or not x.is_floating_point():
+        return 0.0
+    flat = x.detach().reshape(-1, channels)
+    weight = scale.detach().clone().requires_grad_()
+    shift = bias.detach().clone().requires_grad_()
+    timed, seconds = 0, 0.0
+    try:
+        while timed < rows and seconds < LOOP_TIMING_SECONDS:
+            sample = flat[timed : timed + LOOP_SAMPLE_ROWS].clone().requires_grad_()
+            started = time.perf_counter()
+            out = []
+            for row in sample:
+                mean = row.sum() / channels
+                centered = row - mean
+                var = (centered * centered).sum() / channels
+                out.append(centered / torch.sqrt(var + eps) * weight + shift)
+            torch.autograd.grad(torch.stack(out).sum(), [sample, weight, shift])
+            seconds += time.perf_counter() - started
+            timed += len(sample)
+    except Exception:  # the loop's ops refused (a dtype, a device): no such reference
+        return 0.0
+    return seconds * rows / timed
 
 
 def ticking(

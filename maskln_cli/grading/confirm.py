@@ -176,8 +176,8 @@ class Spec:
     @classmethod
     def of(cls, clause: str, call: Call | None, detail: str | None) -> Spec:
         """The spec of a clause's counterexample: its call's, when the judge knew it; else
-        read from the failure's words (a gradient named: the backward ran; under
-        torch.no_grad(): that grad mode)."""
+        read from the failure's words (a gradient named, or an output without a graph: the
+        backward ran; under torch.no_grad(): that grad mode)."""
         if clause == "second_order":
             checked = "gradgradcheck failed" in (detail or "")
             return cls(requires=GRAD_INPUTS, backward=True, second_order=True,
@@ -189,7 +189,8 @@ class Spec:
         words = detail or ""
         mode = "no_grad" if "torch.no_grad()" in words else "grad"
         mode = "inference" if "inference_mode()" in words else mode
-        gradient = any(name in words for name in ("grad_x", "grad_scale", "grad_bias"))
+        gradient = any(name in words for name in ("grad_x", "grad_scale", "grad_bias",
+                                                  "require grad", "grad_fn"))  # fmt: skip
         requires = GRAD_INPUTS if gradient and mode == "grad" else ()
         return cls(mode=mode, requires=requires, backward=bool(requires))
 

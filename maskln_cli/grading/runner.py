@@ -88,8 +88,9 @@ __all__ = [
 DEFAULT_SEED = 0
 DEFAULT_TIMEOUT: float | None = None
 """Seconds each clause may take in the child process (``--timeout``); by default None: each
-call of the function has a limit of its own, a multiple of what maskln's op takes on its case,
-at least a few seconds, and each clause a minute at most (:mod:`maskln_cli.grading.child`)."""
+call of the function has a limit of its own, a multiple of what maskln's op or a Python loop
+over the rows takes on its case, at least a few seconds, and each clause a minute at most
+(:mod:`maskln_cli.grading.child`)."""
 DEFAULT_FUNCTION_NAME = "masked_layer_normalization"
 
 Fn = Callable[..., Any]
@@ -334,7 +335,8 @@ def grade_target(
     child process, clause by clause: see :mod:`maskln_cli.grading.sandbox`.
 
     ``timeout``: seconds each clause may take (``--timeout``); None: each call of the function
-    may take a multiple of what maskln's op takes on its case, at least a few seconds, and each
+    may take a multiple of what maskln's op or a Python loop over the rows takes on its case,
+    at least a few seconds, and each
     clause a minute at most (:data:`~maskln_cli.grading.sandbox.CLAUSE_LIMIT`).
     ``contain_processes``: this process does nothing else meanwhile (the command): it becomes a
     child subreaper for the grade, so processes the function detaches (a double fork, setsid)

@@ -27,7 +27,8 @@ no other process can write into it):
 
 Time limits: with ``timeout`` (``--timeout``), each clause may take that long, as a whole.
 Without, each call of the function may take :data:`~.child.TIME_FACTOR` times what maskln's own
-op takes on its case, measured in the child, at least :data:`~.child.FLOOR_SECONDS` (a hang
+op takes on its case, or :data:`~.child.LOOP_FACTOR` times a plain Python loop over its rows,
+measured in the child, at least :data:`~.child.FLOOR_SECONDS` (a hang
 fails in seconds), and each clause :data:`CLAUSE_LIMIT` at most. Importing the target is bounded
 by ``timeout``, else :data:`CLAUSE_LIMIT`; the child's own start-up (Python, torch, the grader)
 by :data:`START_TIMEOUT`.
@@ -64,6 +65,7 @@ from maskln_cli.grading.child import (
     DEFAULT_MEMORY_GIB,
     FLOOR_SECONDS,
     HEADER,
+    LOOP_FACTOR,
     MAX_LABEL,
     MEMORY_BYTES_ENV,
     MEMORY_ENV,
@@ -589,8 +591,9 @@ def timeout_words(
         )
     return (
         f"timed out after {call_limit:.3g} s{where} (the function hung, or is that slow: a call"
-        f" may take {TIME_FACTOR:g} times what maskln's op takes on its case, at least"
-        f" {FLOOR_SECONDS:g} s; --timeout SECONDS gives each clause one limit instead)"
+        f" may take {TIME_FACTOR:g} times what maskln's op takes on its case, or"
+        f" {LOOP_FACTOR:g} times a Python loop over its rows, at least {FLOOR_SECONDS:g} s;"
+        " --timeout SECONDS gives each clause one limit instead)"
     )
 
 

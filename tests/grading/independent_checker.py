@@ -287,6 +287,7 @@ def check_gradients(fn: Fn, data: Data) -> None:
             ("zeros", 8, 1e-5),
             ("random", 5, 1e-10),
             ("ties", 8, 1e-5),
+            ("identity affine", 8, 1e-5),
         ):
             cases.append((kind, c, eps, dtype, "contiguous", False))  # fmt: skip
         for upstream in ("transposed", "expanded"):
@@ -295,8 +296,10 @@ def check_gradients(fn: Fn, data: Data) -> None:
     for kind, c, eps, dtype, upstream, poison in cases:
         if dtype == torch.float32 and (kind == "constant" or c == 1):
             eps = 0.1
-        x = data.rows((3, 4), c, kind=kind)
+        x = data.rows((3, 4), c, kind="random" if kind == "identity affine" else kind)
         valid, (scale, bias) = data.mask((3, 4)), data.params(c)
+        if kind == "identity affine":  # as a module initializes them
+            scale, bias = np.ones(c), np.zeros(c)
         given = poisoned(x, valid, data.rng) if poison else x
         tx, tv, ts, tb = tensors(given, valid, scale, bias, dtype)
         for t in (tx, ts, tb):
@@ -344,6 +347,11 @@ STATE_READERS = {
     "deterministic": torch.are_deterministic_algorithms_enabled,
     "print options": lambda: repr(vars(torch._tensor_str.PRINT_OPTS)),
     "random state": lambda: torch.get_rng_state().numpy().tobytes(),
+    "inference mode": torch.is_inference_mode_enabled,
+    "autocast": lambda: (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+    "float32 matmul precision": torch.get_float32_matmul_precision,
+    "warn always": torch.is_warn_always_enabled,
+    "flush denormal": lambda: (torch.tensor([1e-310], dtype=torch.float64) * 1.0).item() == 0.0,
 }
 FORBIDDEN = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
 
@@ -402,12 +410,15 @@ def check_behaviour(fn: Fn, data: Data) -> None:
 def _state_in_every_mode(fn: Fn, inputs) -> None:
     """torch's state read inside the caller's context, right after the call (a no_grad block
     puts grad mode back on exit), on 1 and on 5 threads (a function that sets either is seen
-    from the other)."""
+    from the other), with deterministic algorithms and anomaly mode off and on (a function
+    that sets them off "back" is seen from on)."""
     threads = torch.get_num_threads()
     try:
-        for count in (1, 5):
+        for count, unusual in ((1, False), (5, False), (5, True)):
             for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
                 torch.set_num_threads(count)
+                torch.use_deterministic_algorithms(unusual)
+                torch.autograd.set_detect_anomaly(unusual)
                 with mode():
                     state = {name: read() for name, read in STATE_READERS.items()}
                     fn(*inputs, 1e-5)
@@ -418,6 +429,8 @@ def _state_in_every_mode(fn: Fn, inputs) -> None:
                                 f" {count} threads: {', '.join(changed)}")  # fmt: skip
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
+        torch.autograd.set_detect_anomaly(False)
 
 
 def check_raw_ops(fn: Fn, data: Data) -> None:
@@ -465,6 +478,11 @@ CHECKS = (
 )
 
 
+_LEFT: list[Any] = []
+"""The contexts that take the checker out of what a function left it in (kept: dropped, a
+context's guard would put the function's state back)."""
+
+
 def check(fn: Fn, seed: int = 2024) -> list[str]:
     """What ``fn`` gets wrong, one line per failing check (empty: right everywhere it looked).
     torch's global state is put back after each check, whatever ``fn`` did."""
@@ -476,6 +494,8 @@ def check(fn: Fn, seed: int = 2024) -> list[str]:
             torch.get_rng_state(),
             torch.is_anomaly_enabled(),
             torch.are_deterministic_algorithms_enabled(),
+            torch.get_float32_matmul_precision(),
+            torch.is_warn_always_enabled(),
         )
         try:
             each(fn, Data(seed))
@@ -489,5 +509,12 @@ def check(fn: Fn, seed: int = 2024) -> list[str]:
             torch.set_rng_state(saved[2])
             torch.autograd.set_detect_anomaly(saved[3])
             torch.use_deterministic_algorithms(saved[4])
+            torch.set_float32_matmul_precision(saved[5])
+            torch.set_warn_always(saved[6])
+            torch.set_flush_denormal(False)
+            torch.set_autocast_enabled("cpu", False)
+            if torch.is_inference_mode_enabled():  # left entered: leave it, for good
+                _LEFT.append(torch.inference_mode(False))
+                _LEFT[-1].__enter__()
             torch.set_grad_enabled(True)
     return found

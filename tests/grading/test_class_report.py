@@ -110,3 +110,66 @@ def test_the_gradebook_is_relative_and_names_its_rules(tmp_path):
     carol = dict(zip(header, rows[3], strict=True))
     assert carol["why"] == f"output_layout: {DETAIL}"  # whole
     assert {row[7] for row in rows[1:]} == {"strict"}
+
+
+def _terminal(monkeypatch, width: int) -> io.StringIO:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=width, color_system=None)
+    monkeypatch.setattr(consoles, "stdout_console", lambda: console)
+    return out
+
+
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_the_class_table_fits_the_terminal_folding_marks_that_do_not(tmp_path, monkeypatch, width):
+    """Issue 38, item 5: with every clause (24, --strict), a row was some 90 columns and wrapped
+    in an 80-column terminal. Every line fits now; the marks past the line's end are folded
+    under the row, those that are not a pass, each with its clause's number."""
+    from rich.cells import cell_len
+
+    chosen = select(strict=True)
+    names = list(chosen.run)
+    failing = {3: "values", 17: "no_global_effects", 23: "grad_flags"}  # 1-based numbers
+    reports = []
+    for who in ("alice.py", "a_rather_long_name_for_a_submission_file.py"):
+        (tmp_path / who).write_text("")
+        clauses = [
+            ClauseResult(name, True, who == "alice.py" or i not in failing, 0.1, "why not")
+            for i, name in enumerate(names, 1)
+        ]
+        reports.append(GradeReport(str(tmp_path / who), who == "alice.py", clauses))
+    result = ClassReport([r.target for r in reports], reports)
+    rules = f"handout ({tmp_path / 'maskln-grade.toml'}, sha256 0123456789ab)"
+    out = _terminal(monkeypatch, width)
+    render_class(result, chosen, folder=str(tmp_path), rules=rules)
+    lines = out.getvalue().splitlines()
+    assert all(cell_len(line) <= width for line in lines), [x for x in lines if cell_len(x) > width]
+    header = next(line for line in lines if line.startswith("submission"))
+    shown = [int(n) for n in header.split()[2:]]
+    assert shown == list(range(1, len(shown) + 1)) and shown  # the first marks stay on the row
+    long_row = next(i for i, line in enumerate(lines) if line.startswith("a_rather"))
+    under = " ".join(lines[long_row + 1 : long_row + 4])
+    for number in failing:  # on the row, or folded under it
+        if number <= len(shown):
+            column = header.index(f" {number} ") + len(str(number))
+            assert lines[long_row][column] == "✗", (number, lines[long_row])
+        else:
+            assert f"{number} ✗" in under, (number, under)
+    folded = len(names) - len(shown)
+    assert folded > 0 if width == 80 else folded == 0 if width == 200 else True, (width, shown)
+    if folded:
+        assert f"    clauses {len(shown) + 1} to {len(names)}: ✓ unless under the row" in lines
+        alice = next(i for i, line in enumerate(lines) if line.startswith("alice.py"))
+        assert lines[alice + 1].startswith("a_rather")  # nothing folded under a row that passes
+    assert any("sha256 0123456789ab" in line for line in lines)
+
+
+def test_every_gradebook_row_names_the_rules_file_and_hash_those_not_graded_too(tmp_path):
+    """Issue 38, item 1: the rules' path and hash on every row; a row not graded (dan) had
+    none."""
+    for name in ("alice.py", "bob.py", "carol.py", "dan.py"):
+        (tmp_path / name).write_text("")
+    source = f"{tmp_path / 'maskln-grade.toml'}, sha256 0123456789ab"
+    rows = gradebook_rows(_class(tmp_path), folder=str(tmp_path), rules="week 3",
+                          rules_source=source)  # fmt: skip
+    column = rows[0].index("rules_source")
+    assert [row[column] for row in rows[1:]] == [source] * 4, rows

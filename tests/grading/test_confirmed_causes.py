@@ -47,3 +47,14 @@ def test_without_a_confirmed_cause_the_report_says_where_it_differs():
     assert report.differs is not None
     assert "out" in report.differs and "valid rows" in report.differs, report.differs
     assert "where it differs" in report.text()
+
+
+def test_an_output_cut_from_the_graph_is_not_a_result_from_an_earlier_call():
+    """The class of round four: C = 1 returning bias detached was called 'a result from an
+    earlier call' (the counterexample given again had the right values; its output did not
+    require grad, as before). A re-run is right only when its output requires grad too."""
+    report = grade(round_four.one_channel_bias_detached, include=HANDOUT)
+    assert not report.passed
+    named = {d["mistake"] for d in report.diagnosis if d["mistake"]}
+    assert "result_from_earlier_call" not in named, report.text()
+    assert report.root_cause is None or report.root_cause.mistake != "result_from_earlier_call"

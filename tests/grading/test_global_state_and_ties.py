@@ -46,3 +46,29 @@ def test_the_exact_ties_family_holds_every_kind_of_tie():
         assert bool((row == mean).any()) and not bool((row == mean).all())
         assert len(torch.unique(row)) < row.numel()  # equal elements
         assert bool((row.float() == mean.float()).any())  # float32 too
+
+
+# --- false passes found by the class of round four (tests/solutions/class_round_four/) ----------
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("deterministic_set_off_after", "deterministic"),
+        ("anomaly_set_off_after", "anomaly"),
+    ],
+)
+def test_a_mode_set_off_after_the_call_fails_from_a_caller_that_had_it_on(name, words):
+    """Setting a mode off "back" is invisible from the grader's usual state, where it is off."""
+    report = grade(getattr(round_four, name), only=["no_global_effects"])
+    (clause,) = report.clauses
+    assert not clause.passed, report.text()
+    assert words in clause.detail, clause.detail
+
+
+def test_an_affine_skipped_when_it_is_the_identity_fails_gradients():
+    """scale = 1 and bias = 0, as a module initializes them, are a data family of gradients."""
+    report = grade(round_four.affine_skipped_when_identity, only=["gradients"])
+    (clause,) = report.clauses
+    assert not clause.passed, report.text()
+    assert clause.detail.startswith("[identity affine]"), clause.detail

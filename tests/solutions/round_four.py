@@ -3,6 +3,8 @@ grader passed (global state a correct result hides; a second derivative wrong on
 ties), and wrong ones whose leading cause it named wrongly. Each is right but for its one
 mistake."""
 
+import itertools
+
 import torch
 
 
@@ -218,3 +220,68 @@ def sqrt_eps_added_to_std(x, valid, scale, bias, eps=1e-05):
     mean, var = _statistics(xc)
     y = (xc - mean) / (torch.sqrt(var) + eps**0.5) * scale + bias
     return torch.where(keep, y, 0.0)
+
+
+# --- slow but correct, and a hang (issue 38, item 3) ---------------------------------------------
+
+
+def python_row_loop(x, valid, scale, bias, eps=1e-05):
+    """A beginner's loop over every position of the leading axes, each row written into the
+    output in place: right, and some 2,000 times maskln's op's time on thousands of rows."""
+    everywhere = torch.ones_like(x, dtype=torch.bool)
+    zeros = x.masked_fill(everywhere, 0.0)
+    out = torch.where(everywhere, 0.0, zeros * scale + bias)  # +0.0, x, scale and bias in the graph
+    for index in itertools.product(*[range(n) for n in valid.shape]):
+        if valid[index]:
+            row = x[index]
+            n = row.shape[0]
+            mean = torch.sum(row) / n
+            var = torch.sum((row - mean) * (row - mean)) / n
+            out[index] = (row - mean) / torch.sqrt(var + eps) * scale + bias
+    return out
+
+
+def hangs_on_many_rows(x, valid, scale, bias, eps=1e-05):
+    """Right on a few rows; never returns on a thousand or more."""
+    if x[..., 0].numel() >= 1000:
+        while True:
+            pass
+    return _correct(x, valid, scale, bias, eps)
+
+
+# --- false passes found by the class of round four ------------------------------------------------
+
+
+def deterministic_set_off_after(x, valid, scale, bias, eps=1e-05):
+    """Deterministic algorithms on for the call, then off: a caller that had them on loses them."""
+    torch.use_deterministic_algorithms(True)
+    y = _correct(x, valid, scale, bias, eps)
+    torch.use_deterministic_algorithms(False)
+    return y
+
+
+def anomaly_set_off_after(x, valid, scale, bias, eps=1e-05):
+    """Anomaly detection on while computing, then off: a caller that had it on loses it."""
+    torch.autograd.set_detect_anomaly(True)
+    y = _correct(x, valid, scale, bias, eps)
+    torch.autograd.set_detect_anomaly(False)
+    return y
+
+
+def affine_skipped_when_identity(x, valid, scale, bias, eps=1e-05):
+    """The affine skipped when it is the identity, as a module initializes it: scale and bias get
+    no gradient there."""
+    keep = _keep(valid)
+    xc = torch.where(keep, x, 0.0)
+    mean, var = _statistics(xc)
+    y = (xc - mean) / torch.sqrt(var + eps)
+    if not (bool((scale == 1).all()) and bool((bias == 0).all())):
+        y = y * scale + bias
+    return torch.where(keep, y, 0.0)
+
+
+def one_channel_bias_detached(x, valid, scale, bias, eps=1e-05):
+    """C = 1 short-cut: the output is bias, taken detached: right values, no gradient."""
+    if x.shape[-1] == 1:
+        return torch.where(_keep(valid), bias.detach().expand_as(x), 0.0)
+    return _correct(x, valid, scale, bias, eps)

@@ -65,7 +65,9 @@ def render_class(
 ) -> None:
     """The table of a class: a row per submission (its path relative to ``folder``, its
     verdict, a mark per clause), under a failing row its root cause or first failure in full,
-    wrapped at words; the clauses' numbers; then the class's verdict line, counts only."""
+    wrapped at words; the clauses' numbers; then the class's verdict line, counts only. Every
+    line fits the terminal (80 columns and up): the clauses' marks that do not fit a row are
+    folded under it, as ``number mark``, unless they pass."""
     from maskln_cli.grading.classroom import clause_names
 
     names = clause_names(result.reports) or list(chosen.run)
@@ -74,12 +76,13 @@ def render_class(
         if not quiet:
             count = len(result.targets)
             where = f" in {safe(folder)}" if folder else ""
-            console.print(
-                f"[bold]maskln grade[/]: {count} submission{'s' if count != 1 else ''}{where}",
-                soft_wrap=True,
-            )
+            title = f"maskln grade: {count} submission{'s' if count != 1 else ''}{where}"
+            fitted = _paths_wrapped if console.is_terminal else lambda text, _: [text]
+            for i, line in enumerate(fitted(title, width)):
+                console.print(f"[bold]{line}[/]" if i == 0 else line, soft_wrap=True)
             if rules:
-                console.print(f"[dim]rules: {safe(rules)}[/]", soft_wrap=True)
+                for line in fitted(f"rules: {safe(rules)}", width):
+                    console.print(f"[dim]{line}[/]", soft_wrap=True)
             console.print()
             for line in _rows(result, names, folder, width):
                 console.print(line, soft_wrap=True)
@@ -102,6 +105,13 @@ def _wrapped(text: str, width: int, indent: str = "") -> list[str]:
         break_long_words=False,
         break_on_hyphens=False,
     ) or [indent]
+
+
+def _paths_wrapped(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` columns, at spaces, and within a path longer than
+    a line (as the terminal would break it, but indented)."""
+    return textwrap.wrap(text, width=max(width, 40), subsequent_indent="  ",
+                         break_long_words=True, break_on_hyphens=False) or [""]  # fmt: skip
 
 
 def _wrapped_items(items: list[str], width: int) -> list[str]:
@@ -140,29 +150,87 @@ def relative_target(target: str, folder: str | None) -> str:
 
 def _rows(result: ClassReport, names: list[str], folder: str | None, width: int) -> list[str]:
     """The table's lines, as markup: a header, then a line per submission (its marks under
-    the clauses' numbers) and, under a failing one, why, indented and wrapped at words."""
+    the clauses' numbers) and, under a failing one, why, indented and wrapped at words. The
+    marks that do not fit ``width`` are folded under the row, those that are not a pass
+    (``18 ✗, 21 ○``; a row not graded has none); a name too long for the line is broken over
+    lines of its own."""
     shown = [relative_target(r.target, folder) for r in result.reports]
     missing = [relative_target(t, folder) for t in result.not_graded]
-    first = max([len("submission"), *map(len, shown + missing)])
     numbers = [str(i) for i in range(1, len(names) + 1)]
-    lines = [f"[bold]{safe('submission'.ljust(first))}  verdict     {'  '.join(numbers)}[/]"]
+    room = max(width, 40) - 2 - VERDICT_WIDTH  # what the name and the marks share
+    first = max([len("submission"), *map(len, shown + missing)])
+    first = max(len("submission"), min(first, room - 3 * min(len(numbers), FEWEST_MARKS)))
+    fit = 0
+    used = first + 2 + VERDICT_WIDTH
+    while fit < len(numbers) and used + 2 + len(numbers[fit]) <= max(width, 40):
+        used += 2 + len(numbers[fit])
+        fit += 1
+    header = f"{'submission'.ljust(first)}  {'verdict'.ljust(VERDICT_WIDTH)}"
+    lines = [f"[bold]{safe(header + '  '.join(['', *numbers[:fit]]))}[/]"]
+    if fit < len(numbers):
+        lines.append(f"[dim]{safe(' ' * FOLD + _folded_words(numbers, fit))}[/]")
 
-    def row(name: str, verdict: str, visible: int, marks: list[str]) -> str:
+    def row(name: str, verdict: str, visible: int, marks: list[str], graded: bool) -> list[str]:
         cells = [
-            " " * (len(number) - 1) + mark for mark, number in zip(marks, numbers, strict=True)
+            " " * (len(number) - 1) + mark
+            for mark, number in zip(marks[:fit], numbers[:fit], strict=True)
         ]
-        return f"{safe(name.ljust(first))}  {verdict}{' ' * (10 - visible)}  {'  '.join(cells)}"
+        parts = _broken(name, first)
+        head = f"{safe(parts[0].ljust(first))}  {verdict}{' ' * (VERDICT_WIDTH - visible)}"
+        out = [head + "  ".join(["", *cells])] + [safe(part) for part in parts[1:]]
+        folded = [
+            (f"{number} {_GLYPHS[mark]}", f"{number} {mark}")
+            for number, mark in zip(numbers[fit:], marks[fit:], strict=True)
+            if mark != MARKS["pass"] and graded
+        ]
+        out += [" " * FOLD + line for line in _wrapped_marks(folded, max(width, 40) - FOLD)]
+        return out
 
     for report, name in zip(result.reports, shown, strict=True):
         clauses = {c.name: c for c in report.clauses}
         verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
-        lines.append(row(name, verdict, 4, [_mark(clauses.get(clause)) for clause in names]))
+        lines += row(name, verdict, 4, [_mark(clauses.get(clause)) for clause in names], True)
         why = _why(report)
         if why:
             lines += [f"[dim]{safe(line)}[/]" for line in _wrapped(why, width, indent="    ")]
     for name in missing:
-        lines.append(row(name, "[dim]not graded[/]", 10, [MARKS["none"]] * len(names)))
+        lines += row(name, "[dim]not graded[/]", 10, [MARKS["none"]] * len(names), False)
     return lines
+
+
+VERDICT_WIDTH = 10
+"""The verdict's column: ``PASS``, ``FAIL``, ``not graded``."""
+FEWEST_MARKS = 8
+"""The marks a row keeps on its line however long the names (a longer name is broken)."""
+FOLD = 4
+"""Indentation of what is folded under a row."""
+_GLYPHS = {markup: markup.split("]")[1].split("[")[0] for markup in MARKS.values()}
+"""Each mark's character, as seen (the markup's width is not the terminal's)."""
+
+
+def _folded_words(numbers: list[str], fit: int) -> str:
+    first, last = numbers[fit], numbers[-1]
+    which = f"clause {first}" if first == last else f"clauses {first} to {last}"
+    return f"{which}: ✓ unless under the row"
+
+
+def _broken(name: str, width: int) -> list[str]:
+    """``name`` in pieces of ``width`` characters at most (paths have no spaces to wrap at)."""
+    return [name[i : i + width] for i in range(0, len(name), width)] or [""]
+
+
+def _wrapped_marks(items: list[tuple[str, str]], width: int) -> list[str]:
+    """Folded marks, ``(plain, markup)`` each, as markup lines of at most ``width`` columns
+    (measured on the plain text), never breaking an item."""
+    lines: list[tuple[int, str]] = []
+    for plain, markup in items:
+        if lines and lines[-1][0] + 2 + len(plain) <= width:
+            lines[-1] = (lines[-1][0] + 2 + len(plain), f"{lines[-1][1]}, {markup}")
+        else:
+            if lines:
+                lines[-1] = (lines[-1][0] + 1, lines[-1][1] + ",")
+            lines.append((len(plain), markup))
+    return [markup for _, markup in lines]
 
 
 def _mark(clause: ClauseResult | None) -> str:
@@ -211,7 +279,10 @@ def class_verdict_line(result: ClassReport) -> str:
 
 
 def gradebook_rows(
-    result: ClassReport, folder: str | None = None, rules: str | None = None
+    result: ClassReport,
+    folder: str | None = None,
+    rules: str | None = None,
+    rules_source: str | None = None,
 ) -> list[list[str]]:
     """The gradebook: a header, then a row per submission (not graded ones too), its path
     relative to ``folder``, the rule set that graded it."""
@@ -233,7 +304,7 @@ def gradebook_rows(
             report.root_cause.mistake if report.root_cause else "",
             _why(report),
             report.rules or rules or "",
-            report.rules_source or "",
+            report.rules_source or rules_source or "",
         ]
         for name in names:
             clause = clauses.get(name)
@@ -241,7 +312,7 @@ def gradebook_rows(
         rows.append([plain_safe(cell) for cell in cells])
     for target in result.not_graded:
         shown = relative_target(target, folder)
-        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 4) + [rules or "", ""]
+        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 4) + [rules or "", rules_source or ""]
         rows.append([plain_safe(cell) for cell in cells + [""] * len(names)])
     return rows
 
@@ -254,7 +325,11 @@ def _verdict_word(clause: ClauseResult) -> str:
 
 
 def write_gradebook(
-    path: str, result: ClassReport, folder: str | None = None, rules: str | None = None
+    path: str,
+    result: ClassReport,
+    folder: str | None = None,
+    rules: str | None = None,
+    rules_source: str | None = None,
 ) -> None:
     """The gradebook as CSV, written atomically (a new file replaces ``path`` only when
     complete); a note on stderr says where, and under which rules."""
@@ -262,7 +337,7 @@ def write_gradebook(
     from maskln_cli.files.output import open_output
 
     text = io.StringIO(newline="")
-    csv.writer(text).writerows(gradebook_rows(result, folder, rules))
+    csv.writer(text).writerows(gradebook_rows(result, folder, rules, rules_source))
     data = text.getvalue().encode()
     with open_output(path, len(data)) as stream:
         stream.write(data)

@@ -33,6 +33,7 @@ OFFSET = "offset rows"
 LAYOUT = "strided inputs"
 WORKED = "worked example"
 TIES = "exact ties"
+IDENTITY = "identity affine"
 
 FAMILIES: dict[str, str] = {
     RANDOM: "random rows: mean within twice the spread, row variances from 1e-8 to 4",
@@ -54,6 +55,8 @@ FAMILIES: dict[str, str] = {
     TIES: "valid rows holding exact ties: elements equal to the row's mean, equal elements,"
     " zero deviations in a row that is not constant (where |x - mean|, sign(x - mean) and"
     " branches on x == mean have no derivative, or the wrong one)",
+    IDENTITY: "scale all ones and bias all zeros, as a module initializes them (where a function"
+    " that skips the identity affine gives scale and bias no gradient)",
 }
 """Every family a case can belong to, and what it holds."""
 
@@ -216,5 +219,8 @@ def family_cases(
             label = describe_inputs(x, dtype, eps)
             valid = draws.mask(g, leading)
             params = draws.params(g, channels)
+            if family == IDENTITY:
+                params = (torch.ones(channels, dtype=torch.float64),
+                          torch.zeros(channels, dtype=torch.float64))  # fmt: skip
             cases.append(make_case(label, x, valid, params, eps, dtype, g, grad, family=family))
     return cases

@@ -90,7 +90,8 @@ def _gradient_cases(seed: int) -> list[Case]:
         families.UPSTREAM_LAYOUTS, (torch.float64, torch.float32)
     ):
         cases.append(families.upstream_case(g, (3, 4, 6), layout, dtype))
-    return cases
+    cases += families.family_cases(g, grad=True, families=(families.IDENTITY,))  # last: the
+    return cases  # cases before it draw what they always drew
 
 
 GRADIENT_EPS = (
@@ -128,7 +129,8 @@ GRADIENTS = make_clause(
     "dx, dscale, dbias against autograd through the float64 reference, for each subset"
     " of inputs requiring grad; constant rows, exact zeros, exact ties, C = 1, a prime C, eps"
     " from 1e-12"
-    " to 10, and upstream gradients transposed, stepped and expanded",
+    " to 10, upstream gradients transposed, stepped and expanded, and the identity affine"
+    " (scale 1, bias 0)",
     _gradient_cases,
     calls=_gradient_calls,
     judge=_gradients_judge,

@@ -103,7 +103,8 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_grad_enabled(state["grad mode"])
     deterministic, warn_only = state["deterministic algorithms"]
     if now["deterministic algorithms"] != state["deterministic algorithms"]:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        # the flag itself: torch.use_deterministic_algorithms imports for 2 s the first time
+        torch._C._set_deterministic_algorithms(deterministic, warn_only=warn_only)
     if now["threads"] != state["threads"]:
         torch.set_num_threads(state["threads"])
     if now["anomaly mode"] != state["anomaly mode"]:
@@ -150,10 +151,13 @@ UNUSUAL_STATE = {
                       "sci_mode": True},
     "warn always": True,
     "threads": UNUSUAL_THREADS,
+    "deterministic algorithms": (True, False),
+    "anomaly mode": (True, False),
 }  # fmt: skip
 """A state no one grades in: a function that "restores" what it changed to torch's defaults,
-or to the grader's one thread, rather than to what it found, is seen changing it.
-(Deterministic algorithms stay off: turning them on first imports for 2 s.)"""
+or to the grader's one thread, rather than to what it found, is seen changing it; so is one
+that turns deterministic algorithms or anomaly mode on for itself, then "back" off. (Anomaly
+mode without its NaN check: a correct function's backward may make NaN it then masks.)"""
 
 
 @contextlib.contextmanager
