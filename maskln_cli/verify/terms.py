@@ -81,6 +81,10 @@ class Pool:
     def mean(self) -> float:
         return self.wa / self.w if self.w > 0 else 0.0
 
+    def effective_rows(self) -> float:
+        """How many rows of equal weight the weights amount to, ``(sum w)**2 / sum w**2``."""
+        return self.w**2 / self.w2 if self.w2 > 0 else 0.0
+
     def error(self) -> float:
         """The standard error of the pooled coefficient, from the rows' spread."""
         if not self.w > 0:
@@ -221,10 +225,13 @@ def pooled_terms(sums: TermSums, gate: float) -> TermFinding | None:
     (:func:`term_gate`)."""
     if sums.rows < 1 or not all(pool.w > 0 for pool in sums.pools.values()):
         return None
-    few = len(sums.spreads) < FEW_ROWS
     found: dict[str, tuple[float, float, bool]] = {}
     for name, pool in sums.pools.items():
         value, error, spread = pool.mean(), pool.error(), pool.spread()
+        # Rows weigh as they determine the coefficient; where a few outweigh the rest (a row
+        # of var near eps among rows of var far below it), those few are the evidence, and
+        # their spread gives no credible standard error either.
+        few = len(sums.spreads) < FEW_ROWS or pool.effective_rows() < FEW_ROWS
         if few:  # no credible standard error: the rows' modelled noise instead
             threshold = max(gate, FEW_ROWS_TERM, spread / AGREEMENT, pool.noise())
         else:
