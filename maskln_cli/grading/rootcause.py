@@ -75,15 +75,19 @@ def find_root_cause(judged: Sequence[Judged], confirm: Confirm | None = None) ->
     failing = [j for j in judged if not j.result.passed]
     confirmed_only(failing, confirm)
     candidates = _candidates(failing)
-    best: tuple[str, dict[str, Any], list[str]] | None = None
+    # Where counted clauses fail, the root cause is one that explains some of them: a cause of
+    # strict clauses alone (a custom backward's second derivative) is not why the grade fails.
+    counted = {j.result.name for j in failing if j.result.counted}
+    best: tuple[tuple[int, int], str, dict[str, Any], list[str]] | None = None
     for mistake, entry in candidates.items():
         assumption = _assumption(mistake, judged)
         explains = [j.result.name for j in failing if _explains(mistake, assumption, j)]
-        if explains and (best is None or len(explains) > len(best[2])):
-            best = (mistake, entry, explains)
+        rank = (len(counted.intersection(explains)), len(explains))
+        if explains and (rank[0] or not counted) and (best is None or rank > best[0]):
+            best = (rank, mistake, entry, explains)
     if best is None:
         return None
-    mistake, entry, explains = best
+    _, mistake, entry, explains = best
     named = [j.result.name for j in failing if mistake in _named(j.result)]
     origin = next((name for name in ORIGINS if name in named), named[0])
     for j in failing:

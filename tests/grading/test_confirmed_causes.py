@@ -7,6 +7,7 @@ The solutions are tests/solutions/round_four.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from maskln_cli.grading.runner import grade
 from tests.solutions import round_four
@@ -58,3 +59,44 @@ def test_an_output_cut_from_the_graph_is_not_a_result_from_an_earlier_call():
     named = {d["mistake"] for d in report.diagnosis if d["mistake"]}
     assert "result_from_earlier_call" not in named, report.text()
     assert report.root_cause is None or report.root_cause.mistake != "result_from_earlier_call"
+
+
+class _BackwardAddingMeanTerm(torch.autograd.Function):
+    """A hand-written backward from saved values, adding grad_x's mean term, not subtracting."""
+
+    @staticmethod
+    def forward(ctx, x, scale, bias, eps):
+        mean = x.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((x - mean).square().mean(-1, keepdim=True) + eps)
+        xhat = (x - mean) * rstd
+        ctx.save_for_backward(xhat, rstd, scale)
+        return xhat * scale + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xhat, rstd, scale = ctx.saved_tensors
+        wdy = grad_out * scale
+        c1, c2 = (wdy * xhat).mean(-1, keepdim=True), wdy.mean(-1, keepdim=True)
+        grad_x = rstd * (wdy + c2 - xhat * c1)
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        return grad_x, (rows * xhat.reshape(rows.shape)).sum(0), rows.sum(0), None
+
+
+def _backward_adding_mean_term(x, valid, scale, bias, eps=1e-05):
+    keep = valid.unsqueeze(-1)
+    x = torch.where(keep, x, 0.0)
+    return torch.where(keep, _BackwardAddingMeanTerm.apply(x, scale, bias, eps), 0.0)
+
+
+def test_a_cause_of_strict_clauses_alone_is_not_the_root_cause_of_counted_ones():
+    """A custom backward whose first derivative is wrong fails the counted gradient clauses and
+    the strict second_order, not counted (its second derivative, from saved values, is wrong
+    too). The second-order cause explains none of the counted failures: it was shown as 'root
+    cause: one mistake explains 0 of the 4 failing clauses' (the class of round four's oskar)."""
+    report = grade(_backward_adding_mean_term)
+    assert not report.passed
+    failing = {c.name for c in report.clauses if c.counted and not c.passed}
+    assert "gradients" in failing, report.text()
+    if report.root_cause is not None:
+        assert failing & set(report.root_cause.explains), report.text()
+    assert "explains 0 of" not in report.text()
