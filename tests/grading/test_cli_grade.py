@@ -29,6 +29,7 @@ SOLUTIONS = ROOT / "tests" / "solutions"
 EXAMPLE = ROOT / "examples" / "first_attempt.py"
 
 
+@pytest.mark.slow  # a whole grade in a real child: make test-slow
 def test_maskln_grades_its_own_op_strict_included():
     result = grade_command("maskln_cli:masked_layer_normalization", "--strict", "--json")
     assert result.exit_code == 0, result.stdout
@@ -38,6 +39,7 @@ def test_maskln_grades_its_own_op_strict_included():
     assert all(c["passed"] and c["detail"] is None for c in document["clauses"])
 
 
+@pytest.mark.slow  # a whole grade in a real child: make test-slow
 def test_a_file_that_imports_maskln_op_fails_raw_ops(tmp_path):
     """Only maskln's own target may run maskln's op: a file that re-exports it uses it."""
     path = tmp_path / "solution.py"
@@ -102,6 +104,7 @@ def test_json_document():
     assert document["diagnosis"][0]["clause"] == "sanitized_gradients"
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 def test_a_hanging_function_times_out_and_the_next_clause_still_runs():
     target = f"{SOLUTIONS / 'misbehaving.py'}:hangs_on_wide_rows"
     result = grade_command(target, "--timeout", "2", "--only", "dtypes", "--only", "values",
@@ -113,6 +116,7 @@ def test_a_hanging_function_times_out_and_the_next_clause_still_runs():
     assert values["passed"] is True  # a fresh child ran it
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 def test_a_crashing_function_fails_its_clauses_then_the_rest_are_not_run():
     target = f"{SOLUTIONS / 'misbehaving.py'}:crashes"
     result = grade_command(target, "--only", "worked_example", "--only", "values",
@@ -139,6 +143,7 @@ def test_a_raising_function_fails_every_clause_in_one_child():
         assert "NotImplementedError: Implement masked_layer_normalization" in c["detail"], c
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 def test_an_allocation_beyond_the_memory_cap_fails_the_clause(monkeypatch):
     monkeypatch.setenv("MASKLN_GRADE_MEMORY_GIB", "1.5")
     target = f"{SOLUTIONS / 'misbehaving.py'}:allocates_too_much"
@@ -152,6 +157,7 @@ def test_an_allocation_beyond_the_memory_cap_fails_the_clause(monkeypatch):
     )
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 def test_patching_torch_in_the_child_cannot_change_a_verdict():
     target = f"{SOLUTIONS / 'misbehaving.py'}:fools_comparisons"
     result = grade_command(target, "--only", "values", "--only", "worked_example", "--json")
@@ -161,6 +167,7 @@ def test_patching_torch_in_the_child_cannot_change_a_verdict():
     assert document["diagnosis"][0]["mistake"] == "bias_missing"
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 @pytest.mark.parametrize(
     ("source", "fragments"),
     [
@@ -176,6 +183,7 @@ def test_a_target_that_cannot_be_loaded_is_a_one_line_usage_error(tmp_path, sour
     assert_one_line_error(result.stderr, str(path), *fragments)
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 def test_a_target_whose_import_hangs_is_stopped_after_the_timeout(tmp_path):
     path = tmp_path / "solution.py"
     path.write_text("import time\n\ntime.sleep(3600)\n")
@@ -327,6 +335,7 @@ def solution(tmp_path, source: str):
     return path, pidfile
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 @LINUX
 def test_a_process_the_function_detaches_is_killed_with_the_child(tmp_path):
     """A double fork and setsid leave the child's process group and session; the command is a
@@ -346,6 +355,7 @@ def test_a_process_that_leaves_the_childs_group_is_killed_with_its_session(tmp_p
     assert ended_within(int(pidfile.read_text()), 0.5)
 
 
+@pytest.mark.slow  # a real child process hung, killed or starved: make test-slow
 @LINUX
 def test_the_child_cannot_kill_the_grader_nor_outlive_it(tmp_path):
     """The child may send no signal outside its own processes (:mod:`~.grading.confine`); when
