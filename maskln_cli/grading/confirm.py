@@ -337,7 +337,11 @@ def build_probe(mistake: str, case: Case, spec: Spec, seed: int, where: str) -> 
     elif kind == FAMILY:
         _family_steps(probe, case, spec, g)
     elif kind == STALE:  # a shape no earlier call had (``where`` holds a salt of the grader's)
-        shape = (3, 11 + int(torch.randint(0, 89, (1,), generator=g)))
+        # One of some 2,700 shapes, so that no earlier call in this process (an in-process
+        # grade of the same function, a test suite's) likely had it: with 89 a stale cache
+        # left by another grade of the same function sometimes held it already.
+        rows, length = (int(torch.randint(0, n, (1,), generator=g)) for n in (30, 89))
+        shape = (2 + rows, 11 + length)
         add(Step(fresh(case, g, leading=shape), out_only, "first"))
         add(Step(fresh(case, g, leading=shape), out_only, "second"))
     elif kind in (CUSTOM_BACKWARD, SECOND_ORDER_FORMULA):
