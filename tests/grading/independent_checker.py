@@ -380,19 +380,23 @@ def check_behaviour(fn: Fn, data: Data) -> None:
             if t._backward_hooks or vars(t):
                 raise Wrong("a hook or an attribute left on an input")
         # the same bits call after call (rows long enough that the order of a sum shows), and
-        # on another thread count
-        wide = data.rows((48,), 96)
-        inputs = (wide, data.mask((48,)), *data.params(96))
-        first = fn(*tensors(*inputs, dtype), 1e-5).detach().clone()
+        # on another thread count. A race shows only when it happens: on a loaded machine a
+        # thread pool may finish its jobs in the same order for a while, so many calls, on
+        # short and on long rows (long jobs overlap more; there a library's matrix product may
+        # block by thread count, so only the short rows change it)
         threads = torch.get_num_threads()
-        for count in (threads,) * 7 + (3, 3):
-            torch.set_num_threads(count)
-            try:
-                again = fn(*tensors(*inputs, dtype), 1e-5).detach().clone()
-            finally:
-                torch.set_num_threads(threads)
-            if not torch.equal(first, again):
-                raise Wrong("the same inputs gave other bits")
+        for rows, channels, other_threads in ((48, 96, 3), (8, 4096, threads)):
+            wide = data.rows((rows,), channels)
+            inputs = (wide, data.mask((rows,)), *data.params(channels))
+            first = fn(*tensors(*inputs, dtype), 1e-5).detach().clone()
+            for call in range(40):
+                torch.set_num_threads(other_threads if call % 4 == 3 else threads)
+                try:
+                    again = fn(*tensors(*inputs, dtype), 1e-5).detach().clone()
+                finally:
+                    torch.set_num_threads(threads)
+                if not torch.equal(first, again):
+                    raise Wrong("the same inputs gave other bits")
         # results not shared between calls, nor with the inputs
         for mode in (torch.no_grad, torch.inference_mode):
             with mode():
