@@ -27,6 +27,8 @@ from maskln_cli.cli.options import (
     GradOutKey,
     JsonOutput,
     Module,
+    NormName,
+    Offset,
     Params,
     QuietReport,
     Rtol,
@@ -108,6 +110,8 @@ def verify(
     grad_out: GradOutFile = None,
     eps: Eps = None,
     config: Config = None,
+    norm: NormName = None,
+    offset: Offset = None,
     dtype: Annotated[
         JudgeDtype,
         tolerance_option(

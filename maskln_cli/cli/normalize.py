@@ -18,6 +18,8 @@ from maskln_cli.cli.options import (
     GradOutFile,
     GradOutKey,
     Module,
+    NormName,
+    Offset,
     Params,
     Quiet,
     ScaleKey,
@@ -72,6 +74,8 @@ def normalize(
     grad_out: GradOutFile = None,
     eps: Eps = None,
     config: Config = None,
+    norm: NormName = None,
+    offset: Offset = None,
     dtype: Dtype = ComputeDtype.auto,
     chunk_rows: ChunkRows = None,
     fsync: Fsync = False,
@@ -81,6 +85,8 @@ def normalize(
 
     When the input holds an upstream gradient 'grad_out', OUTPUT also holds grad_x, grad_scale
     and grad_bias: the gradients of sum(out * grad_out), to check a kernel's backward pass.
+    With --norm rms, RMSNorm: x / sqrt(mean(x**2) + eps) * (offset + scale), no bias, no
+    grad_bias.
 
     **Examples**
 
@@ -89,6 +95,8 @@ def normalize(
     maskln normalize - - < in.safetensors | maskln diff - expected.safetensors
     maskln normalize acts.safetensors out.safetensors --params checkpoint/ \\
         --module encoder.layer.0.output.LayerNorm --config checkpoint/
+    maskln normalize acts.safetensors out.safetensors --params llama/ \\
+        --module model.layers.0.input_layernorm --config llama/
     maskln normalize dumps/*.safetensors --out-dir normalized/
     ```
     """

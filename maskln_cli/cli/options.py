@@ -16,6 +16,13 @@ import typer
 from maskln_cli.files.problem import NormalizeOptions
 
 
+class NormChoice(str, Enum):
+    """--norm's choices: the names of :data:`maskln_cli.op.norms.NORMS`."""
+
+    layer = "layer"
+    rms = "rms"
+
+
 class ComputeDtype(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -85,8 +92,9 @@ Config = Annotated[
     typer.Option(
         "--config",
         metavar="FILE",
-        help="Read eps from a transformers config.json (layer_norm_eps, layer_norm_epsilon or"
-        " norm_eps); a folder means FOLDER/config.json.",
+        help="Read the norm and eps from a transformers config.json (rms_norm_eps: RMSNorm;"
+        " layer_norm_eps, layer_norm_epsilon or norm_eps: LayerNorm); a folder means"
+        " FOLDER/config.json.",
         show_default=False,
     ),
 ]
@@ -101,8 +109,30 @@ Eps = Annotated[
     typer.Option(
         "--eps",
         metavar="EPS",
-        help="Added to the variance. (default: --config's, else the input's metadata 'eps' or"
-        " 'layer_norm_eps', else 1e-05)",
+        help="Added to the variance (RMSNorm: to mean(x**2)). (default: --config's, else the"
+        " input's metadata 'eps', 'layer_norm_eps' or 'rms_norm_eps', else 1e-05 for LayerNorm,"
+        " 1e-06 for RMSNorm)",
+        show_default=False,
+    ),
+]
+NormName = Annotated[
+    NormChoice | None,
+    typer.Option(
+        "--norm",
+        metavar="NORM",
+        help="The norm: layer (LayerNorm) or rms (RMSNorm: no centering, no bias). (default:"
+        " --config's, rms when it holds rms_norm_eps; else the input's metadata 'norm'; else"
+        " layer)",
+        show_default=False,
+    ),
+]
+Offset = Annotated[
+    float | None,
+    typer.Option(
+        "--offset",
+        metavar="OFFSET",
+        help="RMSNorm's gain is OFFSET + scale (Gemma's: 1). (default: the input's metadata"
+        " 'offset', else 0)",
         show_default=False,
     ),
 ]
@@ -162,4 +192,5 @@ ValidRows = Annotated[
 def normalize_options(arguments: dict[str, Any]) -> NormalizeOptions:
     """NormalizeOptions from a command's arguments (normalize and verify share their names)."""
     values = {f.name: arguments[f.name] for f in dataclasses.fields(NormalizeOptions)}
-    return NormalizeOptions(**dict(values, dtype=values["dtype"].value))
+    norm = values["norm"].value if values["norm"] is not None else None
+    return NormalizeOptions(**dict(values, dtype=values["dtype"].value, norm=norm))

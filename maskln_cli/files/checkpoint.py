@@ -4,8 +4,8 @@ A transformers model saved with ``save_pretrained`` is a folder holding ``config
 either ``model.safetensors`` or ``model.safetensors.index.json`` with its shards. This module
 reads what maskln needs from such a folder:
 
-- :func:`config_eps`: the layer norm's eps from ``config.json`` (``layer_norm_eps``,
-  ``layer_norm_epsilon`` or ``norm_eps``; ``rms_norm_eps`` is RMSNorm's and is refused);
+- :func:`config_eps`: the norm and its eps from ``config.json`` (LayerNorm's ``layer_norm_eps``,
+  ``layer_norm_epsilon`` or ``norm_eps``; RMSNorm's ``rms_norm_eps``);
 - :func:`open_checkpoint`: a file, a folder or an index, opened as one set of tensors, each
   shard memory-mapped and opened only when one of its tensors is asked for;
 - :func:`module_keys`: a layer norm's scale and bias keys from its module name, whichever of
@@ -45,6 +45,8 @@ CONFIG_EPS_KEYS = ("layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 """Where transformers configs keep a LayerNorm's eps, in the order they are looked up."""
 RMS_EPS_KEYS = ("rms_norm_eps",)
 """RMSNorm's eps: not a LayerNorm's, so never taken for one."""
+EPS_KEYS_BY_NORM = {"layer": CONFIG_EPS_KEYS, "rms": RMS_EPS_KEYS}
+"""Each norm's eps keys (by :data:`maskln_cli.op.norms.NORMS` name), looked up in this order."""
 JSON_LIMIT = 64 * 2**20
 """config.json and index files are small; a larger one is refused rather than read."""
 
@@ -54,11 +56,16 @@ JSON_LIMIT = 64 * 2**20
 
 @dataclass(frozen=True)
 class ConfigEps:
-    """The eps a config.json gives, and where: ``source`` is ``'PATH: KEY'``."""
+    """The eps a config.json gives, and where: ``source`` is ``'PATH: KEY'``; ``norm``: whose
+    eps it is (``'layer'`` or ``'rms'``, by its key)."""
 
     value: float
     path: str
     key: str
+
+    @property
+    def norm(self) -> str:
+        return next(norm for norm, keys in EPS_KEYS_BY_NORM.items() if self.key in keys)
 
     @property
     def source(self) -> str:
@@ -70,8 +77,10 @@ def config_path(path: str) -> str:
     return os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
 
 
-def config_eps(path: str) -> ConfigEps:
-    """The LayerNorm eps of a transformers-style ``config.json`` (or a folder holding one).
+def config_eps(path: str, norm: str | None = None) -> ConfigEps:
+    """The norm's eps of a transformers-style ``config.json`` (or a folder holding one): of
+    ``norm`` (``'layer'`` or ``'rms'``), or when None of whichever the config gives
+    (LayerNorm's keys first); a config with only the other norm's eps is refused.
 
     Example:
         >>> import json, tempfile
@@ -79,26 +88,29 @@ def config_eps(path: str) -> ConfigEps:
         ...     with open(f"{folder}/config.json", "w") as file:
         ...         json.dump({"model_type": "bert", "layer_norm_eps": 1e-12}, file)
         ...     found = config_eps(folder)
-        >>> found.value, found.key
-        (1e-12, 'layer_norm_eps')
+        >>> found.value, found.key, found.norm
+        (1e-12, 'layer_norm_eps', 'layer')
     """
     path = config_path(path)
     document = read_json(path)
     if not isinstance(document, dict):
         raise MasklnError(f"{path}: not a model config (a JSON object was expected)")
-    for key in CONFIG_EPS_KEYS:
-        if key in document:
-            value = document[key]
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise MasklnError(f"{path}: {key!r} is {value!r}, not a number")
-            return ConfigEps(float(value), path, key)
-    looked_for = ", ".join(repr(k) for k in CONFIG_EPS_KEYS)
-    rms = [k for k in RMS_EPS_KEYS if k in document]
-    if rms:
-        raise MasklnError(
-            f"{path}: holds {rms[0]!r}, an RMSNorm eps, and none of {looked_for}; maskln"
-            " computes LayerNorm: give --eps to use that value anyway"
-        )
+    wanted = EPS_KEYS_BY_NORM if norm is None else {norm: EPS_KEYS_BY_NORM[norm]}
+    for keys in wanted.values():
+        for key in keys:
+            if key in document:
+                value = document[key]
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise MasklnError(f"{path}: {key!r} is {value!r}, not a number")
+                return ConfigEps(float(value), path, key)
+    looked_for = ", ".join(repr(k) for keys in wanted.values() for k in keys)
+    for other, keys in EPS_KEYS_BY_NORM.items():
+        found = [k for k in keys if k in document]
+        if found and other != norm:
+            raise MasklnError(
+                f"{path}: holds {found[0]!r}, {_EPS_OWNER[other]}, and none of {looked_for}:"
+                f" give --norm {other}, or --eps to use that value anyway"
+            )
     nested = [f"{k!r}" for k, v in document.items() if isinstance(v, dict) and _eps_in(v)]
     if nested:
         raise MasklnError(
@@ -108,8 +120,11 @@ def config_eps(path: str) -> ConfigEps:
     raise MasklnError(f"{path}: holds none of {looked_for}; give eps with --eps")
 
 
+_EPS_OWNER = {"layer": "a LayerNorm eps", "rms": "an RMSNorm eps"}
+
+
 def _eps_in(section: dict[str, object]) -> bool:
-    return any(key in section for key in CONFIG_EPS_KEYS)
+    return any(key in section for keys in EPS_KEYS_BY_NORM.values() for key in keys)
 
 
 def read_json(path: str) -> object:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.checkpoint import (
     CONFIG_NAME,
+    ConfigEps,
     Tensors,
     config_eps,
     config_path,
@@ -37,19 +38,34 @@ from maskln_cli.files.tensorfile import (
     file_identity,
     open_tensor_file,
 )
+from maskln_cli.op.norms import LAYER, NORMS, Norm
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_EPS = 1e-5
-METADATA_EPS_KEYS = ("eps", "layer_norm_eps")
-"""Metadata keys of INPUT that give eps, in the order they are looked up."""
+DEFAULT_EPS = LAYER.default_eps
+METADATA_EPS_KEYS = {"layer": ("eps", "layer_norm_eps"), "rms": ("eps", "rms_norm_eps")}
+"""Metadata keys of INPUT that give each norm's eps, in the order they are looked up."""
+METADATA_NORM_KEY = "norm"
+"""The metadata key of INPUT that may name the norm (``layer`` or ``rms``)."""
 DTYPE_CHOICES = ("auto", "float32", "float64")
 CHUNK_BYTES = 8 * 2**20
 """Rows are processed in chunks of about this many bytes of x (at least two rows each, so
 that chunked results are identical to one whole call: see core.row_blocks)."""
 
 GRADIENT_KEYS = ("grad_x", "grad_scale", "grad_bias")
+"""Every gradient a problem's output may hold; a norm's own are :func:`gradient_keys`."""
+
+
+def gradient_keys(norm: Norm) -> tuple[str, ...]:
+    """The gradients a norm has, as files name them (RMSNorm has no grad_bias).
+
+    Example:
+        >>> gradient_keys(NORMS["rms"])
+        ('grad_x', 'grad_scale')
+    """
+    return tuple("grad_" + name.removeprefix("d") for name in norm.gradients)
+
 
 Progress = Callable[[int, int], None]
 """Called with (work done, total work), in rows."""
@@ -63,7 +79,11 @@ class NormalizeOptions:
     (valid: every position; scale: ones; bias: zeros; grad_out: no gradients), with a note.
     ``module`` names a layer norm whose scale and bias are ``MODULE.weight``/``MODULE.bias``
     or ``MODULE.gamma``/``MODULE.beta``; ``params`` may be a checkpoint folder or index; eps is
-    ``eps``, else ``config``'s (a config.json), else INPUT's metadata, else 1e-5.
+    ``eps``, else ``config``'s (a config.json), else INPUT's metadata, else the norm's default.
+    ``norm`` (``layer`` or ``rms``, a name of :data:`~maskln_cli.op.norms.NORMS`) is
+    ``norm``, else the config's (``rms_norm_eps`` names RMSNorm), else INPUT's metadata
+    ``norm``, else ``layer``; ``offset`` is RMSNorm's gain offset (Gemma's 1), else INPUT's
+    metadata ``offset``, else 0.
     """
 
     x_key: str = "x"
@@ -79,6 +99,8 @@ class NormalizeOptions:
     chunk_rows: int | None = None
     module: str | None = None
     config: str | None = None
+    norm: str | None = None
+    offset: float | None = None
 
 
 @dataclass
@@ -90,7 +112,8 @@ class Problem:
     x: torch.Tensor
     valid: torch.Tensor
     scale: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
+    """None for RMSNorm, which has no bias."""
     grad_out: torch.Tensor | None
     eps: float
     dtype: torch.dtype
@@ -106,6 +129,12 @@ class Problem:
     input_file: TensorFile | None = field(default=None, repr=False)
     """INPUT, open while the problem is: what else it holds is read from here, never reopened
     (a file can change between two opens; stdin cannot be read twice)."""
+    norm: Norm = LAYER
+    """The norm computed (LayerNorm or RMSNorm)."""
+    offset: float = 0.0
+    """RMSNorm's gain is ``offset + scale`` (Gemma's offset is 1); 0 for LayerNorm."""
+    norm_source: str = "default"
+    """Where the norm came from: '--norm', 'PATH: rms_norm_eps', "metadata 'norm'", 'default'."""
 
     @property
     def rows(self) -> int:
@@ -118,6 +147,27 @@ class Problem:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def gradient_keys(self) -> tuple[str, ...]:
+        """The gradients its output holds: grad_x, grad_scale (and grad_bias for LayerNorm)."""
+        return gradient_keys(self.norm)
+
+    def parameters(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """scale (and bias, for LayerNorm), in ``dtype`` if given: the op's parameters."""
+        found = (self.scale,) if self.bias is None else (self.scale, self.bias)
+        return found if dtype is None else tuple(t.to(dtype) for t in found)
+
+    def normalized(
+        self, x: torch.Tensor, valid: torch.Tensor, *parameters: torch.Tensor
+    ) -> torch.Tensor:
+        """The op of this problem's norm on rows ``x`` (its parameters: :meth:`parameters`'s,
+        or the same converted)."""
+        from maskln_cli.op.api import masked_layer_normalization, masked_rms_normalization
+
+        if self.norm.centered:
+            return masked_layer_normalization(x, valid, *parameters, self.eps)
+        return masked_rms_normalization(x, valid, *parameters, self.eps, offset=self.offset)
 
 
 @contextlib.contextmanager
@@ -174,6 +224,7 @@ def _prepare(
             f"--dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {options.dtype!r}"
         )
     notes: list[str] = []
+    norm, norm_source, config = _resolve_norm(options, data, notes)
     x_info = data.info(options.x_key)
     where = f"{data.name}: tensor {options.x_key!r}"
     if x_info.dtype not in FLOATING:
@@ -195,24 +246,7 @@ def _prepare(
         valid = torch.ones(leading, dtype=torch.bool)
     valid = as_mask(valid, data.name, options.valid_key or "valid", leading)
 
-    scale_key, bias_key = options.scale_key or "scale", options.bias_key or "bias"
-    if options.module is not None:
-        scale_key, module_bias = _module_keys(params, options.module, options)
-        scale = params.tensor(scale_key)
-        bias = params.tensor(module_bias) if module_bias else None
-        if module_bias is None:
-            notes.append(f"{params.name}: module {options.module!r} has no bias: using zeros")
-        bias_key = module_bias or bias_key
-    else:
-        _check_params_hold_some(params, options)
-        scale = _optional(params, options.scale_key, "scale", notes, "using ones")
-        bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
-    stored = [t.dtype for t in (scale, bias) if t is not None and dtype_name(t.dtype) in FLOATING]
-    param_dtype = min(stored, key=lambda d: torch.finfo(d).eps) if stored else None
-    scale = torch.ones(channels) if scale is None else scale
-    bias = torch.zeros(channels) if bias is None else bias
-    scale = _as_parameter(scale, params.name, scale_key, channels).to(dtype)
-    bias = _as_parameter(bias, params.name, bias_key, channels).to(dtype)
+    scale, bias, param_dtype = _parameters(params, options, norm, channels, dtype, notes)
 
     grad_key = options.grad_out_key or ("grad_out" if options.grad_out else None)
     grad_out = _optional(grads, grad_key, "grad_out", None, "")
@@ -234,7 +268,8 @@ def _prepare(
     compute_itemsize = max(dtype.itemsize, 4)  # float16 and bfloat16 are computed in float32
     chunk_bytes = min(rows_per_chunk, x.shape[0]) * channels * compute_itemsize * copies
     check_memory(chunk_bytes, f"--chunk-rows {rows_per_chunk} ({channels} channels)")
-    eps, eps_source = _resolve_eps(options, data, dtype, notes)
+    eps, eps_source = _resolve_eps(options, data, dtype, notes, norm, config)
+    offset = _resolve_offset(options, data, norm)
     return Problem(
         source=data.name,
         shape=x_info.shape,
@@ -249,7 +284,109 @@ def _prepare(
         notes=notes,
         eps_source=eps_source,
         param_dtype=param_dtype,
+        norm=norm,
+        offset=offset,
+        norm_source=norm_source,
     )
+
+
+def _parameters(
+    params: Tensors,
+    options: NormalizeOptions,
+    norm: Norm,
+    channels: int,
+    dtype: torch.dtype,
+    notes: list[str],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
+    """``(scale, bias, param_dtype)``: bias None for RMSNorm, which refuses one named to it
+    (a key, a module's bias) and leaves a default ``bias`` tensor unread, with a note."""
+    import torch
+
+    scale_key, bias_key = options.scale_key or "scale", options.bias_key or "bias"
+    if not norm.centered and options.bias_key is not None:
+        raise MasklnError(f"--bias-key {options.bias_key!r}: {norm.title} has no bias")
+    if options.module is not None:
+        scale_key, module_bias = _module_keys(params, options.module, options)
+        scale = params.tensor(scale_key)
+        if module_bias is not None and not norm.centered:
+            raise MasklnError(
+                f"{params.name}: module {options.module!r} has a bias {module_bias!r}:"
+                f" {norm.title} has no bias (is it a LayerNorm? give --norm layer)"
+            )
+        bias = params.tensor(module_bias) if module_bias else None
+        if module_bias is None and norm.centered:
+            notes.append(f"{params.name}: module {options.module!r} has no bias: using zeros")
+        bias_key = module_bias or bias_key
+    else:
+        _check_params_hold_some(params, options, norm)
+        scale = _optional(params, options.scale_key, "scale", notes, "using ones")
+        if norm.centered:
+            bias = _optional(params, options.bias_key, "bias", notes, "using zeros")
+        else:
+            bias = None
+            if "bias" in params:
+                notes.append(f"{params.name}: tensor 'bias' not used: {norm.title} has no bias")
+    stored = [t.dtype for t in (scale, bias) if t is not None and dtype_name(t.dtype) in FLOATING]
+    param_dtype = min(stored, key=lambda d: torch.finfo(d).eps) if stored else None
+    scale = torch.ones(channels) if scale is None else scale
+    scale = _as_parameter(scale, params.name, scale_key, channels).to(dtype)
+    if not norm.centered:
+        return scale, None, param_dtype
+    bias = torch.zeros(channels) if bias is None else bias
+    return scale, _as_parameter(bias, params.name, bias_key, channels).to(dtype), param_dtype
+
+
+def _resolve_norm(
+    options: NormalizeOptions, data: TensorFile, notes: list[str]
+) -> tuple[Norm, str, ConfigEps | None]:
+    """``(norm, where it came from, --config's eps)``: --norm, else --config's (a config
+    with ``rms_norm_eps`` is an RMSNorm model's), else INPUT's metadata 'norm', else LayerNorm.
+
+    --norm against a --config of the other norm is an error (that config has no eps for it);
+    against INPUT's metadata, --norm wins with a note, as --eps does over a config's eps.
+    """
+    if options.norm is not None and options.norm not in NORMS:
+        raise MasklnError(f"--norm: must be one of {', '.join(NORMS)}, got {options.norm!r}")
+    config = config_eps(options.config, options.norm) if options.config is not None else None
+    named = data.metadata.get(METADATA_NORM_KEY)
+    if named is not None and named not in NORMS:
+        raise MasklnError(
+            f"{data.name}: metadata {METADATA_NORM_KEY!r} is {named!r}; expected one of"
+            f" {', '.join(NORMS)}"
+        )
+    if options.norm is not None:
+        name, source = options.norm, "--norm"
+    elif config is not None:
+        name, source = config.norm, config.source
+    elif named is not None:
+        return NORMS[named], f"metadata {METADATA_NORM_KEY!r}", None
+    else:
+        return LAYER, "default", None
+    if named is not None and named != name:
+        notes.append(
+            f"{'--norm ' + name if source == '--norm' else source} overrides {data.name}'s"
+            f" metadata {METADATA_NORM_KEY!r} ({named!r}): computing {NORMS[name].title}"
+        )
+    return NORMS[name], source, config
+
+
+def _resolve_offset(options: NormalizeOptions, data: TensorFile, norm: Norm) -> float:
+    """RMSNorm's gain offset: --offset, else INPUT's metadata 'offset', else 0."""
+    if options.offset is not None:
+        where = "--offset"
+        value: float | None = options.offset
+    elif "offset" in data.metadata and not norm.centered:
+        where = f"{data.name}: metadata 'offset' ({data.metadata['offset']!r})"
+        value = parse_number(data.metadata["offset"])
+        if value is None:
+            raise MasklnError(f"{where}: not a number such as 1 or 0.5")
+    else:
+        return 0.0
+    if norm.centered and value != 0:
+        raise MasklnError(f"--offset {value!r}: only RMSNorm has a gain offset; give --norm rms")
+    if not math.isfinite(value):
+        raise MasklnError(f"{where}: the offset must be a finite number")
+    return value
 
 
 def _module_keys(params: Tensors, module: str, options: NormalizeOptions) -> tuple[str, str | None]:
@@ -260,7 +397,7 @@ def _module_keys(params: Tensors, module: str, options: NormalizeOptions) -> tup
     return module_keys(params, module)
 
 
-def _check_params_hold_some(params: Tensors, options: NormalizeOptions) -> None:
+def _check_params_hold_some(params: Tensors, options: NormalizeOptions, norm: Norm) -> None:
     """A --params checkpoint with neither default key was meant to be read by name: say how.
 
     Keys the user named are left to fail on their own, with the closest names.
@@ -271,9 +408,14 @@ def _check_params_hold_some(params: Tensors, options: NormalizeOptions) -> None:
         return
     norms = describe_norm_modules(params.keys())
     held = f" (it holds {norms})" if norms else ""
+    if norm.centered:
+        raise MasklnError(
+            f"{params.name}: holds neither 'scale' nor 'bias'; name the layer norm with --module"
+            f" NAME{held}, or its tensors with --scale-key and --bias-key"
+        )
     raise MasklnError(
-        f"{params.name}: holds neither 'scale' nor 'bias'; name the layer norm with --module"
-        f" NAME{held}, or its tensors with --scale-key and --bias-key"
+        f"{params.name}: holds no 'scale'; name the RMSNorm with --module NAME{held}, or its"
+        " weight with --scale-key"
     )
 
 
@@ -302,11 +444,16 @@ def _as_parameter(param: torch.Tensor, source: str, key: str, channels: int) -> 
 
 
 def _resolve_eps(
-    options: NormalizeOptions, data: TensorFile, dtype: torch.dtype, notes: list[str]
+    options: NormalizeOptions,
+    data: TensorFile,
+    dtype: torch.dtype,
+    notes: list[str],
+    norm: Norm = LAYER,
+    from_config: ConfigEps | None = None,
 ) -> tuple[float, str]:
     """``(eps, where it came from)``: --eps, else --config's, else INPUT's metadata 'eps' or
-    'layer_norm_eps', else 1e-5 with a note; checked for ``dtype``."""
-    from_config = config_eps(options.config) if options.config is not None else None
+    the norm's own key ('layer_norm_eps', 'rms_norm_eps'), else the norm's default with a
+    note; checked for ``dtype``."""
     if options.eps is not None:
         if from_config is not None and from_config.value != options.eps:
             notes.append(
@@ -315,7 +462,7 @@ def _resolve_eps(
         return check_eps(options.eps, "--eps", dtype), "--eps"
     if from_config is not None:
         return check_eps(from_config.value, from_config.source, dtype), from_config.source
-    for key in METADATA_EPS_KEYS:
+    for key in METADATA_EPS_KEYS[norm.name]:
         if key in data.metadata:
             text = data.metadata[key]
             where = f"{data.name}: metadata {key!r} ({text!r})"
@@ -325,9 +472,10 @@ def _resolve_eps(
             return check_eps(value, where, dtype), f"metadata {key!r}"
     notes.append(
         f"no eps given (--eps, --config, or metadata 'eps' in {data.name}): using the default"
-        f" {DEFAULT_EPS!r}{_config_hint(options.params)}"
+        f" {norm.default_eps!r}{'' if norm.centered else ' (RMSNorm)'}"
+        f"{_config_hint(options.params, norm)}"
     )
-    return DEFAULT_EPS, "default"
+    return norm.default_eps, "default"
 
 
 _NUMBER = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
@@ -347,8 +495,9 @@ def parse_number(text: str) -> float | None:
     return float(text) if _NUMBER.fullmatch(text) else None
 
 
-def _config_hint(params: str | None) -> str:
-    """When --params is a model folder (or a file in one) that has a config.json, say so."""
+def _config_hint(params: str | None, norm: Norm) -> str:
+    """When --params is a model folder (or a file in one) whose config.json gives the norm's
+    eps, say so."""
     if not params or params == STDIO:
         return ""
     folder = params if os.path.isdir(params) else os.path.dirname(params)
@@ -356,7 +505,7 @@ def _config_hint(params: str | None) -> str:
     if not os.path.isfile(config):
         return ""
     try:  # suggest only a config that gives an eps, and say which
-        found = config_eps(config)
+        found = config_eps(config, norm.name)
     except MasklnError:
         return ""
     return f"; {config} gives {found.key} {found.value:g}: --config {config} reads it"
@@ -382,25 +531,26 @@ def iter_outputs(problem: Problem) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(start, stop, out[start:stop])`` for each chunk of rows, computed without autograd."""
     import torch
 
-    from maskln_cli.op.api import masked_layer_normalization
     from maskln_cli.op.blocked import row_blocks
 
+    parameters = problem.parameters()
     for start, stop in row_blocks(problem.rows, problem.chunk_rows):
         with torch.no_grad():  # not held across the yield: the caller's grad mode is its own
             x = problem.x[start:stop].to(problem.dtype)
-            valid = problem.valid[start:stop]
-            out = masked_layer_normalization(x, valid, problem.scale, problem.bias, problem.eps)
+            out = problem.normalized(x, problem.valid[start:stop], *parameters)
         yield start, stop, out
 
 
 class GradientSums:
-    """grad_scale and grad_bias, accumulated in float64 over chunks of rows."""
+    """grad_scale and grad_bias (None for RMSNorm), accumulated in float64 over chunks of rows."""
 
     def __init__(self, problem: Problem) -> None:
         import torch
 
         self.scale = torch.zeros(problem.channels, dtype=torch.float64)
-        self.bias = torch.zeros(problem.channels, dtype=torch.float64)
+        self.bias = (
+            None if problem.bias is None else torch.zeros(problem.channels, dtype=torch.float64)
+        )
 
 
 def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -412,20 +562,20 @@ def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, 
     """
     import torch
 
-    from maskln_cli.op.api import masked_layer_normalization
     from maskln_cli.op.blocked import row_blocks
 
     if problem.grad_out is None:
         raise ValueError("the problem has no grad_out")
     compute = torch.float32 if problem.dtype in (torch.float16, torch.bfloat16) else problem.dtype
-    scale, bias = problem.scale.to(compute), problem.bias.to(compute)
+    parameters = problem.parameters(compute)
     for start, stop in row_blocks(problem.rows, problem.chunk_rows):
         with torch.enable_grad():
             x = problem.x[start:stop].to(problem.dtype).to(compute).requires_grad_()
-            leaves = (x, scale.detach().requires_grad_(), bias.detach().requires_grad_())
-            out = masked_layer_normalization(x, problem.valid[start:stop], *leaves[1:], problem.eps)
+            leaves = (x, *(p.detach().requires_grad_() for p in parameters))
+            out = problem.normalized(x, problem.valid[start:stop], *leaves[1:])
             grad_out = problem.grad_out[start:stop].to(problem.dtype).to(compute)
-            grad_x, grad_scale, grad_bias = torch.autograd.grad(out, leaves, grad_out)
+            grad_x, grad_scale, *grad_bias = torch.autograd.grad(out, leaves, grad_out)
         sums.scale += grad_scale.double()
-        sums.bias += grad_bias.double()
+        if sums.bias is not None:
+            sums.bias += grad_bias[0].double()
         yield start, stop, grad_x.to(problem.dtype)

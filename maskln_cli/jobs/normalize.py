@@ -8,7 +8,6 @@ from maskln_cli.errors import MasklnError
 from maskln_cli.files.masks import valid_key_hint
 from maskln_cli.files.output import SafetensorsWriter, data_bytes, open_output, writing_chunks
 from maskln_cli.files.problem import (
-    GRADIENT_KEYS,
     GradientSums,
     NormalizeOptions,
     Problem,
@@ -35,6 +34,7 @@ class NormalizeResult:
     keys: tuple[str, ...]
     notes: tuple[str, ...]
     eps_source: str = "default"
+    norm: str = "layer"
 
 
 def normalize_file(
@@ -48,8 +48,9 @@ def normalize_file(
     and flushed to disk before it replaces the old OUTPUT).
 
     OUTPUT holds ``out`` (``options.out_key``), and when the inputs hold an upstream gradient
-    ``grad_out``, also ``grad_x``, ``grad_scale`` and ``grad_bias``: the gradients of
-    ``sum(out * grad_out)``. Its metadata records ``eps``, ``dtype`` and ``maskln_version``.
+    ``grad_out``, also ``grad_x``, ``grad_scale`` and (LayerNorm's only) ``grad_bias``: the
+    gradients of ``sum(out * grad_out)``. Its metadata records ``norm``, ``eps``, ``dtype``
+    and ``maskln_version`` (and RMSNorm's ``offset``).
     """
     options = options or NormalizeOptions()
     if options.out_key in ("", "__metadata__"):
@@ -57,14 +58,17 @@ def normalize_file(
     with load_problem(input_path, options) as problem:
         keys = [options.out_key]
         if problem.grad_out is not None:
-            keys += GRADIENT_KEYS
+            keys += problem.gradient_keys
         if len(set(keys)) != len(keys):
             raise MasklnError(f"--out-key: {options.out_key!r} clashes with a gradient's key")
         specs = {options.out_key: (problem.dtype_name, problem.shape)}
         if problem.grad_out is not None:
             specs["grad_x"] = (problem.dtype_name, problem.shape)
-            specs["grad_scale"] = specs["grad_bias"] = (problem.dtype_name, (problem.channels,))
+            for key in problem.gradient_keys[1:]:
+                specs[key] = (problem.dtype_name, (problem.channels,))
         metadata = {
+            "norm": problem.norm.name,
+            **({} if problem.norm.centered else {"offset": repr(problem.offset)}),
             "eps": repr(problem.eps),
             "eps_source": problem.eps_source,
             "dtype": problem.dtype_name,
@@ -90,7 +94,8 @@ def normalize_file(
                         if progress:
                             progress(problem.rows + stop, total)
                     output.write("grad_scale", sums.scale.to(problem.dtype))
-                    output.write("grad_bias", sums.bias.to(problem.dtype))
+                    if sums.bias is not None:
+                        output.write("grad_bias", sums.bias.to(problem.dtype))
         return NormalizeResult(
             input=problem.source,
             output=output_name(output_path),
@@ -102,6 +107,7 @@ def normalize_file(
             keys=tuple(keys),
             notes=tuple(problem.notes) + _valid_key_hint(problem, options),
             eps_source=problem.eps_source,
+            norm=problem.norm.name,
         )
 
 

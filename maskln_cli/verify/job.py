@@ -102,6 +102,13 @@ def verify_problem(
     in memory (``result`` is then anything that reads as a :class:`TensorFile` does: ``name``,
     ``keys``, ``in``, ``info`` and ``tensor``). ``problem`` holds scale and bias in float64."""
     check_options(verify)
+    if not problem.norm.centered:
+        # RMSNorm's rounding differs from LayerNorm's (no mean, no cancellation): judged by
+        # LayerNorm's budget and diagnosis, a verdict would be unfounded either way.
+        raise MasklnError(
+            f"{problem.source}: {problem.norm.title} (from {problem.norm_source}): verify has no"
+            " error budget for RMSNorm yet; 'maskln normalize --norm rms' computes its reference"
+        )
     valid_rows = int(problem.valid.sum())
     if verify.plain_layer_norm:
         problem, mask = _as_plain_layer_norm(problem, mask)

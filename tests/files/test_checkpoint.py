@@ -186,7 +186,6 @@ def test_eps_option_overriding_the_config_is_said(tmp_path):
 @pytest.mark.parametrize(
     ("text", "fragments"),
     [
-        ('{"rms_norm_eps": 1e-6, "hidden_size": 8}', ("'rms_norm_eps'", "RMSNorm", "--eps")),
         ('{"hidden_size": 8', ("not valid JSON", "line 1")),
         ("[1e-12]", ("not a model config",)),
         ('{"layer_norm_eps": "1e-12"}', ("'layer_norm_eps'", "not a number")),

@@ -66,6 +66,7 @@ def test_worked_example_file(tmp_path):
     assert list(out) == ["out"]
     assert torch.equal(out["out"], torch.tensor([[[-0.5, 0.5], [0.0, 0.0]]], dtype=torch.float64))
     assert metadata(tmp_path / "out.safetensors") == {
+        "norm": "layer",
         "eps": "3.0",
         "eps_source": "metadata 'eps'",
         "dtype": "float64",

@@ -1,0 +1,244 @@
+"""`--norm layer|rms`: which norm a file command computes, where it comes from, RMSNorm files.
+
+RMSNorm's values are checked against a float64 reference of plain ops written here
+(``y = x / sqrt(mean(x**2) + eps) * (offset + scale)``), independent of the op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.clitools import assert_one_line_error, invoke, metadata, read, write
+
+
+def rms_reference(x, valid, scale, eps, offset=0.0):
+    """Float64 RMSNorm of the valid rows, +0.0 elsewhere, by plain ops."""
+    x64 = torch.where(valid[..., None], x.double(), 0.0)
+    rstd = 1 / torch.sqrt(x64.square().mean(-1, keepdim=True) + eps)
+    y = x64 * rstd * (offset + scale.double())
+    return torch.where(valid[..., None], y, 0.0)
+
+
+def rms_inputs(shape=(3, 5, 8), dtype=torch.float32, seed=0, **extra):
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=generator) * 3 + 0.5).to(dtype)
+    valid = torch.rand(shape[:-1], generator=generator) > 0.3
+    x[~valid] = math.nan  # padding never reaches a value
+    scale = torch.randn(shape[-1], generator=generator).to(dtype)
+    return {"x": x, "valid": valid, "scale": scale, **extra}
+
+
+def test_rms_output_matches_a_float64_reference_and_zeroes_padding(tmp_path):
+    tensors = rms_inputs()
+    source = write(tmp_path / "in.safetensors", tensors)
+    result = invoke("normalize", source, tmp_path / "out.safetensors", "--norm", "rms")
+    assert result.exit_code == 0, result.stderr
+    out = read(tmp_path / "out.safetensors")["out"]
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
+    padded = out[~tensors["valid"]]
+    assert torch.equal(padded, torch.zeros_like(padded))
+    assert not torch.signbit(padded).any()
+    written = metadata(tmp_path / "out.safetensors")
+    assert (written["norm"], float(written["eps"])) == ("rms", 1e-6)  # RMSNorm's default eps
+
+
+def test_rms_gradients_have_no_grad_bias_and_match_float64_autograd(tmp_path):
+    generator = torch.Generator().manual_seed(1)
+    tensors = rms_inputs(dtype=torch.float64, seed=1)
+    tensors["grad_out"] = torch.randn(tensors["x"].shape, generator=generator, dtype=torch.float64)
+    source = write(tmp_path / "in.safetensors", tensors)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, "--norm", "rms", "--eps", "0.01")
+    assert result.exit_code == 0, result.stderr
+    written = read(out_path)
+    assert sorted(written) == ["grad_scale", "grad_x", "out"]
+    x = torch.where(tensors["valid"][..., None], tensors["x"], 0.0).requires_grad_()
+    scale = tensors["scale"].clone().requires_grad_()
+    y = rms_reference(x, tensors["valid"], scale, 0.01)
+    grad_x, grad_scale = torch.autograd.grad(y, (x, scale), tensors["grad_out"])
+    torch.testing.assert_close(written["grad_x"], grad_x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(written["grad_scale"], grad_scale, rtol=1e-12, atol=1e-12)
+
+
+def test_offset_gives_gemmas_one_plus_scale(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=2)
+    source = write(tmp_path / "in.safetensors", tensors)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, "--norm", "rms", "--offset", "1")
+    assert result.exit_code == 0, result.stderr
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6, offset=1.0)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    assert float(metadata(out_path)["offset"]) == 1.0
+
+
+def test_offset_for_layer_norm_is_an_error(tmp_path):
+    source = write(tmp_path / "in.safetensors", rms_inputs())
+    result = invoke("normalize", source, tmp_path / "out.safetensors", "--offset", "1")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "--offset", "rms")
+
+
+def write_config(folder, **entries):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **entries}))
+    return folder
+
+
+def test_a_config_with_rms_norm_eps_gives_the_norm_and_its_eps(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=3)
+    source = write(tmp_path / "in.safetensors", tensors)
+    model = write_config(tmp_path / "model", rms_norm_eps=0.25)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, "--config", model)
+    assert result.exit_code == 0, result.stderr
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 0.25)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    written = metadata(out_path)
+    assert written["norm"] == "rms"
+    assert written["eps_source"].endswith("config.json: rms_norm_eps")
+
+
+def test_norm_layer_against_an_rms_config_is_a_one_line_error(tmp_path):
+    source = write(tmp_path / "in.safetensors", rms_inputs())
+    model = write_config(tmp_path / "model", rms_norm_eps=1e-6)
+    result = invoke(
+        "normalize", source, tmp_path / "out.safetensors", "--config", model, "--norm", "layer"
+    )
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "config.json", "rms_norm_eps", "--norm rms")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_norm_rms_against_a_layer_config_is_a_one_line_error(tmp_path):
+    source = write(tmp_path / "in.safetensors", rms_inputs())
+    model = write_config(tmp_path / "model", layer_norm_eps=1e-12)
+    result = invoke(
+        "normalize", source, tmp_path / "out.safetensors", "--config", model, "--norm", "rms"
+    )
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "config.json", "layer_norm_eps", "--norm layer")
+
+
+def test_the_input_metadata_names_the_norm_and_its_eps(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=4)
+    source = write(tmp_path / "in.safetensors", tensors, norm="rms", rms_norm_eps="0.5")
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path)
+    assert result.exit_code == 0, result.stderr
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 0.5)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_norm_option_overrides_the_metadata_with_a_note(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=5)
+    source = write(tmp_path / "in.safetensors", tensors, norm="layer", eps="0.5")
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, "--norm", "rms")
+    assert result.exit_code == 0, result.stderr
+    assert "--norm rms overrides" in result.stderr and "'layer'" in result.stderr
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 0.5)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("args", "meta", "fragments"),
+    [
+        (("--norm", "rms", "--bias-key", "b"), {}, ("--bias-key", "'b'", "RMSNorm has no bias")),
+        ((), {"norm": "group"}, ("in.safetensors", "metadata 'norm'", "'group'", "layer, rms")),
+        (("--norm", "batch"), {}, ("--norm", "batch")),
+    ],
+)
+def test_bad_norm_input_is_one_line_and_exit_2(tmp_path, args, meta, fragments):
+    tensors = rms_inputs(b=torch.zeros(8))
+    source = write(tmp_path / "in.safetensors", tensors, **meta)
+    result = invoke("normalize", source, tmp_path / "out.safetensors", *args)
+    assert result.exit_code == 2
+    if args[:2] == ("--norm", "batch"):  # refused by the option parser itself
+        assert "batch" in result.stderr and "Traceback" not in result.stderr
+    else:
+        assert_one_line_error(result.stderr, *fragments)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_module_with_a_bias_is_refused_for_rms(tmp_path):
+    source = write(tmp_path / "in.safetensors", rms_inputs())
+    params = write(
+        tmp_path / "params.safetensors", {"ln.weight": torch.ones(8), "ln.bias": torch.zeros(8)}
+    )
+    result = invoke(
+        "normalize", source, tmp_path / "o.safetensors", "--params", params,
+        "--module", "ln", "--norm", "rms",
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "'ln.bias'", "RMSNorm has no bias")
+
+
+def test_an_rms_module_without_bias_reads_its_weight(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=6)
+    weight = tensors.pop("scale")
+    source = write(tmp_path / "in.safetensors", tensors)
+    params = write(tmp_path / "params.safetensors", {"model.norm.weight": weight})
+    out_path = tmp_path / "out.safetensors"
+    result = invoke(
+        "normalize", source, out_path, "--params", params, "--module", "model.norm",
+        "--norm", "rms",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert "no bias" not in result.stderr  # RMSNorm has none: nothing to say
+    expected = rms_reference(tensors["x"], tensors["valid"], weight, 1e-6)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_default_bias_tensor_is_not_used_by_rms_and_said(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=7, bias=torch.full((8,), 100.0))
+    source = write(tmp_path / "in.safetensors", tensors)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, "--norm", "rms")
+    assert result.exit_code == 0, result.stderr
+    assert "'bias'" in result.stderr and "RMSNorm has no bias" in result.stderr
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_layer_norm_stays_the_default_and_says_so_in_metadata(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=8)
+    source = write(tmp_path / "in.safetensors", tensors)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path)
+    assert result.exit_code == 0, result.stderr
+    x = torch.where(tensors["valid"][..., None], tensors["x"], 0.0)
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).square().mean(-1, keepdim=True)
+    expected = (x - mean) / torch.sqrt(var + 1e-5) * tensors["scale"]
+    expected = torch.where(tensors["valid"][..., None], expected, 0.0)
+    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    assert metadata(out_path)["norm"] == "layer"
+
+
+def test_verify_refuses_an_rms_problem_rather_than_judge_it_as_layer_norm(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=9)
+    source = write(tmp_path / "in.safetensors", tensors, norm="rms")
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6)
+    result_file = write(tmp_path / "kernel.safetensors", {"out": expected})
+    for args in ((), ("--norm", "rms")):
+        result = invoke("verify", source, result_file, *args)
+        assert result.exit_code == 2
+        assert_one_line_error(result.stderr, "in.safetensors", "RMSNorm", "no error budget")
+
+
+def test_verify_norm_layer_overrides_the_metadata_and_judges_layer_norm(tmp_path):
+    tensors = rms_inputs(dtype=torch.float64, seed=10)
+    source = write(tmp_path / "in.safetensors", tensors, norm="rms")
+    x = torch.where(tensors["valid"][..., None], tensors["x"], 0.0)
+    mean = x.mean(-1, keepdim=True)
+    y = (x - mean) / torch.sqrt((x - mean).square().mean(-1, keepdim=True) + 1e-5)
+    y = torch.where(tensors["valid"][..., None], y * tensors["scale"], 0.0)
+    result_file = write(tmp_path / "kernel.safetensors", {"out": y})
+    result = invoke("verify", source, result_file, "--norm", "layer")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "--norm layer overrides" in result.stdout + result.stderr
