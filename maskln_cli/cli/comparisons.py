@@ -27,6 +27,7 @@ from maskln_cli.cli.options import (
     GradOutKey,
     JsonOutput,
     Module,
+    NormChoice,
     NormName,
     Offset,
     Params,
@@ -273,6 +274,16 @@ def diff(
     rtol: Rtol = None,
     atol: Atol = None,
     valid_rows: ValidRows = None,
+    norm: Annotated[
+        NormChoice | None,
+        typer.Option(
+            "--norm",
+            metavar="NORM",
+            help="Refuse a file whose metadata 'norm' names another norm than this (layer or"
+            " rms). (default: files naming different norms are compared, with a note)",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOutput = False,
     quiet: QuietReport = False,
 ) -> None:
@@ -294,7 +305,8 @@ def diff(
     """
     from maskln_cli.compare.files import diff_files
 
-    result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows)
+    chosen = norm.value if norm is not None else None
+    result = diff_files(actual_path, expected_path, keys or (), rtol, atol, valid_rows, chosen)
     _finish_comparison(result, json_output, quiet)
 
 

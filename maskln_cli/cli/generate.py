@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated
 
 import typer
 
 from maskln_cli.cli.failures import reports_errors
-from maskln_cli.cli.options import Fsync, Quiet
+from maskln_cli.cli.options import Fsync, NormChoice, Quiet
+from maskln_cli.errors import MasklnError
 from maskln_cli.version import installed_version
 
 
@@ -64,9 +66,34 @@ def generate(
     grad: Annotated[
         bool, typer.Option("--grad", help="Add an upstream gradient 'grad_out'.")
     ] = False,
+    norm: Annotated[
+        NormChoice,
+        typer.Option(
+            "--norm",
+            metavar="NORM",
+            help="The norm the file is for, stored in the metadata: layer or rms (RMSNorm: no"
+            " bias). [default: layer]",
+            show_default=False,
+        ),
+    ] = NormChoice.layer,
     eps: Annotated[
-        float, typer.Option("--eps", metavar="EPS", help="eps stored in the metadata.")
-    ] = 1e-5,
+        float | None,
+        typer.Option(
+            "--eps",
+            metavar="EPS",
+            help="eps stored in the metadata. (default: 1e-05 for layer, 1e-06 for rms)",
+            show_default=False,
+        ),
+    ] = None,
+    gain_offset: Annotated[
+        float | None,
+        typer.Option(
+            "--gain-offset",
+            metavar="OFFSET",
+            help="RMSNorm's gain offset stored in the metadata (Gemma's: 1).",
+            show_default=False,
+        ),
+    ] = None,
     offset: Annotated[
         float,
         typer.Option(
@@ -87,7 +114,8 @@ def generate(
     fsync: Fsync = False,
     quiet: Quiet = False,
 ) -> None:
-    """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
+    """Write a random input file: x, valid, scale, bias (and grad_out with --grad); with
+    --norm rms, no bias.
 
     The same arguments always give the same file, byte for byte. On a terminal a progress bar
     shows the way for a big shape.
@@ -99,6 +127,7 @@ def generate(
     maskln generate offset.safetensors --shape 4,128,768 --offset 1e4 --std 0.1
     maskln generate masks.safetensors --shape 2,64,32 --valid-dtype int64
     maskln generate - --shape 2,64,32 | maskln normalize - out.safetensors
+    maskln generate rms.safetensors --shape 4,128,4096 --norm rms --grad
     ```
     """
     from maskln_cli.cli.report import messages
@@ -107,9 +136,20 @@ def generate(
     from maskln_cli.files.problem import check_eps
     from maskln_cli.files.tensorfile import torch_dtype
     from maskln_cli.jobs.generate import generate_inputs, parse_shape
+    from maskln_cli.op.norms import NORMS
 
     parsed = parse_shape(shape)
+    chosen = NORMS[norm.value]
+    if gain_offset is not None and chosen.centered:
+        raise MasklnError(f"--gain-offset {gain_offset!r}: only RMSNorm has one; give --norm rms")
+    if gain_offset is not None and not math.isfinite(gain_offset):
+        raise MasklnError(f"--gain-offset: must be a finite number, got {gain_offset}")
+    eps = chosen.default_eps if eps is None else eps
+    # A LayerNorm file names no norm (layer is every reader's default): the same bytes as
+    # before --norm existed, sample_data's included.
     metadata = {
+        **({} if chosen.centered else {"norm": chosen.name}),
+        **({} if gain_offset is None else {"offset": repr(gain_offset)}),
         "eps": repr(check_eps(eps, "--eps", torch_dtype(dtype.value))),
         "maskln_version": installed_version(),
     }
@@ -133,6 +173,7 @@ def generate(
             std=std,
             valid_dtype=valid_dtype.value,
             progress=sampling,
+            norm=chosen.name,
         )
         write_tensors(
             output,

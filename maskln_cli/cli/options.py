@@ -129,7 +129,7 @@ NormName = Annotated[
 Offset = Annotated[
     float | None,
     typer.Option(
-        "--offset",
+        "--gain-offset",
         metavar="OFFSET",
         help="RMSNorm's gain is OFFSET + scale (Gemma's: 1). (default: the input's metadata"
         " 'offset', else 0)",

@@ -161,6 +161,7 @@ def diff_files(
     rtol: float | None = None,
     atol: float | None = None,
     valid: str | None = None,
+    norm: str | None = None,
 ) -> ComparisonReport:
     """Compare two safetensors files key by key (``-`` for stdin, on one side at most). Either
     side may be a checkpoint instead: a folder holding ``model.safetensors`` or its index, or a
@@ -168,7 +169,9 @@ def diff_files(
 
     With ``keys``, only those keys are compared (each must exist on at least one side). With
     ``valid`` (``FILE[:KEY]``, a mask), tensors of shape ``[*mask.shape, C]`` are compared on
-    the mask's valid rows only.
+    the mask's valid rows only. Files whose metadata names different norms (``norm``: layer,
+    rms) are compared all the same, with a note; with ``norm``, a file naming another is an
+    error.
 
     Example:
         >>> report = diff_files("sample_data/worked_example.safetensors",
@@ -196,7 +199,7 @@ def diff_files(
                     f"--key: {unknown[0]!r} is in neither {actual.name} nor {expected.name}"
                 )
             names = [k for k in names if k in set(keys)]
-        notes: list[str] = []
+        notes = _norm_notes(actual, expected, norm)
         mask = None
         if valid is not None:
             from maskln_cli.compare.rows import row_mask_notes
@@ -206,6 +209,28 @@ def diff_files(
             notes += row_mask_notes(mask, {n: _shape(actual, expected, n) for n in names})
         tensors = list(_compare_keys(actual, expected, names, rtol, atol, mask))
         return ComparisonReport("diff", actual.name, expected.name, tensors, notes)
+
+
+def _norm_notes(actual: Tensors, expected: Tensors, norm: str | None) -> list[str]:
+    """What the two files' metadata says of their norms: a note when they differ; with
+    ``norm`` (--norm), a file naming another norm is an error."""
+    from maskln_cli.files.problem import named_norm
+
+    named = [(f.name, named_norm(f.metadata, f.name)) for f in (actual, expected)]
+    if norm is not None:
+        for name, found in named:
+            if found is not None and found.name != norm:
+                raise MasklnError(
+                    f"{name}: metadata 'norm' is {found.name!r} ({found.title}), not --norm {norm}"
+                )
+        return []
+    (first, one), (second, other) = named
+    if one is None or other is None or one == other:
+        return []
+    return [
+        f"{first} names {one.title} and {second} {other.title} (metadata 'norm'): compared"
+        " all the same"
+    ]
 
 
 def _shape(actual: Tensors, expected: Tensors, name: str) -> tuple[int, ...]:

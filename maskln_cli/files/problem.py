@@ -336,6 +336,25 @@ def _parameters(
     return scale, _as_parameter(bias, params.name, bias_key, channels).to(dtype), param_dtype
 
 
+def named_norm(metadata: dict[str, str], source: str) -> Norm | None:
+    """The norm a file's metadata names (``norm``: ``layer`` or ``rms``), None when it names
+    none; any other name is an error naming the file ``source``.
+
+    Example:
+        >>> named_norm({"norm": "rms"}, "f.safetensors").title
+        'RMSNorm'
+    """
+    named = metadata.get(METADATA_NORM_KEY)
+    if named is None:
+        return None
+    if named not in NORMS:
+        raise MasklnError(
+            f"{source}: metadata {METADATA_NORM_KEY!r} is {named!r}; expected one of"
+            f" {', '.join(NORMS)}"
+        )
+    return NORMS[named]
+
+
 def _resolve_norm(
     options: NormalizeOptions, data: TensorFile, notes: list[str]
 ) -> tuple[Norm, str, ConfigEps | None]:
@@ -348,12 +367,8 @@ def _resolve_norm(
     if options.norm is not None and options.norm not in NORMS:
         raise MasklnError(f"--norm: must be one of {', '.join(NORMS)}, got {options.norm!r}")
     config = config_eps(options.config, options.norm) if options.config is not None else None
-    named = data.metadata.get(METADATA_NORM_KEY)
-    if named is not None and named not in NORMS:
-        raise MasklnError(
-            f"{data.name}: metadata {METADATA_NORM_KEY!r} is {named!r}; expected one of"
-            f" {', '.join(NORMS)}"
-        )
+    found = named_norm(data.metadata, data.name)
+    named = found.name if found is not None else None
     if options.norm is not None:
         name, source = options.norm, "--norm"
     elif config is not None:
@@ -371,9 +386,9 @@ def _resolve_norm(
 
 
 def _resolve_offset(options: NormalizeOptions, data: TensorFile, norm: Norm) -> float:
-    """RMSNorm's gain offset: --offset, else INPUT's metadata 'offset', else 0."""
+    """RMSNorm's gain offset: --gain-offset, else INPUT's metadata 'offset', else 0."""
     if options.offset is not None:
-        where = "--offset"
+        where = "--gain-offset"
         value: float | None = options.offset
     elif "offset" in data.metadata and not norm.centered:
         where = f"{data.name}: metadata 'offset' ({data.metadata['offset']!r})"
@@ -383,7 +398,9 @@ def _resolve_offset(options: NormalizeOptions, data: TensorFile, norm: Norm) -> 
     else:
         return 0.0
     if norm.centered and value != 0:
-        raise MasklnError(f"--offset {value!r}: only RMSNorm has a gain offset; give --norm rms")
+        raise MasklnError(
+            f"--gain-offset {value!r}: only RMSNorm has a gain offset; give --norm rms"
+        )
     if not math.isfinite(value):
         raise MasklnError(f"{where}: the offset must be a finite number")
     return value

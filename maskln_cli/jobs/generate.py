@@ -140,8 +140,10 @@ def generate_inputs(
     std: float = 1.0,
     valid_dtype: str = "bool",
     progress: Progress | None = None,
+    norm: str = "layer",
 ) -> dict[str, torch.Tensor]:
-    """Random ``x``, ``valid``, ``scale``, ``bias`` (and ``grad_out`` with ``grad``).
+    """Random ``x``, ``valid``, ``scale``, ``bias`` (and ``grad_out`` with ``grad``); for
+    ``norm`` ``'rms'`` the same tensors without ``bias`` (RMSNorm has none).
 
     x is ``offset + std * N(0, 1)`` on every position (a large common offset is where float32
     kernels and one-pass variances part ways). With ``poison``, padded positions of x hold NaN,
@@ -196,6 +198,8 @@ def generate_inputs(
         "scale": (1.0 + 0.1 * torch.randn(channels, generator=generator)).to(target),
         "bias": (0.1 * torch.randn(channels, generator=generator)).to(target),
     }
+    if norm != "layer":  # drawn all the same: every other tensor is the LayerNorm file's
+        del tensors["bias"]
     if grad:
         tensors["grad_out"] = sample_normal(shape, generator, sample_dtype, advance=advance).to(
             target

@@ -69,7 +69,7 @@ def test_offset_gives_gemmas_one_plus_scale(tmp_path):
     tensors = rms_inputs(dtype=torch.float64, seed=2)
     source = write(tmp_path / "in.safetensors", tensors)
     out_path = tmp_path / "out.safetensors"
-    result = invoke("normalize", source, out_path, "--norm", "rms", "--offset", "1")
+    result = invoke("normalize", source, out_path, "--norm", "rms", "--gain-offset", "1")
     assert result.exit_code == 0, result.stderr
     expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6, offset=1.0)
     torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
@@ -78,9 +78,9 @@ def test_offset_gives_gemmas_one_plus_scale(tmp_path):
 
 def test_offset_for_layer_norm_is_an_error(tmp_path):
     source = write(tmp_path / "in.safetensors", rms_inputs())
-    result = invoke("normalize", source, tmp_path / "out.safetensors", "--offset", "1")
+    result = invoke("normalize", source, tmp_path / "out.safetensors", "--gain-offset", "1")
     assert result.exit_code == 2
-    assert_one_line_error(result.stderr, "--offset", "rms")
+    assert_one_line_error(result.stderr, "--gain-offset", "rms")
 
 
 def write_config(folder, **entries):
@@ -242,3 +242,64 @@ def test_verify_norm_layer_overrides_the_metadata_and_judges_layer_norm(tmp_path
     result = invoke("verify", source, result_file, "--norm", "layer")
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "--norm layer overrides" in result.stdout + result.stderr
+
+
+# --- generate, diff ----------------------------------------------------------------------------
+
+
+def test_generate_rms_writes_no_bias_and_names_the_norm_and_its_default_eps(tmp_path):
+    path = tmp_path / "g.safetensors"
+    result = invoke("generate", path, "--shape", "2,6,8", "--norm", "rms", "--grad")
+    assert result.exit_code == 0, result.stderr
+    tensors = read(path)
+    assert sorted(tensors) == ["grad_out", "scale", "valid", "x"]
+    written = metadata(path)
+    assert (written["norm"], float(written["eps"])) == ("rms", 1e-6)
+    layer = tmp_path / "layer.safetensors"
+    assert invoke("generate", layer, "--shape", "2,6,8", "--grad").exit_code == 0
+    same = read(layer)
+    assert all(torch.equal(tensors[k], same[k]) for k in tensors)  # only the bias is left out
+    assert "bias" in same and "norm" not in metadata(layer)  # layer: every reader's default
+    # generate -> normalize: the file says which norm, and normalize computes it.
+    out = tmp_path / "out.safetensors"
+    assert invoke("normalize", path, out).exit_code == 0
+    valid = tensors["valid"]
+    expected = rms_reference(tensors["x"], valid, tensors["scale"], 1e-6)
+    torch.testing.assert_close(read(out)["out"].double(), expected, rtol=2e-6, atol=2e-6)
+    assert sorted(read(out)) == ["grad_scale", "grad_x", "out"]
+
+
+def test_generate_gain_offset_is_written_for_rms_and_refused_for_layer(tmp_path):
+    path = tmp_path / "g.safetensors"
+    args = ("--shape", "2,3,4", "--norm", "rms", "--gain-offset", "1")
+    assert invoke("generate", path, *args).exit_code == 0
+    assert float(metadata(path)["offset"]) == 1.0
+    tensors = read(path)
+    out = tmp_path / "out.safetensors"
+    assert invoke("normalize", path, out).exit_code == 0
+    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6, offset=1.0)
+    torch.testing.assert_close(read(out)["out"].double(), expected, rtol=2e-6, atol=2e-6)
+    refused = invoke("generate", path, "--shape", "2,3,4", "--gain-offset", "1")
+    assert refused.exit_code == 2
+    assert_one_line_error(refused.stderr, "--gain-offset", "rms")
+
+
+def test_diff_says_when_the_two_files_are_of_different_norms(tmp_path):
+    tensors = {"out": torch.ones(2, 3)}
+    rms = write(tmp_path / "rms.safetensors", tensors, norm="rms")
+    layer = write(tmp_path / "layer.safetensors", tensors, norm="layer")
+    document = json.loads(invoke("diff", rms, layer, "--json").stdout)
+    assert document["passed"] is True  # the values are equal: the note says what differs
+    assert any("RMSNorm" in n and "LayerNorm" in n for n in document["notes"]), document
+    same = json.loads(invoke("diff", rms, rms, "--json").stdout)
+    assert not any("norm" in n for n in same["notes"])
+
+
+def test_diff_norm_refuses_a_file_of_another_norm(tmp_path):
+    tensors = {"out": torch.ones(2, 3)}
+    rms = write(tmp_path / "rms.safetensors", tensors, norm="rms")
+    layer = write(tmp_path / "layer.safetensors", tensors, norm="layer")
+    result = invoke("diff", rms, layer, "--norm", "rms")
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "layer.safetensors", "metadata 'norm'", "'layer'")
+    assert invoke("diff", rms, rms, "--norm", "rms").exit_code == 0
