@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from maskln_cli.cli.failures import end_with_report, reports_errors
+from maskln_cli.cli.options import NormChoice
 
 
 @reports_errors(writes=False)
@@ -38,12 +39,25 @@ def inspect(
     json_output: Annotated[
         bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")
     ] = False,
+    norm: Annotated[
+        NormChoice | None,
+        typer.Option(
+            "--norm",
+            metavar="NORM",
+            help="The norm FILE is for: layer or rms (its eps is then looked up for it)."
+            " (default: a checkpoint's config.json's, rms when it holds rms_norm_eps; else the"
+            " metadata 'norm')",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Show each tensor of FILE (dtype, shape, size, statistics) and its metadata.
+    """Show each tensor of FILE (dtype, shape, size, statistics), its metadata, and its norm.
 
     Statistics are over finite values; NaN and inf are counted apart; masks (bool, or integers
     holding only 0 and 1) show their count of true. The file is read a chunk at a time, so
-    large files do not need memory to match; on a terminal a progress bar shows the way.
+    large files do not need memory to match; on a terminal a progress bar shows the way. The
+    norm (LayerNorm or RMSNorm, and its eps) is said when --norm, a checkpoint's config.json or
+    the metadata 'norm' gives it.
 
     **Examples**
 
@@ -59,7 +73,8 @@ def inspect(
     from maskln_cli.jobs.inspect import summarize_file
 
     with progress_bar(f"inspect {path}", enabled=not keys_only) as progress:
-        summary = summarize_file(path, patterns or (), progress, keys_only)
+        chosen = norm.value if norm is not None else None
+        summary = summarize_file(path, patterns or (), progress, keys_only, chosen)
     end_with_report(
         0, json_output, lambda: print_json(summary.to_dict()), lambda: render_file_summary(summary)
     )

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from maskln_cli.errors import MasklnError
 from maskln_cli.files.checkpoint import (
     CONFIG_NAME,
+    INDEX_NAME,
+    WEIGHTS_NAME,
     ConfigEps,
     Tensors,
     config_eps,
@@ -353,6 +355,69 @@ def named_norm(metadata: dict[str, str], source: str) -> Norm | None:
             f" {', '.join(NORMS)}"
         )
     return NORMS[named]
+
+
+@dataclass(frozen=True)
+class FileNorm:
+    """The norm a file or checkpoint is for, as ``maskln inspect`` says it: ``eps`` None when
+    nothing gives it; ``source`` as :attr:`Problem.norm_source`."""
+
+    name: str
+    eps: float | None
+    source: str
+
+
+def file_norm(
+    path: str, metadata: dict[str, str], source: str, norm: str | None = None
+) -> FileNorm | None:
+    """The norm ``path`` is for, by the rules of :func:`load_problem`: ``norm`` (--norm), else
+    the checkpoint's config.json (``path`` a model folder, its index or its
+    ``model.safetensors``), else the metadata's 'norm'; None when nothing names one. --norm
+    against a config of the other norm is the same error as for normalize.
+
+    Example:
+        >>> file_norm("sample_data/worked_example.safetensors", {"norm": "rms"}, "f")
+        FileNorm(name='rms', eps=None, source="metadata 'norm'")
+    """
+    named = named_norm(metadata, source)
+    config = _checkpoint_config(path)
+    found = None
+    if config is not None:
+        try:
+            found = config_eps(config)
+        except MasklnError:  # a config that gives no eps (or no JSON) names no norm
+            found = None
+        if found is not None and norm is not None and found.norm != norm:
+            found = config_eps(config, norm)  # the other norm's too, else the error
+    if norm is not None:
+        chosen, where = NORMS[norm], "--norm"
+    elif found is not None:
+        return FileNorm(found.norm, found.value, found.source)
+    elif named is not None:
+        chosen, where = named, f"metadata {METADATA_NORM_KEY!r}"
+    else:
+        return None
+    if found is not None:
+        return FileNorm(chosen.name, found.value, found.source)
+    eps = next(
+        (parse_number(metadata[k]) for k in METADATA_EPS_KEYS[chosen.name] if k in metadata),
+        None,
+    )
+    return FileNorm(chosen.name, eps, where)
+
+
+def _checkpoint_config(path: str) -> str | None:
+    """The config.json of the model folder ``path`` is (or whose index or weights it is)."""
+    if path == STDIO:
+        return None
+    if os.path.isdir(path):
+        folder = path
+    elif os.path.basename(path) in (WEIGHTS_NAME, INDEX_NAME):
+        folder = os.path.dirname(path) or "."
+    else:
+        return None
+    config = os.path.join(folder, CONFIG_NAME)
+    return config if os.path.isfile(config) else None
 
 
 def _resolve_norm(

@@ -32,6 +32,7 @@ import numpy as np
 
 from maskln_cli.compare.data import has_values, plain_data
 from maskln_cli.files.checkpoint import Tensors, open_checkpoint
+from maskln_cli.files.problem import FileNorm, file_norm
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -83,6 +84,8 @@ class FileSummary:
     """Keys in the file (``tensors`` may hold fewer: those ``--match`` selected)."""
     keys_only: bool = False
     patterns: tuple[str, ...] = ()
+    norm: FileNorm | None = None
+    """The norm the file is for (--norm, its checkpoint's config.json, its metadata 'norm')."""
 
     def to_dict(self) -> dict[str, object]:
         def entry(tensor: TensorSummary) -> dict[str, object]:
@@ -92,6 +95,7 @@ class FileSummary:
         return {
             "file": self.file,
             "metadata": dict(self.metadata),
+            "norm": plain_data(self.norm) if self.norm is not None else None,
             "tensors": [entry(t) for t in self.tensors],
         }
 
@@ -114,9 +118,12 @@ def summarize_file(
     patterns: Sequence[str] = (),
     progress: Progress | None = None,
     keys_only: bool = False,
+    norm: str | None = None,
 ) -> FileSummary:
     """Summarize the tensors of ``path`` (``-`` for stdin; a checkpoint folder or shard index
     too) whose keys match ``patterns`` (all without any); with ``keys_only``, from the header.
+    ``norm`` (``layer`` or ``rms``, --norm) is the norm it is for, else what its checkpoint's
+    config.json or its metadata names (:func:`~maskln_cli.files.problem.file_norm`).
 
     Example:
         >>> summary = summarize_file("sample_data/worked_example.safetensors")
@@ -125,6 +132,7 @@ def summarize_file(
 ('x', [1, 2, 2], -99.0, 99.0, None), ('valid', [1, 2], None, None, 1)]
     """
     with open_checkpoint(path, torch_tensors=False) as file:
+        found = file_norm(path, file.metadata, file.name, norm)
         keys = matching_keys(file.keys(), patterns)
         summaries = [header_summary(file, key) for key in keys]
         if not keys_only:
@@ -145,6 +153,7 @@ def summarize_file(
             keys_total=len(file.keys()),
             keys_only=keys_only,
             patterns=tuple(patterns),
+            norm=found,
         )
 
 

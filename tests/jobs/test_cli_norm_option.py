@@ -303,3 +303,37 @@ def test_diff_norm_refuses_a_file_of_another_norm(tmp_path):
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "layer.safetensors", "metadata 'norm'", "'layer'")
     assert invoke("diff", rms, rms, "--norm", "rms").exit_code == 0
+
+
+# --- inspect -------------------------------------------------------------------------------------
+
+
+def test_inspect_says_a_checkpoints_norm_and_eps_from_its_config(tmp_path):
+    model = write_config(tmp_path / "model", rms_norm_eps=3e-6)
+    write(model / "model.safetensors", {"model.norm.weight": torch.ones(8)})
+    document = json.loads(invoke("inspect", model, "--json").stdout)
+    assert document["norm"] == {
+        "name": "rms",
+        "eps": 3e-6,
+        "source": f"{model / 'config.json'}: rms_norm_eps",
+    }
+    human = invoke("inspect", model)
+    assert human.exit_code == 0
+    assert "RMSNorm, eps 3e-06" in human.stdout
+    wrong = invoke("inspect", model, "--norm", "layer")
+    assert wrong.exit_code == 2
+    assert_one_line_error(wrong.stderr, "config.json", "rms_norm_eps", "--norm rms")
+
+
+def test_inspect_says_the_norm_a_files_metadata_names_and_none_otherwise(tmp_path):
+    rms = write(tmp_path / "rms.safetensors", {"x": torch.ones(2, 3)}, norm="rms", eps="0.5")
+    document = json.loads(invoke("inspect", rms, "--json").stdout)
+    assert document["norm"] == {"name": "rms", "eps": 0.5, "source": "metadata 'norm'"}
+    plain = write(tmp_path / "plain.safetensors", {"x": torch.ones(2, 3)})
+    assert json.loads(invoke("inspect", plain, "--json").stdout)["norm"] is None
+    chosen = json.loads(invoke("inspect", plain, "--json", "--norm", "rms").stdout)
+    assert chosen["norm"] == {"name": "rms", "eps": None, "source": "--norm"}
+    bad = write(tmp_path / "bad.safetensors", {"x": torch.ones(2, 3)}, norm="batch")
+    result = invoke("inspect", bad)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, "bad.safetensors", "metadata 'norm'", "'batch'")

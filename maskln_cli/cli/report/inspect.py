@@ -10,6 +10,8 @@ from maskln_cli.cli.report.text import number, plain_safe, safe
 from maskln_cli.files.resources import human_bytes
 
 if TYPE_CHECKING:
+    from rich.text import Text
+
     from maskln_cli.jobs.inspect import FileSummary, TensorSummary
 
 
@@ -53,6 +55,9 @@ def render_file_summary(summary: FileSummary) -> None:
         if summary.keys_only or summary.patterns:
             console.print(_key_count(summary), soft_wrap=True)
             console.print()
+        if summary.norm is not None:
+            console.print(_norm_line(summary), soft_wrap=True)
+            console.print()
         if summary.metadata:
             # A title over an indented grid, laid out as a box.SIMPLE table without a header
             # was, but for that table's blank bottom edge: it ended the output with a blank.
@@ -71,6 +76,20 @@ def render_file_summary(summary: FileSummary) -> None:
                 console.print(line, soft_wrap=True)
         else:
             console.print("no metadata", style="dim")
+
+
+def _norm_line(summary: FileSummary) -> Text:
+    """``norm  RMSNorm, eps 1e-06 (from model/config.json: rms_norm_eps)``."""
+    from rich.text import Text
+
+    from maskln_cli.op.norms import NORMS
+
+    found = summary.norm
+    assert found is not None
+    eps = f", eps {found.eps!r}" if found.eps is not None else ""
+    line = Text("norm", style="table.title")
+    line.append(f"  {NORMS[found.name].title}{eps} (from {plain_safe(found.source)})")
+    return line
 
 
 def _key_count(summary: FileSummary) -> str:
