@@ -45,6 +45,7 @@ def test_rms_output_matches_a_float64_reference_and_zeroes_padding(tmp_path):
     assert not torch.signbit(padded).any()
     written = metadata(tmp_path / "out.safetensors")
     assert (written["norm"], float(written["eps"])) == ("rms", 1e-6)  # RMSNorm's default eps
+    assert "wrote" in result.stderr and "RMSNorm out [3, 5, 8]" in result.stderr
 
 
 def test_rms_gradients_have_no_grad_bias_and_match_float64_autograd(tmp_path):

@@ -24,8 +24,9 @@ def note(message: str) -> None:
 def render_normalize_result(result: NormalizeResult) -> None:
     """One line on stderr saying what was written."""
     keys = ", ".join(result.keys)
+    rms = "" if result.norm == "layer" else "RMSNorm "  # LayerNorm's line as it always was
     note(
-        f"wrote {result.output}: {keys} {list(result.shape)} {result.dtype}, "
+        f"wrote {result.output}: {rms}{keys} {list(result.shape)} {result.dtype}, "
         f"{result.valid_rows:,} of {result.rows:,} positions valid, eps {result.eps!r}"
         f" ({result.eps_source})"
     )
