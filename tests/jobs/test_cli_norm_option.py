@@ -338,3 +338,66 @@ def test_inspect_says_the_norm_a_files_metadata_names_and_none_otherwise(tmp_pat
     result = invoke("inspect", bad)
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, "bad.safetensors", "metadata 'norm'", "'batch'")
+
+
+# --- dtypes, chunks, hostile values --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rms_in_each_dtype_is_within_its_rounding_of_float64(tmp_path, dtype):
+    tensors = rms_inputs(shape=(4, 6, 64), dtype=dtype, seed=11)
+    generator = torch.Generator().manual_seed(12)
+    tensors["grad_out"] = torch.randn(tensors["x"].shape, generator=generator).to(dtype)
+    source = write(tmp_path / "in.safetensors", tensors)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, "--norm", "rms")
+    assert result.exit_code == 0, result.stderr
+    written = read(out_path)
+    assert {t.dtype for t in written.values()} == {dtype}
+    valid = tensors["valid"]
+    x = torch.where(valid[..., None], tensors["x"].double(), 0.0).requires_grad_()
+    scale = tensors["scale"].double().requires_grad_()
+    y = rms_reference(x, valid, scale, 1e-6)
+    grad_x, grad_scale = torch.autograd.grad(y, (x, scale), tensors["grad_out"].double())
+    # computed in float32, rounded once to the dtype: within a few of its ulps
+    tolerance = {"rtol": 4 * torch.finfo(dtype).eps, "atol": 4 * torch.finfo(dtype).eps}
+    torch.testing.assert_close(written["out"].double(), y.detach(), **tolerance)
+    torch.testing.assert_close(written["grad_x"].double(), grad_x, **tolerance)
+    scale_tolerance = {k: v * 8 for k, v in tolerance.items()}  # a sum over 24 rows
+    torch.testing.assert_close(written["grad_scale"].double(), grad_scale, **scale_tolerance)
+
+
+def test_rms_chunked_results_equal_one_whole_call(tmp_path):
+    tensors = rms_inputs(shape=(5, 7, 16), seed=13)
+    tensors["grad_out"] = torch.randn(
+        tensors["x"].shape, generator=torch.Generator().manual_seed(1)
+    )
+    source = write(tmp_path / "in.safetensors", tensors)
+    outputs = {}
+    for rows in ("1", "3", "1000"):
+        path = tmp_path / f"out{rows}.safetensors"
+        result = invoke("normalize", source, path, "--norm", "rms", "--chunk-rows", rows)
+        assert result.exit_code == 0, result.stderr
+        outputs[rows] = read(path)
+    for rows in ("1", "3"):
+        for key in ("out", "grad_x"):  # bit for bit, as one whole call
+            assert torch.equal(outputs[rows][key], outputs["1000"][key]), (rows, key)
+        torch.testing.assert_close(outputs[rows]["grad_scale"], outputs["1000"]["grad_scale"])
+
+
+@pytest.mark.parametrize(
+    ("args", "meta", "fragments"),
+    [
+        (("--norm", "rms", "--gain-offset", "nan"), {}, ("--gain-offset", "finite")),
+        (("--norm", "rms", "--gain-offset", "inf"), {}, ("--gain-offset", "finite")),
+        ((), {"norm": "rms", "offset": "one"}, ("metadata 'offset'", "'one'", "not a number")),
+        ((), {"norm": "rms", "rms_norm_eps": "tiny"}, ("metadata 'rms_norm_eps'", "not a number")),
+        (("--norm", "rms", "--eps", "0"), {}, ("--eps", "finite positive")),
+    ],
+)
+def test_bad_rms_values_are_one_line_and_exit_2(tmp_path, args, meta, fragments):
+    source = write(tmp_path / "in.safetensors", rms_inputs(), **meta)
+    result = invoke("normalize", source, tmp_path / "out.safetensors", *args)
+    assert result.exit_code == 2
+    assert_one_line_error(result.stderr, *fragments)
+    assert not (tmp_path / "out.safetensors").exists()
