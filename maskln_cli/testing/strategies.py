@@ -10,12 +10,16 @@ decides the structure (each row's family and validity, the widths, the layout, t
 and their dtype) and shrinks it: a failing case shrinks to a few rows of few channels in the
 simplest family that still fails. The values within a row come from a seeded torch generator.
 
+:func:`rms_norm_inputs` draws RMSNorm's ``(x, valid, scale, eps)`` (no bias) the same way, from
+RMSNorm's own hard families too: magnitudes whose squares overflow or underflow the dtype (no
+mean is subtracted, so a common offset is no harder than any row).
+
 Hypothesis is an optional dependency of maskln: ``pip install 'maskln[testing]'``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 try:
     from hypothesis import strategies as st
@@ -30,7 +34,15 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["CHANNELS", "LayerNormInputs", "LayerNormInputsWithGrad", "layer_norm_inputs"]
+__all__ = [
+    "CHANNELS",
+    "LayerNormInputs",
+    "LayerNormInputsWithGrad",
+    "RMSNormInputs",
+    "RMSNormInputsWithGrad",
+    "layer_norm_inputs",
+    "rms_norm_inputs",
+]
 
 CHANNELS = (
     1, 2, 3, 4, 5, 7, 8, 9, 11, 13, 15, 16, 17, 31, 32, 33, 37, 61, 63, 64, 65, 127, 128, 129,
@@ -44,6 +56,15 @@ ROW_FAMILIES = (
     "normal", "constant", "zeros", "sparse zeros", "offset", "heavy tail", "tiny variance",
 )  # fmt: skip
 """What a valid row holds (:func:`_row`), simplest first."""
+RMS_ROW_FAMILIES = (
+    "normal", "constant", "zeros", "sparse zeros", "heavy tail", "huge", "tiny",
+)  # fmt: skip
+"""What a valid row of an RMSNorm draw holds, simplest first: LayerNorm's families but its
+offsets (no mean is subtracted), and magnitudes whose squares overflow (``huge``) or underflow
+(``tiny``) the dtype, where a kernel squaring x in it goes wrong."""
+_SQUARES_OUT_OF_RANGE = {"float16": (3, -6), "float64": (200, -200)}
+"""The decades of ``huge`` and ``tiny`` rows per dtype (else 30 and -30: float32's and
+bfloat16's squares overflow above about 1.8e19 and underflow below about 1e-23)."""
 PADDING = ("values", "NaN", "inf", "-inf", "NaN and inf", "huge")
 """What an invalid row holds: anything, which a kernel must never let through."""
 LAYOUTS = ("contiguous", "every other channel", "channels first", "leading axes swapped")
@@ -82,6 +103,47 @@ class LayerNormInputsWithGrad(NamedTuple):
     grad_out: torch.Tensor
 
 
+class RMSNormInputs(NamedTuple):
+    """One RMSNorm draw: ``x`` ``[..., C]``, ``valid`` ``[...]`` (bool), ``scale`` ``[C]``
+    and ``eps`` (RMSNorm has no bias)."""
+
+    x: torch.Tensor
+    valid: torch.Tensor
+    scale: torch.Tensor
+    eps: float
+
+
+class RMSNormInputsWithGrad(NamedTuple):
+    """One RMSNorm draw with an upstream gradient ``grad_out`` of x's shape and dtype."""
+
+    x: torch.Tensor
+    valid: torch.Tensor
+    scale: torch.Tensor
+    eps: float
+    grad_out: torch.Tensor
+
+
+def rms_norm_inputs(
+    dtypes: Sequence[torch.dtype] | None = None,
+    **options: object,
+) -> st.SearchStrategy[RMSNormInputs] | st.SearchStrategy[RMSNormInputsWithGrad]:
+    """A strategy drawing masked RMS normalization's inputs ``(x, valid, scale, eps)`` (and
+    ``grad_out``): :func:`layer_norm_inputs` with ``norm="rms"``, whose options it takes.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from maskln_cli import masked_rms_normalization
+        >>> @settings(max_examples=10)
+        ... @given(rms_norm_inputs([torch.float32, torch.bfloat16]))
+        ... def test_my_kernel(inputs):
+        ...     out = masked_rms_normalization(*inputs)  # your kernel here
+        ...     assert bool((out[~inputs.valid] == 0).all())
+        >>> test_my_kernel()
+    """
+    return layer_norm_inputs(dtypes, norm="rms", **options)  # type: ignore[arg-type]
+
+
 def layer_norm_inputs(
     dtypes: Sequence[torch.dtype] | None = None,
     *,
@@ -91,7 +153,8 @@ def layer_norm_inputs(
     grad_out: bool = False,
     device: str | torch.device = "cpu",
     param_dtypes: Sequence[torch.dtype | None] | None = None,
-) -> st.SearchStrategy[LayerNormInputs] | st.SearchStrategy[LayerNormInputsWithGrad]:
+    norm: str = "layer",
+) -> st.SearchStrategy[Any]:
     """A strategy drawing masked layer normalization's inputs from the families that break
     kernels.
 
@@ -107,6 +170,8 @@ def layer_norm_inputs(
             for x's dtype. Default: x's dtype, and for float16 or bfloat16 x float32 too
             (:data:`HALF_WEIGHTS`), as mixed-precision models have them; ``[None]``: x's
             dtype only (a kernel that takes one dtype); ``[torch.float32]``: always float32.
+        norm: ``"layer"``, or ``"rms"``: RMSNorm's inputs, without bias, its rows drawn from
+            :data:`RMS_ROW_FAMILIES` (as :func:`rms_norm_inputs` does).
 
     Each valid row is one of :data:`ROW_FAMILIES`; each invalid row holds one of
     :data:`PADDING` (NaN, inf, huge values...); x is laid out one of :data:`LAYOUTS`. Every
@@ -141,15 +206,19 @@ def layer_norm_inputs(
         and all(d is None or (isinstance(d, torch.dtype) and d.is_floating_point) for d in weights)
     ):
         raise ValueError(f"param_dtypes must be floating torch dtypes or None, got {weights!r}")
-    return _inputs(tuple(dtypes), max_rows, tuple(widths), tuple(eps), grad_out, device, weights)
+    if norm not in ("layer", "rms"):
+        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+    return _inputs(
+        tuple(dtypes), max_rows, tuple(widths), tuple(eps), grad_out, device, weights, norm
+    )
 
 
-def _row_spec() -> st.SearchStrategy[tuple[bool, str, str, int, int]]:
+def _row_spec(families: tuple[str, ...]) -> st.SearchStrategy[tuple[bool, str, str, int, int]]:
     """A row: valid (three times in four), its family, its padding, and two exponents (of
     the spread or offset, and of the mean), each shrinking to the simplest."""
     return st.tuples(
         st.sampled_from((True, True, True, False)),
-        st.sampled_from(ROW_FAMILIES),
+        st.sampled_from(families),
         st.sampled_from(PADDING),
         st.integers(0, 6),
         st.integers(-3, 3),
@@ -166,7 +235,8 @@ def _inputs(
     with_grad: bool,
     device: str | torch.device,
     param_dtypes: tuple[torch.dtype | None, ...] | None,
-) -> LayerNormInputs | LayerNormInputsWithGrad:
+    norm: str = "layer",
+) -> LayerNormInputs | LayerNormInputsWithGrad | RMSNormInputs | RMSNormInputsWithGrad:
     import torch
 
     dtype = draw(st.sampled_from(dtypes))
@@ -176,7 +246,8 @@ def _inputs(
     weight = draw(st.sampled_from(weights))
     param_dtype = dtype if weight is None else getattr(torch, str(weight).removeprefix("torch."))
     channels = draw(st.sampled_from(widths))
-    rows = draw(st.lists(_row_spec(), min_size=1, max_size=max_rows))
+    families = ROW_FAMILIES if norm == "layer" else RMS_ROW_FAMILIES
+    rows = draw(st.lists(_row_spec(families), min_size=1, max_size=max_rows))
     count = len(rows)
     batch = draw(st.sampled_from([b for b in range(1, count + 1) if count % b == 0]))
     layout = draw(st.sampled_from(LAYOUTS if batch > 1 else LAYOUTS[:3]))
@@ -197,6 +268,8 @@ def _inputs(
     bias = _parameter(bias_kind, channels, generator).to(param_dtype)
     valid = valid.reshape(leading)
     put = {"device": device}
+    if norm == "rms" and not with_grad:
+        return RMSNormInputs(x.to(**put), valid.to(**put), scale.to(**put), eps)
     if not with_grad:
         return LayerNormInputs(x.to(**put), valid.to(**put), scale.to(**put), bias.to(**put), eps)
     upstream = torch.randn(count, channels, generator=generator, dtype=torch.float64)
@@ -204,6 +277,10 @@ def _inputs(
         if not spec[0]:
             upstream[index] = _padding(spec[2], channels, name, generator)
     grad = _laid_out(upstream.to(dtype).reshape(*leading, channels), layout)
+    if norm == "rms":
+        return RMSNormInputsWithGrad(
+            x.to(**put), valid.to(**put), scale.to(**put), eps, grad.to(**put)
+        )
     return LayerNormInputsWithGrad(
         x.to(**put), valid.to(**put), scale.to(**put), bias.to(**put), eps, grad.to(**put)
     )
@@ -232,6 +309,9 @@ def _row(
     if family == "offset":  # a common offset of 1e2 to 1e5 (by dtype) over a spread of 1
         decade = 2 + power % (_OFFSETS.get(dtype, 5) - 1)
         return noise + (1 if shift >= 0 else -1) * 10.0**decade
+    if family in ("huge", "tiny"):  # squares beyond the dtype's range, spread over 2 decades
+        decade = _SQUARES_OUT_OF_RANGE.get(dtype, (30, -30))[family == "tiny"]
+        return noise * 10.0 ** (decade + (power % 3) * (-1 if family == "huge" else 1))
     if family == "heavy tail":  # magnitudes log-uniform over many decades, either sign
         top = _MAGNITUDES.get(dtype, 6)
         exponents = torch.rand(channels, generator=generator, dtype=torch.float64) * (top + 3) - 3
