@@ -114,10 +114,10 @@ def generate(
     fsync: Fsync = False,
     quiet: Quiet = False,
 ) -> None:
-    """Write a random input file: x, valid, scale, bias (and grad_out with --grad); with
-    --norm rms, no bias.
+    """Write a random input file: x, valid, scale, bias (and grad_out with --grad).
 
-    The same arguments always give the same file, byte for byte. On a terminal a progress bar
+    With --norm rms, an RMSNorm file: no bias, and metadata 'norm' saying rms. The same
+    arguments always give the same file, byte for byte. On a terminal a progress bar
     shows the way for a big shape.
 
     **Examples**

@@ -51,7 +51,7 @@ def inspect(
         ),
     ] = None,
 ) -> None:
-    """Show each tensor of FILE (dtype, shape, size, statistics), its metadata, and its norm.
+    """Show each tensor of FILE (dtype, shape, size, statistics) and its metadata.
 
     Statistics are over finite values; NaN and inf are counted apart; masks (bool, or integers
     holding only 0 and 1) show their count of true. The file is read a chunk at a time, so
