@@ -578,8 +578,8 @@ def parse_number(text: str) -> float | None:
 
 
 def _config_hint(params: str | None, norm: Norm) -> str:
-    """When --params is a model folder (or a file in one) whose config.json gives the norm's
-    eps, say so."""
+    """When --params is a model folder (or a file in one) whose config.json gives an eps, say
+    so, and which norm's when it is not ``norm`` (an RMSNorm model's, read as LayerNorm)."""
     if not params or params == STDIO:
         return ""
     folder = params if os.path.isdir(params) else os.path.dirname(params)
@@ -587,9 +587,15 @@ def _config_hint(params: str | None, norm: Norm) -> str:
     if not os.path.isfile(config):
         return ""
     try:  # suggest only a config that gives an eps, and say which
-        found = config_eps(config, norm.name)
+        found = config_eps(config)
     except MasklnError:
         return ""
+    if found.norm != norm.name:
+        title = NORMS[found.norm].title
+        return (
+            f"; {config} gives {found.key} {found.value:g} ({title}): --config {config} reads"
+            " the norm and its eps"
+        )
     return f"; {config} gives {found.key} {found.value:g}: --config {config} reads it"
 
 

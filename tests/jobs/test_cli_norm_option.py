@@ -401,3 +401,15 @@ def test_bad_rms_values_are_one_line_and_exit_2(tmp_path, args, meta, fragments)
     assert result.exit_code == 2
     assert_one_line_error(result.stderr, *fragments)
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_params_from_an_rms_model_without_config_says_which_config_gives_the_norm(tmp_path):
+    model = write_config(tmp_path / "llama", rms_norm_eps=1e-5)
+    write(model / "model.safetensors", {"model.norm.weight": torch.ones(8)})
+    source = write(tmp_path / "in.safetensors", rms_inputs())
+    result = invoke(
+        "normalize", source, tmp_path / "o.safetensors", "--params", model, "--module", "model.norm"
+    )
+    assert result.exit_code == 0, result.stderr
+    config = model / "config.json"
+    assert f"{config} gives rms_norm_eps 1e-05 (RMSNorm): --config {config} reads" in result.stderr
