@@ -124,6 +124,10 @@ class RowBudget:
     ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed), ``scale``
     and ``bias`` ``[C]`` in float64. The models are float64 ``[R, C]``, 0 on invalid rows.
 
+    ``centered=False`` models RMSNorm (``scale`` its whole gain, offset included; ``bias``
+    zeros): nothing is subtracted, so there is no mean to round (A is 0: no shift, no second
+    order) and its backward has no ``c2``; calibrated in tests/verify/test_rms_budget.py.
+
     Example:
         >>> x = torch.tensor([[1000.0, 1001.0, 1002.0, 1003.0]], dtype=torch.float64)
         >>> one, zero = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
@@ -140,8 +144,10 @@ class RowBudget:
         bias: torch.Tensor,
         eps: float,
         precision: Precision,
+        centered: bool = True,
     ) -> None:
         self.valid = valid.unsqueeze(1)
+        self.centered = centered
         self.scale, self.bias = scale, bias
         # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
         if not math.isfinite(float(x.sum())):
@@ -149,11 +155,13 @@ class RowBudget:
         elif not bool(self.valid.all()):
             x = torch.where(self.valid, x, 0.0)
         self.channels = x.shape[-1]
-        mean = x.mean(dim=-1, keepdim=True)
-        centered = x - mean
-        self.rstd = (centered.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
-        self.xhat = centered.mul_(self.rstd)
-        self.offset = x.abs().mean(dim=-1, keepdim=True).mul_(self.rstd)  # A
+        rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
+        self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
+        self.xhat = rows.mul_(self.rstd)
+        if centered:
+            self.offset = x.abs().mean(dim=-1, keepdim=True).mul_(self.rstd)  # A
+        else:  # RMSNorm: no mean is rounded, nothing shifts xhat
+            self.offset = torch.zeros_like(self.rstd)
         # The upstream gradient as these rows take it, and its rows' rms times scale, for the
         # grad_out last given: the models of grad_x and the sums all start from them.
         self._upstream: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -271,8 +279,11 @@ class RowBudget:
         root = math.sqrt(self.channels)
         products = self.xhat * wdy
         c1 = products.mean(dim=-1, keepdim=True)
-        c2 = wdy.mean(dim=-1, keepdim=True)
         n1 = products.square_().mean(dim=-1, keepdim=True).sqrt_().div_(root).add_(c1.abs())
+        if not self.centered:  # RMSNorm's dx = rstd (wdy - xhat c1): no c2 to sum or round
+            zero = torch.zeros_like(c1)
+            return c1, zero, n1, zero
+        c2 = wdy.mean(dim=-1, keepdim=True)
         n2 = self.wdy_rms(grad_out, wdy).div(root).add_(c2.abs())
         return c1, c2, n1, n2
 
