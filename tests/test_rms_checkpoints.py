@@ -10,6 +10,7 @@ with the model's own module.
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
@@ -111,3 +112,42 @@ def test_normalize_finds_rmsnorm_in_the_config_and_matches_the_model(name, tmp_p
         assert bool((ours[key][~valid] == 0).all())  # padding: exactly 0
     # The model's grad_scale sums the padded rows too (it normalizes them): ours does not.
     assert_float32_close(ours["grad_scale"], truth["grad_scale"])
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tmp_path):
+    """capture -> maskln verify DIR: each stock RMSNorm's dump (its padding normalized, so its
+    valid rows are compared) passes; a dump whose out is 1 + weight's fails, naming no cause."""
+    from safetensors.torch import load_file, save_file
+
+    import maskln_cli
+
+    config_class, model_class = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON))
+    model.eval()
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 30, (len(LENGTHS), max(LENGTHS)), generator=generator)
+    mask = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    folder = tmp_path / "dumps"
+    with maskln_cli.capture(model, folder, valid=mask) as run:
+        hidden = model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        (hidden * torch.randn(hidden.shape, generator=generator) * mask[..., None]).sum().backward()
+    assert len(run.files) == 5  # two per layer and the final norm
+    result = invoke("verify", folder, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    verdicts = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(verdicts) == 5 and all(v["passed"] for v in verdicts)
+    judged = {t["name"] for v in verdicts for t in v["report"]["tensors"]}
+    assert judged == {"out", "grad_x", "grad_scale"}
+    # A kernel that took Gemma's 1 + weight: wrong, and no cause is named for it.
+    dump = sorted(folder.iterdir())[-1]
+    tensors = load_file(str(dump))
+    valid = tensors["valid"]
+    x = tensors["x"].double()
+    wrong = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * (1 + tensors["scale"])
+    save_file({"out": torch.where(valid[..., None], wrong, 0.0).float()}, str(tmp_path / "k.st"))
+    failed = invoke("verify", dump, tmp_path / "k.st", "--check", "out", "--json")
+    assert failed.exit_code == 1
+    out = json.loads(failed.stdout)["tensors"][0]
+    assert out["passed"] is False and out["diagnosis"] == []

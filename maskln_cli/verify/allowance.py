@@ -88,7 +88,10 @@ class Allowance:
         if self.mode == "budget":
             precision = self.precisions[self.judges.get(comparison.name, self.judge)]
             if budget is None:
-                budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
+                budget = RowBudget(
+                    x64, valid, problem.scale, problem.bias, problem.eps, precision,
+                    problem.norm.centered,
+                )  # fmt: skip
             else:
                 budget = budget.judged_in(precision)
             if grad_out is None:

@@ -112,8 +112,9 @@ class BlockWork:
 
         problem = self.problem
         upstream = grad_out if self.gradients else None
+        params, centered = (problem.scale, problem.bias, problem.eps), problem.norm.centered
         return {
-            dtype: yardstick(x, valid, problem.scale, problem.bias, problem.eps, dtype, upstream)
+            dtype: yardstick(x, valid, *params, dtype, upstream, centered=centered)
             for dtype in self.dtypes
         }
 
@@ -136,7 +137,10 @@ class BlockWork:
         budget = None
         if dy64 is not None and streaming.mode == "budget":
             precision = streaming.precisions[streaming.judge]
-            budget = RowBudget(x64, valid, problem.scale, problem.bias, problem.eps, precision)
+            budget = RowBudget(
+                x64, valid, problem.scale, problem.bias, problem.eps, precision,
+                problem.norm.centered,
+            )  # fmt: skip
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
         figures: dict[str, BlockFigures] = {}
@@ -190,7 +194,7 @@ class BlockWork:
                     if budget is None:
                         budget = RowBudget(
                             x64, valid, problem.scale, problem.bias, problem.eps,
-                            streaming.precisions[dtype],
+                            streaming.precisions[dtype], problem.norm.centered,
                         )  # fmt: skip
                     rows = budget.judged_in(streaming.precisions[dtype])
                     sums.budgets[dtype] = rows.share_of_sums(dy64)
@@ -315,10 +319,35 @@ def float64_truth(
     from maskln_cli.op.blocked import backward_in_place, forward
 
     with torch.no_grad():
+        if not problem.norm.centered:  # RMSNorm (scale its whole gain: see job._as_rms_view)
+            return _rms_truth(problem, x64, valid, dy64)
         out, mean, rstd = forward(x64, valid, problem.scale, problem.bias, problem.eps)
         truth = {"out": out}
         if dy64 is not None:
             assert mean is not None and rstd is not None
             grads = backward_in_place(dy64, x64, valid, problem.scale, mean, rstd, problem.eps)
             truth.update(zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True))
+    return truth, rstd
+
+
+def _rms_truth(
+    problem: Problem, x64: torch.Tensor, valid: torch.Tensor, dy64: torch.Tensor | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """:func:`float64_truth` of RMSNorm; its grad_bias is that of a zero bias (the upstream
+    gradient summed over valid rows), computed for the sums' bookkeeping, never judged."""
+    import torch
+
+    from maskln_cli.op.blocked import backward_in_place, forward
+    from maskln_cli.op.norms import RMS
+
+    out, _, rstd = forward(x64, valid, problem.scale, None, problem.eps, norm=RMS)
+    truth = {"out": out}
+    if dy64 is not None:
+        assert rstd is not None
+        dx, dscale, _ = backward_in_place(
+            dy64, x64, valid, problem.scale, None, rstd, problem.eps, need_dbias=False, norm=RMS
+        )
+        truth["grad_x"], truth["grad_scale"] = dx, dscale
+        dy = torch.where(valid.unsqueeze(1) & dy64.isfinite(), dy64, 0.0)
+        truth["grad_bias"] = dy.sum(dim=0)
     return truth, rstd

@@ -523,9 +523,11 @@ def yardstick(
     eps: float,
     dtype: torch.dtype,
     grad_out: torch.Tensor | None = None,
+    centered: bool = True,
 ) -> Yardstick:
     """``F.layer_norm`` in ``dtype`` on rows ``x`` ``[R, C]`` with the padding zeroed first (the
-    one-liner without its NaN leak), and with ``grad_out`` its autograd gradients.
+    one-liner without its NaN leak), and with ``grad_out`` its autograd gradients;
+    ``centered=False``: ``F.rms_norm`` (``scale`` its whole gain; :func:`rms_yardstick`).
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0], [float("nan"), 0.0]])
@@ -535,6 +537,8 @@ def yardstick(
         tensor([[-1.0000,  1.0000],
                 [ 0.0000,  0.0000]])
     """
+    if not centered:
+        return rms_yardstick(x, valid, scale, eps, dtype, grad_out)
     keep = valid.unsqueeze(1)
     zero = torch.zeros((), dtype=dtype)
     weight, shift = scale.to(dtype), bias.to(dtype)
@@ -560,3 +564,37 @@ def yardstick(
             upstream, rows, (channels,), mean, rstd, weight, shift, (True, True, True)
         )
     return Yardstick(torch.where(keep, normalized, zero), *grads)
+
+
+def rms_yardstick(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    grad_out: torch.Tensor | None = None,
+) -> Yardstick:
+    """``F.rms_norm`` in ``dtype`` on rows ``x`` ``[R, C]``, the padding zeroed first, and with
+    ``grad_out`` its autograd gradients (grad_bias: the upstream gradient's sum, a zero bias's).
+
+    Example:
+        >>> x = torch.tensor([[3.0, 4.0], [float("nan"), 0.0]])
+        >>> y = rms_yardstick(x, torch.tensor([True, False]), torch.ones(2), 0.0, torch.float32)
+        >>> y.out
+        tensor([[0.8485, 1.1314],
+                [0.0000, 0.0000]])
+    """
+    keep = valid.unsqueeze(1)
+    zero = torch.zeros((), dtype=dtype)
+    rows = torch.where(keep, x.to(dtype), zero)
+    weight = gain.to(dtype)
+    shape = (x.shape[-1],)
+    if grad_out is None:
+        with torch.no_grad():
+            return Yardstick(torch.where(keep, F.rms_norm(rows, shape, weight, eps), zero))
+    upstream = torch.where(keep, grad_out.to(dtype), zero)
+    with torch.enable_grad():
+        leaves = (rows.detach().requires_grad_(), weight.detach().requires_grad_())
+        out = F.rms_norm(leaves[0], shape, leaves[1], eps)
+        grad_x, grad_scale = torch.autograd.grad(out, leaves, upstream)
+    return Yardstick(torch.where(keep, out.detach(), zero), grad_x, grad_scale, upstream.sum(dim=0))

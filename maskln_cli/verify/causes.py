@@ -315,11 +315,12 @@ def where(
     problem_valid: torch.Tensor,
     leading: tuple[int, ...],
     current: tuple[Sample, torch.Tensor] | None,
+    catalogued: bool = True,
 ) -> str:
     """Where a failing tensor's error is, in words, for one no cause explains: which rows
     (their index in x's ``leading`` shape, when not every valid row), which channels (when a
     few hold it: ``CONCENTRATED``), from the rows diagnosed (``current``: their sample and
-    truth)."""
+    truth). ``catalogued``: the known mistakes were tried (LayerNorm's; RMSNorm has none)."""
     comparison, outcome = checked.comparison, checked.outcome
     assert comparison is not None and outcome is not None
     parts = []
@@ -336,7 +337,8 @@ def where(
         if len(elements) == comparison.beyond:
             shown = ", ".join(str(e) for e in elements)
             parts.append(f"{'element' if len(elements) == 1 else 'elements'} {shown}")
-    return "not one of the known mistakes" + (f": {', '.join(parts)}" if parts else "")
+    head = "not one of the known mistakes" if catalogued else "no cause named (RMSNorm)"
+    return head + (f": {', '.join(parts)}" if parts else "")
 
 
 def leading_index(row: int, leading: tuple[int, ...]) -> list[int]:

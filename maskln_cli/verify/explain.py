@@ -159,7 +159,9 @@ class Explainer:
         the words it takes the place of, and the phrase the verdict line says."""
         outcome = checked.outcome
         assert outcome is not None
-        diagnosis = self.causes.diagnose(checked, found)
+        # The catalogue is LayerNorm's: an RMSNorm failure says where it differs, no cause.
+        centered = self.problem.norm.centered
+        diagnosis = self.causes.diagnose(checked, found) if centered else None
         if diagnosis is not None and self.problem.eps_source == "default":
             diagnosis = _eps_may_be_ours(diagnosis, self.problem.eps)
         outcome.diagnosis = [diagnosis.to_dict()] if diagnosis is not None else []
@@ -181,7 +183,7 @@ class Explainer:
         if diagnosis is None and not specific and self._beyond(checked):
             # No cause: say so, and where the error is.
             leading = tuple(self.problem.shape[:-1])
-            words = where(checked, self.problem.valid, leading, self.causes.current)
+            words = where(checked, self.problem.valid, leading, self.causes.current, centered)
             index = next((i for i, p in enumerate(outcome.problems) if "beyond" in p
                           or "valid rows off" in p), 0)  # fmt: skip
             outcome.problems[index] += f"; {words}"
@@ -218,6 +220,8 @@ class Explainer:
                     " judges it as one"
                 )
         options = self.plan.options
+        if not self.problem.norm.centered:  # what follows compares with LayerNorm's formula
+            return specific
         if checked.name == "out" and options.module and options.params and self.causes.sampled:
             sample, noise = self.causes.sampled
             module = findings.other_module(

@@ -302,14 +302,18 @@ def _what_it_holds(
     """A dump judged alone is checked for what it holds: with grad_out, the gradients it has
     (a parameter that did not require grad has none; those left out are said once, for the
     folder, not as a missing tensor per file)."""
+    from maskln_cli.files.problem import gradient_keys, named_norm
     from maskln_cli.files.tensorfile import open_tensor_file
+    from maskln_cli.op.norms import LAYER, NORMS
 
     with open_tensor_file(dump) as data:
         grad_out_key = options.grad_out_key or "grad_out"
         if grad_out_key not in data:
             return verify
         held = [name for name in TENSOR_ORDER if verify.result_keys.get(name, name) in data]
-    verdict.left_out = [name for name in TENSOR_ORDER[1:] if name not in held]
+        norm = NORMS[options.norm] if options.norm else named_norm(data.metadata, dump) or LAYER
+    # The norm's own gradients only: an RMSNorm has no grad_bias to leave out.
+    verdict.left_out = [name for name in gradient_keys(norm) if name not in held]
     if not verdict.left_out:
         return verify
     return dataclasses.replace(verify, check=tuple(n for n in TENSOR_ORDER if n not in

@@ -103,12 +103,7 @@ def verify_problem(
     ``keys``, ``in``, ``info`` and ``tensor``). ``problem`` holds scale and bias in float64."""
     check_options(verify)
     if not problem.norm.centered:
-        # RMSNorm's rounding differs from LayerNorm's (no mean, no cancellation): judged by
-        # LayerNorm's budget and diagnosis, a verdict would be unfounded either way.
-        raise MasklnError(
-            f"{problem.source}: {problem.norm.title} (from {problem.norm_source}): verify has no"
-            " error budget for RMSNorm yet; 'maskln normalize --norm rms' computes its reference"
-        )
+        problem = _as_rms_view(problem)
     valid_rows = int(problem.valid.sum())
     if verify.plain_layer_norm:
         problem, mask = _as_plain_layer_norm(problem, mask)
@@ -119,6 +114,17 @@ def verify_problem(
         _refuse_comparing_nothing(plan, mask)
     job = _Job(plan, mask, options.chunk_rows)
     return job.run(progress)
+
+
+def _as_rms_view(problem: Problem) -> Problem:
+    """An RMSNorm problem as verify's parts take it: ``scale`` its whole gain (offset + scale:
+    grad_scale is the same), ``bias`` zeros (its sums over rows are computed, never judged),
+    and the norm, which picks RMSNorm's truth, yardstick and budget model (no mean)."""
+    import torch
+
+    gain = problem.scale.double() + problem.offset
+    bias = torch.zeros(problem.channels, dtype=torch.float64)
+    return dataclasses.replace(problem, scale=gain, bias=bias, offset=0.0)
 
 
 def _as_plain_layer_norm(problem: Problem, mask: RowMask | None) -> tuple[Problem, RowMask]:

@@ -121,8 +121,9 @@ class StreamingPass:
         def budget_in(dtype: torch.dtype) -> RowBudget:
             if dtype not in budgets:
                 budgets[dtype] = RowBudget(
-                    x64, valid, problem.scale, problem.bias, problem.eps, self.precisions[dtype]
-                )
+                    x64, valid, problem.scale, problem.bias, problem.eps, self.precisions[dtype],
+                    problem.norm.centered,
+                )  # fmt: skip
             return budgets[dtype]
 
         keep = self.mask.keep[start:stop] if self.mask is not None else None

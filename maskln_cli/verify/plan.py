@@ -88,8 +88,10 @@ class Plan:
     def _names(self) -> list[str]:
         has_grad_out = self.problem.grad_out is not None
         if self.verify.check is None:
-            return list(TENSORS if has_grad_out else ("out",))
+            return ["out", *self.problem.gradient_keys] if has_grad_out else ["out"]
         names = list(self.verify.check)
+        if not self.problem.norm.centered and "grad_bias" in names:
+            raise MasklnError("--check grad_bias: RMSNorm has no bias")
         gradients = [n for n in names if n != "out"]
         if gradients and not has_grad_out:
             raise MasklnError(
@@ -148,6 +150,10 @@ class Plan:
             for name, dtype in self.judges().items()
             if torch.finfo(dtype).eps > x_eps
         }
+
+    def _yardstick_name(self) -> str:
+        """PyTorch's function the yardstick runs: layer_norm, or rms_norm for RMSNorm."""
+        return "layer_norm" if self.problem.norm.centered else "rms_norm"
 
     def _eps_where(self) -> str:
         source = self.problem.eps_source
@@ -267,7 +273,7 @@ class Plan:
             "result_dtype": judged,
             "tolerance": self.mode,
             "factor": self.factor if self.mode == "budget" else None,
-            "yardstick": f"torch.nn.functional.layer_norm in {judged}",
+            "yardstick": f"torch.nn.functional.{self._yardstick_name()} in {judged}",
             "checked": list(self.names),
             "strict": self.verify.strict,
             **self._lower_precision_context(),

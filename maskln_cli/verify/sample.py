@@ -33,7 +33,10 @@ class Sample:
         upstream = self.grad_out.reshape(-1, channels) if name == "grad_x" else None
         dy64 = upstream.double() if upstream is not None else None
         truth = float64_truth(problem, rows.double(), valid, dy64)[0][name]
-        guess = yardstick(rows, valid, problem.scale, problem.bias, problem.eps, dtype, upstream)
+        guess = yardstick(
+            rows, valid, problem.scale, problem.bias, problem.eps, dtype, upstream,
+            centered=problem.norm.centered,
+        )  # fmt: skip
         value = guess.out if upstream is None else guess.grad_x
         assert value is not None
         return truth.reshape(self.x.shape), value.double().reshape(self.x.shape)

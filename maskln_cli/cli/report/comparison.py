@@ -188,7 +188,7 @@ def _render_header(console: Console, report: ComparisonReport) -> None:
     if context.get("tolerance") == "budget":
         judged = (
             f"as a {dtype} kernel: within {context.get('factor'):g}x a model of {dtype} rounding"
-            f" (--factor), checked against PyTorch's F.layer_norm in {dtype}"
+            f" (--factor), checked against PyTorch's {_yardstick(context)} in {dtype}"
         )
     else:
         judged = "by a fixed tolerance: |actual - expected| <= atol + rtol * |expected|"
@@ -456,3 +456,9 @@ def _eps_origin(source: object) -> str:
 def _value(value: float | int, spec: str) -> str:
     """A value of the worst rows: an integer exactly, a float to ``spec``."""
     return f"{value:,}" if isinstance(value, int) else format(value, spec)
+
+
+def _yardstick(context: dict[str, object]) -> str:
+    """``F.layer_norm`` or ``F.rms_norm``: the function verify's yardstick ran."""
+    named = str(context.get("yardstick", "torch.nn.functional.layer_norm"))
+    return "F." + named.removeprefix("torch.nn.functional.").split(" ", 1)[0]

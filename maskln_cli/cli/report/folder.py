@@ -278,7 +278,14 @@ def _verdict_text(verdict: FileVerdict) -> Text:
     from rich.text import Text
 
     if verdict.passed:
-        word = "PASS (plain LN)" if verdict.plain_layer_norm else "PASS"
+        word = f"PASS (plain {_norm_word(verdict)})" if verdict.plain_layer_norm else "PASS"
         return Text(word, style="bold green")
     word = "FAIL" if verdict.status == "checked" else f"FAIL: {verdict.status}"
     return Text(word, style="bold red")
+
+
+def _norm_word(verdict: FileVerdict) -> str:
+    """``LN`` or ``RMSNorm``: the plain norm a dump's model ran (by its report's yardstick)."""
+    report = verdict.report
+    yardstick = str(report.context.get("yardstick", "")) if report is not None else ""
+    return "RMSNorm" if "rms_norm" in yardstick else "LN"

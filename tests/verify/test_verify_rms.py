@@ -1,0 +1,83 @@
+"""``maskln verify`` on RMSNorm problems (issue 39): correct RMSNorm kernels pass in four dtypes
+on hard rows, wrong ones fail, and no LayerNorm cause is ever named for them (none is: the
+failure says where it differs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from maskln_cli.verify.job import verify_file
+from tests.clitools import invoke, write
+from tests.verify.test_rms_budget import CORRECT, DTYPES, WRONG, hard_rows, kernel
+
+EPS = 1e-6
+
+
+def problem_files(tmp_path, kind, dtype, channels=64, leak=False):
+    """An RMSNorm problem file (metadata norm=rms) and a kernel's RESULT file for it."""
+    x64, valid = hard_rows(dtype, channels)
+    generator = torch.Generator().manual_seed(1)
+    weight = (1 + 0.5 * torch.randn(channels, generator=generator, dtype=torch.float64)).to(dtype)
+    dy = torch.randn(x64.shape, generator=generator, dtype=torch.float64).to(dtype)
+    x = x64.to(dtype)
+    source = write(
+        tmp_path / "in.safetensors",
+        {"x": x, "valid": valid, "scale": weight, "grad_out": dy},
+        norm="rms", eps=repr(EPS),
+    )  # fmt: skip
+    out, grad_x, grad_scale = kernel(kind)(x, valid, weight, EPS, dy)
+    if leak:  # padding not zeroed: a value where +0.0 belongs
+        out = torch.where(valid[:, None], out, torch.ones((), dtype=dtype))
+    result = write(
+        tmp_path / "result.safetensors", {"out": out, "grad_x": grad_x, "grad_scale": grad_scale}
+    )
+    return source, result
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", CORRECT)
+def test_correct_rms_kernels_pass(tmp_path, kind, dtype):
+    source, result = problem_files(tmp_path, kind, dtype)
+    report = verify_file(str(source), str(result))
+    assert report.passed, [t.problems for t in report.tensors]
+    assert [t.name for t in report.tensors] == ["out", "grad_x", "grad_scale"]
+    assert report.context["yardstick"].startswith("torch.nn.functional.rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", WRONG)
+def test_wrong_rms_kernels_fail_and_no_layer_norm_cause_is_named(tmp_path, kind, dtype):
+    if kind == "half accumulation" and dtype in (torch.float32, torch.float64):
+        pytest.skip("accumulating in float32 or float64 is not a mistake")
+    channels = 8 if kind == "variance over C-1" else 1024
+    source, result = problem_files(tmp_path, kind, dtype, channels)
+    report = verify_file(str(source), str(result))
+    assert not report.passed
+    for tensor in report.tensors:
+        assert not tensor.diagnosis, (tensor.name, tensor.diagnosis)
+        assert not any("known mistakes" in p for p in tensor.problems), tensor.problems
+
+
+def test_padding_that_leaks_fails_on_the_padding(tmp_path):
+    source, result = problem_files(tmp_path, "pairwise float32", torch.float32, leak=True)
+    report = verify_file(str(source), str(result))
+    out = next(t for t in report.tensors if t.name == "out")
+    assert not out.passed and out.invalid_rows_zero is False
+    assert not out.diagnosis
+
+
+def test_the_command_says_rms_norm_and_judges_no_grad_bias(tmp_path):
+    source, result = problem_files(tmp_path, "two-pass scaled", torch.bfloat16)
+    human = invoke("verify", source, result)
+    assert human.exit_code == 0, human.stdout + human.stderr
+    assert "F.rms_norm in bfloat16" in human.stdout
+    document = json.loads(invoke("verify", source, result, "--json").stdout)
+    assert document["passed"] is True
+    assert {t["name"] for t in document["tensors"]} == {"out", "grad_x", "grad_scale"}
+    wrong = problem_files(tmp_path, "1 + scale", torch.float32)
+    failed = invoke("verify", *wrong)
+    assert failed.exit_code == 1
+    assert "diagnosis" not in failed.stdout
