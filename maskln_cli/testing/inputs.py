@@ -64,21 +64,41 @@ def problem_and_result(
     eps: object,
     gradients: Mapping[str, object],
     grad_out: object,
+    norm: object = "layer",
+    offset: object = 0.0,
 ) -> tuple[Problem, TensorResult]:
     """Check the arguments and make the problem and the result verify judges; ``gradients``
-    holds ``grad_x``, ``grad_scale`` and ``grad_bias`` (None: not checked)."""
-    problem = problem_of(x, valid, scale, bias, eps, grad_out)
+    holds ``grad_x``, ``grad_scale`` and ``grad_bias`` (None: not checked); ``norm`` is
+    ``"layer"`` or ``"rms"`` (no bias, and ``offset`` + scale its gain)."""
+    problem = problem_of(x, valid, scale, bias, eps, grad_out, norm, offset)
     return problem, result_of(out, gradients, problem)
 
 
 def problem_of(
-    x: object, valid: object, scale: object, bias: object, eps: object, grad_out: object
+    x: object,
+    valid: object,
+    scale: object,
+    bias: object,
+    eps: object,
+    grad_out: object,
+    norm: object = "layer",
+    offset: object = 0.0,
 ) -> Problem:
     """Check the inputs (a TypeError or ValueError naming the argument) and make the problem:
-    x and grad_out in their own dtype, scale and bias in float64, all on the CPU."""
+    x and grad_out in their own dtype, scale and bias in float64, all on the CPU (eps None:
+    the norm's default)."""
     import torch
 
     from maskln_cli.op.checks import SUPPORTED_DTYPES, as_valid_mask
+    from maskln_cli.op.norms import NORMS
+
+    if not isinstance(norm, str) or norm not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
+    chosen = NORMS[norm]
+    gain_offset = _offset(offset, chosen.centered)
+    if not chosen.centered and bias is not None:
+        raise ValueError("bias must be None for norm='rms': RMSNorm has no bias")
+    eps = chosen.default_eps if eps is None else eps
 
     x = plain_tensor(x, "x")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -119,6 +139,8 @@ def problem_of(
     ones, zeros = torch.ones(channels), torch.zeros(channels)
     scale64 = (ones if params["scale"] is None else _cpu(params["scale"])).double()
     bias64 = (zeros if params["bias"] is None else _cpu(params["bias"])).double()
+    if not chosen.centered:
+        bias64 = None
     return Problem(
         source=INPUTS_NAME,
         shape=tuple(x.shape),
@@ -132,13 +154,30 @@ def problem_of(
         chunk_rows=max(2, CHUNK_BYTES // (channels * x.element_size())),
         eps_source=EPS_SOURCE,
         param_dtype=param_dtype,
+        norm=chosen,
+        offset=gain_offset,
+        norm_source="the norm argument",
     )
+
+
+def _offset(offset: object, centered: bool) -> float:
+    """RMSNorm's gain offset, a finite number (0 for LayerNorm, which has none)."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"offset must be a finite number, got {type(offset).__name__}")
+    value = float(offset)
+    if not math.isfinite(value):
+        raise ValueError(f"offset must be a finite number, got {offset!r}")
+    if centered and value != 0:
+        raise ValueError(f"offset {value!r}: only norm='rms' has a gain offset")
+    return value
 
 
 def result_of(out: object, gradients: Mapping[str, object], problem: Problem) -> TensorResult:
     """The kernel's tensors as verify reads a RESULT file (each a plain tensor, copied to the
     CPU); a gradient needs the problem's grad_out."""
     given = {name: value for name, value in gradients.items() if value is not None}
+    if "grad_bias" in given and problem.bias is None:
+        raise ValueError("grad_bias must be None for norm='rms': RMSNorm has no bias")
     if given and problem.grad_out is None:
         raise ValueError(
             f"{', '.join(given)} given without grad_out: the gradients are those of"

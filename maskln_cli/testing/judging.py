@@ -41,7 +41,7 @@ def verify(
     valid: torch.Tensor | None,
     scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-    eps: float = 1e-5,
+    eps: float | None = None,
     *,
     grad_out: torch.Tensor | None = None,
     grad_x: torch.Tensor | None = None,
@@ -49,6 +49,8 @@ def verify(
     grad_bias: torch.Tensor | None = None,
     factor: float = DEFAULT_FACTOR,
     strict: bool = True,
+    norm: str = "layer",
+    offset: float = 0.0,
 ) -> ComparisonReport:
     """Judge a kernel's ``out`` (and each gradient given) for these inputs, as ``maskln
     verify`` judges the same tensors saved in files, and return the report as data.
@@ -75,7 +77,9 @@ def verify(
 
     gradients = {"grad_x": grad_x, "grad_scale": grad_scale, "grad_bias": grad_bias}
     check_judging(factor, strict)
-    problem, result = problem_and_result(out, x, valid, scale, bias, eps, gradients, grad_out)
+    problem, result = problem_and_result(
+        out, x, valid, scale, bias, eps, gradients, grad_out, norm, offset
+    )
     return judge(problem, result, checked_names(out, gradients), factor, strict)
 
 
@@ -106,7 +110,7 @@ def assert_close(
     valid: torch.Tensor | None,
     scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-    eps: float = 1e-5,
+    eps: float | None = None,
     *,
     grad_out: torch.Tensor | None = None,
     grad_x: torch.Tensor | None = None,
@@ -114,6 +118,8 @@ def assert_close(
     grad_bias: torch.Tensor | None = None,
     factor: float = DEFAULT_FACTOR,
     strict: bool = True,
+    norm: str = "layer",
+    offset: float = 0.0,
 ) -> None:
     """Assert that a kernel computed masked layer normalization right: each element of
     ``out`` (and of each gradient given) within its error budget of maskln's float64 result,
@@ -131,8 +137,9 @@ def assert_close(
         x: the input, ``[..., C]``, float32, float64, float16 or bfloat16, on any device
             and with any strides.
         valid: ``[...]``, x's leading shape: bool, or 0/1 numbers (1 = valid); None: every row.
-        scale, bias: ``[C]`` floating tensors (None: ones, zeros).
-        eps: added to the variance inside the square root.
+        scale, bias: ``[C]`` floating tensors (None: ones, zeros; bias None for RMSNorm).
+        eps: added to the variance inside the square root (RMSNorm: to ``mean(x**2)``);
+            None: the norm's default, 1e-5 for LayerNorm, 1e-6 for RMSNorm.
         grad_out: the upstream gradient, x's shape; needed to judge any gradient.
         grad_x, grad_scale, grad_bias: the kernel's gradients of ``sum(out * grad_out)``
             (None: not judged).
@@ -142,6 +149,11 @@ def assert_close(
             +0.0, as ``maskln verify --strict``); False reports it and passes, as ``maskln
             verify`` does by default (for a kernel that masks by multiplying, when the sign of
             its zeros does not matter to you).
+        norm: ``"layer"`` (LayerNorm), or ``"rms"``: RMSNorm, ``x / sqrt(mean(x**2) + eps) *
+            (offset + scale)``, judged by RMSNorm's budget and ``F.rms_norm`` as
+            ``maskln verify --norm rms`` judges it (no bias, no grad_bias; a failure names no
+            cause, only where it differs).
+        offset: RMSNorm's gain offset (Gemma's 1).
 
     Every tensor may be on any device (the reference is computed in float64 on the CPU) and in
     any floating dtype; each result is judged by its own dtype's budget, as verify judges
@@ -171,7 +183,8 @@ def assert_close(
     __tracebackhide__ = True  # pytest shows the test's line, not this function's
     report = verify(
         out, x, valid, scale, bias, eps, grad_out=grad_out, grad_x=grad_x,
-        grad_scale=grad_scale, grad_bias=grad_bias, factor=factor, strict=strict,
+        grad_scale=grad_scale, grad_bias=grad_bias, factor=factor, strict=strict, norm=norm,
+        offset=offset,
     )  # fmt: skip
     if not report.passed:
         from maskln_cli.testing.text import failure_message
