@@ -185,11 +185,11 @@ def verify(
 
     RESULT's out (and grad_x, grad_scale and grad_bias when INPUT holds grad_out) must each be
     as close to the float64 truth as a correct kernel in RESULT's dtype can be: within --factor
-    times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm on the
-    same data; out must show no systematic error (every valid row scaled or shifted alike). A
-    tensor of RESULT that is missing fails; out and grad_x must be exactly 0 at every invalid
-    position. A failing tensor is described and diagnosed. Exit code 0 when all pass, 1 on any
-    failure, 2 on an error.
+    times a model of that dtype's rounding, checked against PyTorch's own F.layer_norm
+    (F.rms_norm with --norm rms) on the same data; out must show no systematic error (every
+    valid row scaled or shifted alike). A tensor of RESULT that is missing fails; out and grad_x
+    must be exactly 0 at every invalid position. A failing tensor is described and diagnosed.
+    Exit code 0 when all pass, 1 on any failure, 2 on an error.
 
     INPUT may be a folder of dumps (a safetensors file per LayerNorm call: x, valid, scale,
     bias, out, optionally grad_out and the gradients; eps in its metadata): each file is judged
