@@ -81,3 +81,27 @@ def test_the_command_says_rms_norm_and_judges_no_grad_bias(tmp_path):
     failed = invoke("verify", *wrong)
     assert failed.exit_code == 1
     assert "diagnosis" not in failed.stdout
+
+
+def test_rows_whose_squares_overflow_float32_get_no_budget_from_f_rms_norm(tmp_path):
+    """F.rms_norm in float32 overflows on rows above 1.8e19 (its output is 0 there): as a
+    yardstick it would raise those rows' budget to an error of 1. The model alone is RMSNorm's
+    budget: maskln's own op passes there, and an op off by 5% at random fails."""
+    from maskln_cli import masked_rms_normalization
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 128, generator=generator) * 1e25
+    valid = torch.tensor([True, True, True, True, True, False])
+    weight = 1 + 0.3 * torch.randn(128, generator=generator)
+    dy = torch.randn(6, 128, generator=generator)
+    source = write(tmp_path / "in.safetensors", {"x": x, "valid": valid, "scale": weight,
+                                                 "grad_out": dy}, norm="rms")  # fmt: skip
+    leaves = (x.clone().requires_grad_(), weight.clone().requires_grad_())
+    out = masked_rms_normalization(leaves[0], valid, leaves[1], 1e-6)
+    grad_x, grad_scale = torch.autograd.grad(out, leaves, dy)
+    right = {"out": out.detach(), "grad_x": grad_x, "grad_scale": grad_scale}
+    assert verify_file(str(source), str(write(tmp_path / "right.safetensors", right))).passed
+    noise = 1 + 0.05 * torch.randn(out.shape, generator=generator)
+    wrong = dict(right, out=out.detach() * noise)
+    report = verify_file(str(source), str(write(tmp_path / "wrong.safetensors", wrong)))
+    assert not report.passed and not report.tensors[0].passed
