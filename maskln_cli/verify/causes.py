@@ -337,7 +337,7 @@ def where(
         if len(elements) == comparison.beyond:
             shown = ", ".join(str(e) for e in elements)
             parts.append(f"{'element' if len(elements) == 1 else 'elements'} {shown}")
-    head = "not one of the known mistakes" if catalogued else "no cause named (RMSNorm)"
+    head = "not one of the known mistakes" if catalogued else "no cause named for RMSNorm"
     return head + (f": {', '.join(parts)}" if parts else "")
 
 

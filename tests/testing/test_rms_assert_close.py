@@ -68,7 +68,7 @@ def test_a_wrong_kernel_fails_and_no_layer_norm_cause_is_named():
         assert_close(wrong, x, valid, scale, None, 1e-6, norm="rms")
     out = failure.value.report.tensors[0]
     assert not out.passed and out.diagnosis == []
-    assert "no cause named (RMSNorm)" in str(failure.value)
+    assert "no cause named for RMSNorm" in str(failure.value)
 
 
 def test_gemmas_offset_is_judged():
