@@ -77,6 +77,35 @@ def test_the_rms_reference_is_rmsnorm_and_zero_padding():
     assert all(math.copysign(1.0, v) == 1.0 for v in out[0, 3].tolist())
 
 
+def test_the_rms_families_are_right_for_a_correct_solution_and_catch_float16():
+    """Huge and tiny magnitudes, heavy tails and rows of zeros: the correct float32 rsqrt
+    solution is right on every case, a float16 mean square wrong on every huge and tiny one
+    (and a zero row's rstd is 1/sqrt(eps): the output 0, grad_x dy * scale / sqrt(eps))."""
+    from maskln_cli.grading.clauses import draws, families
+    from maskln_cli.grading.clauses.judging import reference_gradients, value_mismatch
+
+    right, float16 = solution("bruno.py"), solution("hana.py")
+    with exercising("rms"):
+        cases = families.rms_cases(draws.generator(0, "test"), grad=True)
+        assert {c.family for c in cases} == set(families.RMS_FAMILIES)
+        for case in cases:
+            t = case.inputs()
+            args = (t["x"], t["valid"], t["scale"], case.eps)
+            assert value_mismatch(right(*args), case.reference(), case.x.dtype) is None, case.label
+            wrong = value_mismatch(float16(*args), case.reference(), case.x.dtype)
+            if case.family in (families.HUGE, families.TINY):
+                assert wrong is not None, case.label
+        zeros = next(c for c in cases if c.family == families.ZERO_ROWS)
+        t = zeros.inputs()
+        x, valid = t["x"].reshape(-1, 16), t["valid"].reshape(-1)
+        rows = [i for i in range(len(valid)) if valid[i] and bool((x[i] == 0).all())]
+        assert rows, "no valid row of zeros"
+        grad_x = reference_gradients(zeros, ("x",))["grad_x"].reshape(-1, 16)[rows]
+        upstream = t["grad_out"].double().reshape(-1, 16)[rows]
+        expected = upstream * t["scale"].double() / math.sqrt(zeros.eps)
+        assert torch.allclose(grad_x, expected, rtol=1e-12, atol=0)
+
+
 def test_maskln_own_rms_op_passes_and_layer_norm_fails_the_rms_exercise():
     from maskln_cli import masked_layer_normalization, masked_rms_normalization
 

@@ -234,6 +234,8 @@ def _values_cases(seed: int) -> list[Case]:
             make_case(label, x, draws.mask(g, leading), draws.params(g, channels), 1e-5, dtype)
         )
     cases += families.family_cases(g)
+    if current().name == "rms":  # its own families, drawn after the shared ones
+        cases += families.rms_cases(g)
     for dtype, eps in itertools.product((torch.float64, torch.float32), families.EPS_RANGE):
         x = families.eps_rows(g, (2, 6), 16, eps)
         label = describe_inputs(x, dtype, eps, "row variances 0.01, 1 and 100 times eps")
