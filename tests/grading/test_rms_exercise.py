@@ -193,7 +193,12 @@ def test_a_class_graded_by_rules_saying_op_rms(tmp_path):
     reports = {Path(line["target"]).name: line for line in lines if "target" in line}
     assert sorted(reports) == sorted(EXPECTED)
     assert {r["op"] for r in reports.values()} == {"rms"}
-    assert sorted(n for n, r in reports.items() if r["passed"]) == CORRECT
+    failing = {
+        name: [(c["name"], c["detail"]) for c in report["clauses"] if not c["passed"]]
+        for name, report in reports.items()
+        if name in CORRECT
+    }
+    assert sorted(n for n, r in reports.items() if r["passed"]) == CORRECT, failing
     for name in WRONG:
         clause, causes, _ = EXPECTED[name]
         assert clause in reports[name]["failed"], (name, reports[name]["failed"])
