@@ -226,3 +226,11 @@ def test_a_wrong_rms_solution_fails_a_whole_grade_with_a_right_or_no_cause(name)
     assert clause in report.failed, report.text()
     named = report.root_cause.mistake if report.root_cause else None
     assert named in causes, report.text()
+
+
+def test_the_words_of_a_call_name_the_exercise_inputs():
+    from maskln_cli.grading.clauses.calls import requiring_grad_words
+
+    assert requiring_grad_words() == ", x, scale and bias requiring grad"
+    with exercising("rms"):
+        assert requiring_grad_words() == ", x and scale requiring grad"

@@ -76,6 +76,13 @@ def announce(what: str) -> None:
         watcher(what)
 
 
+def requiring_grad_words() -> str:
+    """``, x, scale and bias requiring grad``: every input taking gradients, of the exercise
+    in force, in words."""
+    names = list(GRAD_INPUTS)
+    return f", {', '.join(names[:-1])} and {names[-1]} requiring grad"
+
+
 def call_words(call: Call) -> str:
     """How a call is made, in words, after its case's label: ``, x requiring grad, and its
     backward``; ``, under torch.no_grad()``.

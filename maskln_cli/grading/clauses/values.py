@@ -18,6 +18,7 @@ from maskln_cli.grading.clauses.calls import (
     Call,
     ClauseRun,
     Fn,
+    requiring_grad_words,
     run_calls,
 )
 from maskln_cli.grading.clauses.cases import (
@@ -272,7 +273,7 @@ def _values_calls(cases: list[Case]) -> list[Call]:
 def _grad_words(call: Call) -> str:
     if call.mode != "grad":
         return f", {MODE_WORDS[call.mode]}"
-    return ", x, scale and bias requiring grad" if call.requires else ""
+    return requiring_grad_words() if call.requires else ""
 
 
 VALUES = make_clause(
