@@ -1,5 +1,6 @@
-"""``maskln grade``: implementations of masked_layer_normalization graded clause by clause; one
-TARGET as a report, several (or a folder, a shard, a gradebook) as a class."""
+"""``maskln grade``: implementations of masked_layer_normalization (or, with ``--op rms``,
+masked_rms_normalization) graded clause by clause; one TARGET as a report, several (or a
+folder, a shard, a gradebook) as a class."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def grade(
         list[str],
         typer.Argument(
             metavar="TARGET...",
-            help="path/to/solution.py (its masked_layer_normalization), path/to/solution.py:NAME,"
+            help="path/to/solution.py (its masked_layer_normalization; with --op rms, its"
+            " masked_rms_normalization), path/to/solution.py:NAME,"
             " package.module:NAME, or a folder (each of its *.py files). Several TARGETs, or a"
             " folder, grade a class: a row each.",
             show_default=False,
@@ -62,6 +64,18 @@ def grade(
             "--only",
             metavar="CLAUSE",
             help="Grade only these clauses (comma-separated or repeated); each one named counts.",
+            show_default=False,
+        ),
+    ] = None,
+    op: Annotated[
+        str | None,
+        typer.Option(
+            "--op",
+            metavar="OP",
+            help="The exercise: layer, masked_layer_normalization(x, valid, scale, bias,"
+            " eps=1e-05); or rms, masked_rms_normalization(x, valid, scale, eps=1e-06), RMSNorm"
+            " (two_pass and offset_accuracy do not apply to it). (default: the rules', else"
+            " layer)",
             show_default=False,
         ),
     ] = None,
@@ -153,6 +167,7 @@ def grade(
     ```
     maskln grade solution.py
     maskln grade solution.py:my_layer_norm --strict
+    maskln grade rms_solution.py --op rms
     maskln grade solution.py --with positive_zero,second_order --with half
     maskln grade my_kernels.ops:masked_ln --device cuda --only large_shapes
     maskln grade submissions/ --jobs 4 --csv gradebook.csv
@@ -166,13 +181,13 @@ def grade(
     from maskln_cli.grading.targets import expand_targets
 
     # Usage errors (the rules file's too) before torch is imported.
-    select(only or (), strict, include or ())
+    select(only or (), strict, include or (), op or "layer")
     if timeout is not None:
         check_timeout(timeout)
     if jobs is not None and jobs < 1:
         raise MasklnError(f"--jobs: must be at least 1, got {jobs}")
     found = resolve_rules(rules_option, targets)
-    rules = found.with_command_line(strict, include or (), only or ())
+    rules = found.with_command_line(strict, include or (), only or (), op)
     _say_ignored(found.ignored)
     chosen = select(**rules.grading_options())
     listed = expand_targets(targets)
@@ -337,6 +352,6 @@ def _grade_class(
             messages.error(result.problem)
         if csv_path is not None:
             write_gradebook(csv_path, result, folder=folder, rules=rules.name,
-                            rules_source=rules.source_words)  # fmt: skip
+                            rules_source=rules.source_words, op=rules.op)  # fmt: skip
     if code:
         raise typer.Exit(code)

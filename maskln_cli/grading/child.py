@@ -261,7 +261,7 @@ def serve(channel: int, memory: int) -> int:
     """The child's loop: load the target, then run clauses until the channel closes."""
     import torch
 
-    from maskln_cli.grading import clauses, guard, targets
+    from maskln_cli.grading import clauses, exercise, guard, targets
     from maskln_cli.grading.clauses import calls
 
     torch.set_num_threads(1)  # small cases; and torch's thread pool spins under load
@@ -270,6 +270,7 @@ def serve(channel: int, memory: int) -> int:
     write_frame(channel, {"ready": True})
     load = json.loads(requests.readline() or b"{}")
     try:
+        exercise.grade_in_this_process(str(load.get("exercise") or "layer"))
         target = str(load.get("target"))
         shown = str(load.get("shown") or target)
         _search_path_last(targets.parse_target(target).module is not None)

@@ -199,6 +199,7 @@ def grade_class(
     memory_bytes: int | None = None,
     on_report: OnReport | None = None,
     recorded: Sequence[str] = (),
+    op: str = "layer",
 ) -> ClassReport:
     """Grade each of ``targets`` (``path.py[:NAME]`` or ``package.module:NAME``) in a child
     process of its own, ``jobs`` at a time (default: the CPU count); the options are
@@ -209,8 +210,9 @@ def grade_class(
     """
     if jobs is not None and jobs < 1:
         raise MasklnError(f"--jobs: must be at least 1, got {jobs}")
-    chosen = select_clauses(only, strict, include)
+    chosen = select_clauses(only, strict, include, op)
     request = {
+        "op": op,
         "strict": strict,
         "only": list(only),
         "include": list(include),
@@ -449,7 +451,8 @@ def _report(target: str, request: dict[str, Any], answer: dict[str, Any]) -> Gra
             return report
     elif answer.get("error"):
         problem = str(answer["error"])
-    return GradeReport(target, strict, [], int(request.get("seed") or 0), problem=problem)
+    return GradeReport(target, strict, [], int(request.get("seed") or 0), problem=problem,
+                       op=str(request.get("op") or "layer"))  # fmt: skip
 
 
 def clause_names(reports: Sequence[GradeReport]) -> list[str]:

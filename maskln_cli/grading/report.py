@@ -87,7 +87,8 @@ class GradeReport:
     or could not be graded); such a report fails. ``rules``: the rule set that graded it
     (:mod:`maskln_cli.grading.rules`), as shown, and ``rules_source`` where they come from
     (the file and a hash of it). ``differs``: where a failing grade with no confirmed cause
-    differs, in words.
+    differs, in words. ``op``: the exercise graded (``layer`` or ``rms``,
+    :mod:`maskln_cli.grading.exercise`).
     """
 
     target: str
@@ -101,6 +102,7 @@ class GradeReport:
     rules: str | None = None
     differs: str | None = None
     rules_source: str | None = None
+    op: str = "layer"
 
     @property
     def passed(self) -> bool:
@@ -137,6 +139,7 @@ class GradeReport:
         return {
             "passed": self.passed,
             "target": self.target,
+            "op": self.op,
             "strict": self.strict,
             "included": list(self.included),
             "rules": self.rules,
@@ -166,6 +169,7 @@ class GradeReport:
             rules=data.get("rules") if isinstance(data.get("rules"), str) else None,
             differs=data.get("differs") if isinstance(data.get("differs"), str) else None,
             rules_source=_text(data.get("rules_source")),
+            op=data["op"] if data.get("op") in ("layer", "rms") else "layer",
         )
 
     def verdict(self) -> str:
@@ -253,7 +257,8 @@ class GradeReport:
         rules = f", rules {self.rules}" if self.rules else ""
         if self.rules_source:
             rules += f" ({self.rules_source})"
-        lines = [f"maskln grade {self.target} (seed {self.seed}, device {self.device}{rules})"]
+        where = f"op {self.op}, seed {self.seed}, device {self.device}{rules}"
+        lines = [f"maskln grade {self.target} ({where})"]
         lines += self.root_cause_lines()
         width = max((len(c.name) for c in self.clauses), default=0)
         for c in self.clauses:

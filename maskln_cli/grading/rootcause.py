@@ -29,6 +29,7 @@ from maskln_cli.grading.clauses.assumed import Assumption, assuming
 from maskln_cli.grading.clauses.calls import Call
 from maskln_cli.grading.clauses.judging import CATALOGUE
 from maskln_cli.grading.confirm import KINDS, OBSERVED, Outcome
+from maskln_cli.grading.exercise import current
 from maskln_cli.grading.report import ClauseResult, RootCause
 from maskln_cli.op.mistakes import LOWER_PRECISION, correct
 
@@ -119,7 +120,10 @@ def confirmed_only(failing: Sequence[Judged], confirm: Confirm | None) -> None:
         if j.clause.name in OBSERVED_BY.get(name, ())
     }
     for name in sorted(counts, key=lambda n: -counts[n]):
-        if KINDS.get(name) == OBSERVED or name in observing:
+        allowed = current().confirms
+        if allowed is not None and KINDS.get(name) not in allowed:
+            outcomes[name] = Outcome(False)  # a cause this exercise's probes cannot confirm
+        elif KINDS.get(name) == OBSERVED or name in observing:
             outcomes[name] = Outcome(True)
         elif confirm is None or probed >= MAX_PROBES or first[name].counterexample() is None:
             outcomes[name] = Outcome(False)

@@ -15,18 +15,22 @@ A rules file::
     extra = ["positive_zero", "second_order"]
     timeout = 30                        # seconds per clause
     jobs = 2
+    op = "rms"                          # the RMSNorm exercise (default "layer")
 
 Keys: ``preset`` (:data:`PRESETS`), ``required`` (the clauses that count, instead of the
 preset's), ``extra`` (clauses that count too: strict ones, ``half``), ``timeout``, ``jobs``,
 ``seed``, ``name`` (how the rule set is shown; by default, where it comes from and what it
-counts).
+counts), ``op`` (the exercise: ``layer``, masked LayerNorm, or ``rms``, masked RMSNorm:
+:mod:`maskln_cli.grading.exercise`).
 
 Example:
     >>> rules = parse_rules({"preset": "specification", "extra": ["second_order"]}, "x.toml")
     >>> rules.name
     'x.toml: specification + second_order'
     >>> rules.grading_options()
-    {'strict': False, 'only': [], 'include': ['second_order']}
+    {'strict': False, 'only': [], 'include': ['second_order'], 'op': 'layer'}
+    >>> parse_rules({"op": "rms"}, "x.toml").name
+    'x.toml: rms, specification'
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ PRESETS = {
     "strict": "the required clauses and maskln's strict guarantees but output_layout",
 }
 """The rule sets a rules file (``preset``) or ``--rules`` can name."""
-KEYS = ("preset", "required", "extra", "timeout", "jobs", "seed", "name")
+KEYS = ("preset", "required", "extra", "timeout", "jobs", "seed", "name", "op")
 MAX_JOBS = 1024
 MAX_SEED = 2**63 - 1
 MAX_BYTES = 1 << 20
@@ -74,6 +78,7 @@ class Rules:
     path: str | None = None
     digest: str | None = None
     ignored: tuple[str, ...] = ()
+    op: str = "layer"
 
     @property
     def name(self) -> str:
@@ -84,6 +89,8 @@ class Rules:
         counted = f"only {', '.join(self.required)}" if self.required else self.preset
         if self.extra:
             counted += f" + {', '.join(self.extra)}"
+        if self.op != "layer":
+            counted = f"{self.op}, {counted}"
         return f"{self.source}: {counted}" if self.source else counted
 
     @property
@@ -95,17 +102,26 @@ class Rules:
         return f"{self.path}, sha256 {self.digest}"
 
     def grading_options(self) -> dict[str, Any]:
-        """The grader's options for these rules: ``strict``, ``only`` and ``include``."""
+        """The grader's options for these rules: ``strict``, ``only``, ``include`` and
+        ``op``."""
         if self.required:
-            return {"strict": False, "only": [*self.required, *self.extra], "include": []}
-        return {"strict": self.preset == "strict", "only": [], "include": list(self.extra)}
+            return {"strict": False, "only": [*self.required, *self.extra], "include": [],
+                    "op": self.op}  # fmt: skip
+        return {"strict": self.preset == "strict", "only": [], "include": list(self.extra),
+                "op": self.op}  # fmt: skip
 
     def with_command_line(
-        self, strict: bool = False, include: Sequence[str] = (), only: Sequence[str] = ()
+        self,
+        strict: bool = False,
+        include: Sequence[str] = (),
+        only: Sequence[str] = (),
+        op: str | None = None,
     ) -> Rules:
-        """These rules with the command line's ``--strict``, ``--with`` and ``--only`` (which
-        grades those clauses alone)."""
+        """These rules with the command line's ``--strict``, ``--with``, ``--only`` (which
+        grades those clauses alone) and ``--op`` (the exercise)."""
         rules = self
+        if op is not None and op != self.op:
+            rules = replace(rules, op=op, title=None)
         if strict and not self.required:
             rules = replace(rules, preset="strict", title=None)
         if include:
@@ -133,6 +149,9 @@ def parse_rules(data: dict[str, Any], source: str) -> Rules:
         raise MasklnError(f"{source}: preset {preset!r} is not one of {', '.join(PRESETS)}")
     required = _clause_list(data, "required", source)
     extra = _clause_list(data, "extra", source)
+    op = data.get("op", "layer")
+    if op not in ("layer", "rms"):
+        raise MasklnError(f"{source}: op {str(op)[:40]!r} is not one of layer, rms")
     name = data.get("name")
     if name is not None and not isinstance(name, str):
         raise MasklnError(f"{source}: name must be a string")
@@ -148,6 +167,7 @@ def parse_rules(data: dict[str, Any], source: str) -> Rules:
         seed=_whole(data, "seed", source, least=0),
         source=source,
         title=name,
+        op=op,
     )
     try:
         chosen = select(**rules.grading_options())

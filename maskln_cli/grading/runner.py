@@ -58,6 +58,7 @@ from maskln_cli.grading.confirm import (
     keeper,
     run_probe,
 )
+from maskln_cli.grading.exercise import exercising
 from maskln_cli.grading.guard import Tampered
 from maskln_cli.grading.report import (
     NO_MATCH,
@@ -273,14 +274,17 @@ def grade(
     target: str | None = None,
     include: Iterable[str] = (),
     progress: Progress | None = None,
+    op: str = "layer",
 ) -> GradeReport:
     """Grade ``fn`` in this process; returns the report as plain data.
 
     ``strict``: strict clauses count toward ``passed`` (they are reported either way), but for
     ``output_layout``, maskln's own convention. ``include``: clauses that count too, strict ones
     or optional ones (``half_values``, or the group ``half``), which run only when named.
-    ``only``: grade these clauses (each counts). An exception in ``fn`` fails the clause it
-    happened in; a crash or hang is this process's (``grade_target`` isolates those).
+    ``only``: grade these clauses (each counts). ``op``: the exercise, ``layer`` or ``rms``
+    (``masked_rms_normalization(x, valid, scale, eps=1e-6)``: :mod:`.exercise`). An exception
+    in ``fn`` fails the clause it happened in; a crash or hang is this process's
+    (``grade_target`` isolates those).
 
     Example:
         >>> def rms_instead(x, valid, scale, bias, eps=1e-5):
@@ -291,18 +295,19 @@ def grade(
         (False, 'rms_norm')
     """
     included = list(include)
-    selection = select(only, strict, included)
+    selection = select(only, strict, included, op)
     device = check_device(device)
 
     def run_here(clause: Clause, cases: list[Case]) -> ClauseRun:
         return run_clause(fn, clause.name, seed, device, cases)
 
-    confirm = confirm_in_process(fn, seed, device)
-    results, root, differs = _grade_each(selection, run_here, seed, device, progress,
-                                         confirm=confirm)  # fmt: skip
+    with exercising(op):
+        confirm = confirm_in_process(fn, seed, device)
+        results, root, differs = _grade_each(selection, run_here, seed, device, progress,
+                                             confirm=confirm)  # fmt: skip
     name = target or getattr(fn, "__qualname__", None) or repr(fn)
     return GradeReport(name, strict, results, seed, device, root, included=included,
-                       differs=differs)  # fmt: skip
+                       differs=differs, op=op)  # fmt: skip
 
 
 def assert_conforms(fn: Fn, strict: bool = False, **options: Any) -> None:
@@ -330,6 +335,7 @@ def grade_target(
     progress: Progress | None = None,
     fork_child: bool = False,
     watch: bool = True,
+    op: str = "layer",
 ) -> GradeReport:
     """Grade ``target`` (``path/to/solution.py[:NAME]`` or ``package.module:NAME``) in a
     child process, clause by clause: see :mod:`maskln_cli.grading.sandbox`.
@@ -345,24 +351,60 @@ def grade_target(
     grade's worker), instead of starting a new interpreter. ``watch``: the folders a child
     imports from and rules are read from (the current folder, the target's, ``PYTHONPATH``'s)
     are watched, and a module or rules file that appears there while the function runs leaves
-    the grade without a verdict (a class grade watches them itself).
+    the grade without a verdict (a class grade watches them itself). ``op``: the exercise
+    (:mod:`.exercise`), which the child grades too (a file's function is found by its name,
+    ``masked_rms_normalization`` for ``rms``).
 
     Raises MasklnError (a usage error) when the target cannot be found, imported or called.
     """
-    from maskln_cli.grading import sandbox
-
     included = list(include)
-    selection = select(only, strict, included)
+    selection = select(only, strict, included, op)
     if timeout is not None:
         check_timeout(timeout)
     device = check_device(device)
-    parse_target(target)  # a missing file is a usage error before anything starts
+    with exercising(op):
+        parse_target(target)  # a missing file is a usage error before anything starts
+        return _grade_in_child(
+            target,
+            strict,
+            selection,
+            seed,
+            device,
+            timeout,
+            memory_bytes,
+            contain_processes,
+            included,
+            progress,
+            fork_child,
+            watch,
+            op,
+        )
+
+
+def _grade_in_child(
+    target: str,
+    strict: bool,
+    selection: Selection,
+    seed: int,
+    device: str,
+    timeout: float | None,
+    memory_bytes: int | None,
+    contain_processes: bool,
+    included: list[str],
+    progress: Progress | None,
+    fork_child: bool,
+    watch: bool,
+    op: str,
+) -> GradeReport:
+    """:func:`grade_target`'s grade, its options checked, under the exercise ``op``."""
+    from maskln_cli.grading import sandbox
+
     fork_child = fork_child and device == "cpu"  # CUDA cannot be used again in a forked child
     judged: list[Judged] = []
     watched = guard.Watch(guard.watched_folders([target])) if watch else None
     try:
         with sandbox.Sandbox(
-            target, device, timeout, memory_bytes, contain_processes, fork=fork_child
+            target, device, timeout, memory_bytes, contain_processes, fork=fork_child, op=op
         ) as child:
             child.start()  # raises MasklnError when the target cannot be loaded
 
@@ -375,16 +417,16 @@ def grade_target(
                 differs = where_it_differs(judged) if root is None else None
     except Tampered as tampered:  # the grader's own files changed: no verdict but FAIL
         results = [j.result for j in judged]
-        return GradeReport(
-            target, strict, results, seed, device, problem=str(tampered), included=included
-        )
+        return GradeReport(target, strict, results, seed, device, problem=str(tampered),
+                           included=included, op=op)  # fmt: skip
     results = [j.result for j in judged]
     planted = watched.changed() if watched is not None else []
     if planted:
         return GradeReport(target, strict, results, seed, device,
-                           problem=guard.planted_words(planted), included=included)  # fmt: skip
+                           problem=guard.planted_words(planted), included=included,
+                           op=op)  # fmt: skip
     return GradeReport(target, strict, results, seed, device, root, included=included,
-                       differs=differs)  # fmt: skip
+                       differs=differs, op=op)  # fmt: skip
 
 
 def confirm_in_child(child: Any, seed: int) -> Confirm:

@@ -185,8 +185,10 @@ class Sandbox:
         memory_bytes: int | None = None,
         contain_processes: bool = False,
         fork: bool = False,
+        op: str = "layer",
     ) -> None:
         self.target = target
+        self.op = op
         self.contain_processes = contain_processes
         self.fork = fork
         self._protection: contextlib.ExitStack | None = None
@@ -245,10 +247,9 @@ class Sandbox:
             raise MasklnError(str(ready.get("error") or "the grader's child process did not start"))
         limit = self.timeout or CLAUSE_LIMIT
         try:
-            private = self.private or PrivateFolder(self.target)
-            self.private = private
+            self.private = private = self.private or PrivateFolder(self.target)
             self._send({"op": "load", "target": private.loaded, "shown": self.target,
-                        "device": self.device, "scratch": private.scratch,
+                        "exercise": self.op, "device": self.device, "scratch": private.scratch,
                         "sealed_at": private.began, "allowed": private.allowed})  # fmt: skip
             answer, _ = self._receive(limit)
         except ChildGone as gone:

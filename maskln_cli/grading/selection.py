@@ -87,7 +87,10 @@ def split_names(values: Iterable[str]) -> list[str]:
 
 
 def select(
-    only: Iterable[str] = (), strict: bool = False, include: Iterable[str] = ()
+    only: Iterable[str] = (),
+    strict: bool = False,
+    include: Iterable[str] = (),
+    op: str = "layer",
 ) -> Selection:
     """The clauses to run and to count; a usage error naming the option for an unknown name.
 
@@ -99,7 +102,15 @@ def select(
         False
         >>> "half_values" in select().run, "half_values" in select(include=["half"]).run
         (False, True)
+        >>> "two_pass" in select(op="rms").run
+        False
+
+    ``op``: the exercise (:mod:`.exercise`); the clauses that do not apply to it are not run,
+    and naming one is a usage error.
     """
+    from maskln_cli.grading.exercise import check_op, not_run
+
+    skipped = check_op(op).not_run
     only_names = split_names(only)
     unknown = [name for name in only_names if name not in CLAUSE_LEVELS]
     if unknown:
@@ -118,13 +129,16 @@ def select(
                 f"--with: no clause or group {name!r}; the groups are {', '.join(GROUPS)}, the"
                 f" clauses {', '.join(choosable)}"
             )
+    not_run(only_names, op)
+    not_run(split_names(include), op, "--with")
+    included = [name for name in included if name not in skipped]  # a group's, silently
     if only_names:
         run = [name for name in CLAUSE_LEVELS if name in only_names or name in included]
         return Selection(tuple(run), frozenset(run), strict)
     run = [
         name
         for name, level in CLAUSE_LEVELS.items()
-        if level in ("required", "strict") or name in included
+        if (level in ("required", "strict") or name in included) and name not in skipped
     ]
     counted = {
         name

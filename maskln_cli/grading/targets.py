@@ -47,8 +47,10 @@ def parse_target(target: str) -> Target:
         >>> parse_target("maskln_cli:masked_layer_normalization")
         Target(path=None, module='maskln_cli', name='masked_layer_normalization')
     """
+    from maskln_cli.grading.exercise import current
+
     location, _, name = target.rpartition(":") if ":" in target else (target, "", "")
-    name = name or DEFAULT_FUNCTION_NAME
+    name = name or current().function_name  # the exercise's: masked_layer_normalization
     if not location:
         raise MasklnError(f"TARGET {target!r}: expected FILE.py[:NAME] or package.module:NAME")
     if not name.isidentifier():

@@ -67,6 +67,7 @@ def grade_one(request: dict[str, Any]) -> dict[str, Any]:
             contain_processes=True,
             fork_child=True,
             watch=False,  # the class grader watches the folders, for every worker
+            op=str(request.get("op") or "layer"),
         )
         answer: dict[str, Any] = {"report": report.to_dict()}
     except MasklnError as error:

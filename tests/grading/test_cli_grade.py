@@ -85,10 +85,11 @@ def test_json_document():
     assert result.exit_code == 1
     document = json.loads(result.stdout)
     assert set(document) == {
-        "passed", "target", "strict", "included", "rules", "rules_source", "seed", "device",
-        "problem", "root_cause", "differs", "failed", "clauses", "diagnosis",
+        "passed", "target", "op", "strict", "included", "rules", "rules_source", "seed",
+        "device", "problem", "root_cause", "differs", "failed", "clauses", "diagnosis",
     }  # fmt: skip
     assert document["passed"] is False and document["target"] == str(EXAMPLE)
+    assert document["op"] == "layer"
     assert document["failed"] == ["sanitized_gradients"] and document["problem"] is None
     assert document["root_cause"]["mistake"] == "nan_from_padding"
     assert document["root_cause"]["explains"] == ["sanitized_gradients"]

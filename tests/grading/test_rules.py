@@ -40,6 +40,7 @@ def test_a_rules_file_in_the_folder_graded_is_found_one_beside_a_file_is_not(tmp
         "strict": False,
         "only": [],
         "include": ["positive_zero", "second_order"],
+        "op": "layer",
     }
     assert rules.name.endswith("maskln-grade.toml: specification + positive_zero, second_order")
 
@@ -66,7 +67,8 @@ def test_presets_and_the_command_line():
     rules = resolve_rules("specification", []).with_command_line(include=["second_order"])
     assert rules.name == "specification + second_order"
     only = Rules(extra=("positive_zero",)).with_command_line(only=["values"])
-    assert only.grading_options() == {"strict": False, "only": ["values"], "include": []}
+    assert only.grading_options() == {"strict": False, "only": ["values"], "include": [],
+                                      "op": "layer"}  # fmt: skip
     required = parse_rules({"required": ["values", "gradients"], "extra": ["second_order"]}, "f")
     assert required.name == "f: only values, gradients + second_order"
     assert required.grading_options()["only"] == ["values", "gradients", "second_order"]

@@ -54,7 +54,8 @@ def render_grade(report: GradeReport, quiet: bool = False) -> None:
         if report.rules_source:
             rules += f" ({safe(report.rules_source)})"
         console.print(
-            f"[bold]maskln grade[/] {safe(report.target)}  [dim](seed {report.seed},"
+            f"[bold]maskln grade[/] {safe(report.target)}  [dim](op {safe(report.op)}, seed"
+            f" {report.seed},"
             f" device {safe(report.device)}{rules})[/]",
             soft_wrap=True,
         )

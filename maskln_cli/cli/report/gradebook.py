@@ -283,14 +283,16 @@ def gradebook_rows(
     folder: str | None = None,
     rules: str | None = None,
     rules_source: str | None = None,
+    op: str | None = None,
 ) -> list[list[str]]:
     """The gradebook: a header, then a row per submission (not graded ones too), its path
-    relative to ``folder``, the rule set that graded it."""
+    relative to ``folder``, the rule set that graded it and the exercise (``op``: ``layer``
+    or ``rms``; a report's own, else ``op``)."""
     from maskln_cli.grading.classroom import clause_names
 
     names = clause_names(result.reports)
     header = ["submission", "verdict", "passed", "counted", "failed", "root_cause", "why", "rules",
-              "rules_source"]  # fmt: skip
+              "rules_source", "op"]  # fmt: skip
     rows = [header + names]
     for report in result.reports:
         clauses = {c.name: c for c in report.clauses}
@@ -305,6 +307,7 @@ def gradebook_rows(
             _why(report),
             report.rules or rules or "",
             report.rules_source or rules_source or "",
+            report.op,
         ]
         for name in names:
             clause = clauses.get(name)
@@ -312,7 +315,8 @@ def gradebook_rows(
         rows.append([plain_safe(cell) for cell in cells])
     for target in result.not_graded:
         shown = relative_target(target, folder)
-        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 4) + [rules or "", rules_source or ""]
+        cells = [shown, "NOT GRADED"] + [""] * (len(header) - 5)
+        cells += [rules or "", rules_source or "", op or ""]
         rows.append([plain_safe(cell) for cell in cells + [""] * len(names)])
     return rows
 
@@ -330,6 +334,7 @@ def write_gradebook(
     folder: str | None = None,
     rules: str | None = None,
     rules_source: str | None = None,
+    op: str | None = None,
 ) -> None:
     """The gradebook as CSV, written atomically (a new file replaces ``path`` only when
     complete); a note on stderr says where, and under which rules."""
@@ -337,7 +342,7 @@ def write_gradebook(
     from maskln_cli.files.output import open_output
 
     text = io.StringIO(newline="")
-    csv.writer(text).writerows(gradebook_rows(result, folder, rules, rules_source))
+    csv.writer(text).writerows(gradebook_rows(result, folder, rules, rules_source, op))
     data = text.getvalue().encode()
     with open_output(path, len(data)) as stream:
         stream.write(data)

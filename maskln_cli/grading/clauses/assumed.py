@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from maskln_cli.grading.exercise import current
 from maskln_cli.op.reference import reference_masked_layer_norm
 
 Formula = Callable[..., torch.Tensor]
@@ -49,7 +50,9 @@ def assuming(assumption: Assumption) -> Iterator[None]:
 
 
 def reference_formula() -> Formula:
-    """The op (float64, :func:`reference_masked_layer_norm`), or the assumed mistake's formula.
+    """The op (float64, :func:`reference_masked_layer_norm`; the exercise's own reference when
+    another is graded, :mod:`maskln_cli.grading.exercise`), or the assumed mistake's formula,
+    in the cases' convention ``(x, valid, scale, bias, eps)``.
 
     Example:
         >>> reference_formula() is reference_masked_layer_norm
@@ -57,7 +60,8 @@ def reference_formula() -> Formula:
     """
     assumption = _ASSUMED.get()
     if assumption is None or assumption.formula is None:
-        return reference_masked_layer_norm
+        exercise = current()
+        return reference_masked_layer_norm if exercise.name == "layer" else exercise.reference
     formula = assumption.formula
 
     def mistaken(x, valid, scale, bias, eps=1e-5):

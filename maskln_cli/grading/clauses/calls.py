@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from maskln_cli.grading.clauses.cases import Case, dtype_name
+from maskln_cli.grading.exercise import current
 
 Fn = Callable[..., Any]
 
@@ -36,7 +37,23 @@ class Call:
     mode: str = "grad"
 
 
-GRAD_INPUTS = ("x", "scale", "bias")
+class _GradInputs(Sequence[str]):
+    """The inputs a gradient is taken with respect to, of the exercise in force
+    (:func:`~maskln_cli.grading.exercise.current`): x, scale and bias for LayerNorm, x and
+    scale for RMSNorm. Read when iterated, so that every clause's calls and leaves follow the
+    exercise graded, in the child as in the parent, without a copy of any clause."""
+
+    def __getitem__(self, index: Any) -> Any:
+        return current().grad_inputs[index]
+
+    def __len__(self) -> int:
+        return len(current().grad_inputs)
+
+    def __repr__(self) -> str:
+        return repr(current().grad_inputs)
+
+
+GRAD_INPUTS: Sequence[str] = _GradInputs()
 MODE_WORDS = {
     "grad": "grad enabled",
     "no_grad": "under torch.no_grad()",
@@ -59,6 +76,13 @@ def announce(what: str) -> None:
         watcher(what)
 
 
+def requiring_grad_words() -> str:
+    """``, x, scale and bias requiring grad``: every input taking gradients, of the exercise
+    in force, in words."""
+    names = list(GRAD_INPUTS)
+    return f", {', '.join(names[:-1])} and {names[-1]} requiring grad"
+
+
 def call_words(call: Call) -> str:
     """How a call is made, in words, after its case's label: ``, x requiring grad, and its
     backward``; ``, under torch.no_grad()``.
@@ -68,8 +92,8 @@ def call_words(call: Call) -> str:
         ', x and bias requiring grad, and its backward'
     """
     words = ""
-    if call.requires:
-        names = list(call.requires)
+    names = list(current().arguments(*call.requires))
+    if names:
         listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
         words += f", {listed} requiring grad"
     if call.mode != "grad":
@@ -90,15 +114,18 @@ CAUGHT = (Exception, SystemExit)
 
 
 def invoke(fn: Fn, t: dict[str, Any], eps: float, style: str) -> Any:
-    x, valid, scale, bias = t["x"], t["valid"], t["scale"], t["bias"]
+    """Call ``fn`` on the inputs ``t`` as the exercise in force takes them (``f(x, valid,
+    scale, bias, eps)``, RMSNorm's without bias), in a ``style``."""
+    names = current().arguments("x", "valid", "scale", "bias")
+    given = {name: t[name] for name in names}
     if style == "positional":
-        return fn(x, valid, scale, bias, eps)
+        return fn(*given.values(), eps)
     if style == "keyword":
-        return fn(x=x, valid=valid, scale=scale, bias=bias, eps=eps)
+        return fn(**given, eps=eps)
     if style == "positional_default":
-        return fn(x, valid, scale, bias)
+        return fn(*given.values())
     if style == "keyword_default":
-        return fn(x=x, valid=valid, scale=scale, bias=bias)
+        return fn(**given)
     raise ValueError(f"unknown call style {style!r}")
 
 
@@ -133,7 +160,8 @@ def perform(
     t = case.inputs(device, clean=call.clean)
     if keep is not None:
         keep.append(t)
-    for name in call.requires:
+    requires = current().arguments(*call.requires)
+    for name in requires:
         t[name].requires_grad_()
     with _mode(call.mode):
         out = checked_output(invoke(fn, t, case.eps, call.style))
@@ -148,17 +176,17 @@ def perform(
     if call.backward:
         if not out.requires_grad:
             raise Misbehaved(
-                f"the output does not require grad although {', '.join(call.requires)} does"
+                f"the output does not require grad although {', '.join(requires)} does"
             )
         if tuple(out.shape) != tuple(t["x"].shape):
             raise Misbehaved(f"returned shape {list(out.shape)} for x {list(t['x'].shape)}")
-        leaves = [t[name] for name in call.requires]
+        leaves = [t[name] for name in requires]
         if "grad_out" in case.views:  # the upstream gradient in its own layout, as it is
             upstream = Upstream.apply(out, t["grad_out"]).sum()
         else:
             upstream = weighted_sum(out, t)
         grads = torch.autograd.grad(upstream, leaves, allow_unused=True)
-        for name, grad in zip(call.requires, grads, strict=True):
+        for name, grad in zip(requires, grads, strict=True):
             if grad is None:
                 raise Misbehaved(f"no gradient reached {name}: it is not used differentiably")
             tensors[f"grad_{name}"] = export_tensor(grad)

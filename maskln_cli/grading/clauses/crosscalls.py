@@ -32,6 +32,7 @@ from maskln_cli.grading.clauses.calls import (
     describe_exception,
     export_tensor,
     invoke,
+    requiring_grad_words,
     weighted_sum,
 )
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
@@ -171,7 +172,7 @@ def _differs(
     grad: bool,
 ) -> Verdict:
     how = f"call {repeat + 1} ({threads} thread{'s' if threads > 1 else ''})"
-    what = ", x, scale and bias requiring grad" if grad else ", without grad"
+    what = requiring_grad_words() if grad else ", without grad"
     if a is None or b is None or a.shape != b.shape:
         return Verdict(False, f"{case.label}{what}: {name} came back in one call, not the other")
     differ = ~((a == b) | (a.isnan() & b.isnan()))

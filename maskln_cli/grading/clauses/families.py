@@ -34,6 +34,10 @@ LAYOUT = "strided inputs"
 WORKED = "worked example"
 TIES = "exact ties"
 IDENTITY = "identity affine"
+HUGE = "huge magnitudes"
+TINY = "tiny magnitudes"
+HEAVY = "heavy tails"
+ZERO_ROWS = "rows of zeros"
 
 FAMILIES: dict[str, str] = {
     RANDOM: "random rows: mean within twice the spread, row variances from 1e-8 to 4",
@@ -57,6 +61,14 @@ FAMILIES: dict[str, str] = {
     " branches on x == mean have no derivative, or the wrong one)",
     IDENTITY: "scale all ones and bias all zeros, as a module initializes them (where a function"
     " that skips the identity affine gives scale and bias no gradient)",
+    HUGE: "RMSNorm: rows of magnitude 1e12 (float32) and 1e100 (float64), whose squares are"
+    " far beyond float16's range (and rstd**3, in the backward, near the bottom of the dtype's)",
+    TINY: "RMSNorm: rows of magnitude 1e-9 (float32) and 1e-75 (float64), with eps 0.01, 1 and"
+    " 100 times their mean square: where eps decides, far below float16's range",
+    HEAVY: "RMSNorm: heavy-tailed rows (log-normal magnitudes, a few entries 1,000 times"
+    " larger): one entry decides the mean square",
+    ZERO_ROWS: "RMSNorm: valid rows all zeros, where mean(x**2) = 0: rstd is 1 / sqrt(eps),"
+    " the output 0 and the gradient w.r.t. x dy * scale / sqrt(eps), large, not NaN",
 }
 """Every family a case can belong to, and what it holds."""
 
@@ -223,4 +235,52 @@ def family_cases(
                 params = (torch.ones(channels, dtype=torch.float64),
                           torch.zeros(channels, dtype=torch.float64))  # fmt: skip
             cases.append(make_case(label, x, valid, params, eps, dtype, g, grad, family=family))
+    return cases
+
+
+RMS_FAMILIES = (HUGE, TINY, HEAVY, ZERO_ROWS)
+"""The RMSNorm exercise's own families (:func:`rms_cases`), beside those both exercises share
+(constant rows, exact zeros, C = 1, a prime C, the eps range)."""
+MAGNITUDES = {torch.float64: (1e100, 1e-75), torch.float32: (1e12, 1e-9)}
+"""(huge, tiny) row magnitudes by dtype: as large and as small as a plain x.pow(2).mean() in
+the input's dtype, forward and backward (whose rstd**3 is 1e-300 and 1e225, 1e-36 and 1e27),
+gets right; torch's own F.rms_norm overflows in its backward beyond them (rows of 1e-150 and
+eps 1e-302 in float64). A float16 mean square overflows or underflows on every one."""
+
+
+def rms_rows(g: torch.Generator, family: str, leading: Sequence[int], channels: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, list[float]]:  # fmt: skip
+    """float64 rows of an RMSNorm ``family`` for ``dtype``, and the eps of each case."""
+    huge, tiny = MAGNITUDES[dtype]
+    noise = torch.randn(*leading, channels, generator=g, dtype=torch.float64)
+    if family == HUGE:
+        return noise * huge, [1e-6]
+    if family == TINY:
+        return noise * tiny, [tiny * tiny * ratio for ratio in (0.01, 1.0, 100.0)]
+    if family == HEAVY:
+        spread = torch.exp(1.5 * torch.randn(noise.shape, generator=g, dtype=torch.float64))
+        outliers = torch.rand(noise.shape, generator=g, dtype=torch.float64) < 0.05
+        return noise * spread * torch.where(outliers, 1e3, 1.0), [1e-6]
+    rows = noise.reshape(-1, channels)
+    rows[::2] = 0.0  # every other row all zeros, valid or not
+    return rows.reshape(noise.shape), [1e-6]
+
+
+def rms_cases(
+    g: torch.Generator,
+    leading: Sequence[int] = (2, 5),
+    grad: bool = False,
+    dtypes: Sequence[torch.dtype] = (torch.float64, torch.float32),
+) -> list[Case]:
+    """The RMSNorm exercise's family cases (:data:`RMS_FAMILIES`), C = 16, in each dtype."""
+    cases = []
+    for family in RMS_FAMILIES:
+        for dtype in dtypes:
+            x, epsilons = rms_rows(g, family, leading, 16, dtype)
+            for eps in epsilons:
+                label = describe_inputs(x, dtype, eps)
+                valid = draws.mask(g, leading)
+                params = draws.params(g, 16)
+                cases.append(make_case(label, x, valid, params, eps, dtype, g, grad,
+                                       family=family))  # fmt: skip
     return cases

@@ -48,11 +48,16 @@ from maskln_cli.grading.clauses.own_mistakes import (
     MEAN_DETACHED_IN_VARIANCE,
     mean_detached_formula,
 )
+from maskln_cli.grading.exercise import current
 from maskln_cli.op.mistakes import Diagnosis
 
 # gradients ----------------------------------------------------------------------------------------
 
-SUBSETS = [s for r in (1, 2, 3) for s in itertools.combinations(GRAD_INPUTS, r)]
+
+def subsets() -> list[tuple[str, ...]]:
+    """Every non-empty subset of the inputs taking gradients (the exercise's)."""
+    names = tuple(GRAD_INPUTS)
+    return [s for r in range(1, len(names) + 1) for s in itertools.combinations(names, r)]
 
 
 def _gradient_cases(seed: int) -> list[Case]:
@@ -91,7 +96,9 @@ def _gradient_cases(seed: int) -> list[Case]:
     ):
         cases.append(families.upstream_case(g, (3, 4, 6), layout, dtype))
     cases += families.family_cases(g, grad=True, families=(families.IDENTITY,))  # last: the
-    return cases  # cases before it draw what they always drew
+    if current().name == "rms":  # cases before these draw what they always drew
+        cases += families.rms_cases(g, grad=True)
+    return cases
 
 
 GRADIENT_EPS = (
@@ -109,7 +116,7 @@ def _gradient_calls(cases: list[Case]) -> list[Call]:
     return [
         Call(f"{i}.{'+'.join(subset)}", i, requires=subset, backward=True)
         for i, case in enumerate(cases)
-        for subset in (SUBSETS if case.family == RANDOM else [GRAD_INPUTS])
+        for subset in (subsets() if case.family == RANDOM else [tuple(GRAD_INPUTS)])
     ]
 
 
@@ -232,13 +239,13 @@ def second_order_products(
 def reference_second_order(case: Case, formula: Fn | None = None) -> dict[str, torch.Tensor]:
     """The second-order products of the float64 reference (or of ``formula``) on ``case``."""
     if formula is None:
-        found = _second_order_products(reference_formula(), case, "cpu")
+        found = _second_order_products(current().outer(reference_formula()), case, "cpu")
     else:
 
         def double(x, valid, scale, bias, eps):
             return formula(x.double(), valid, scale.double(), bias.double(), eps)
 
-        found = _second_order_products(double, case, "cpu")
+        found = _second_order_products(current().outer(double), case, "cpu")
     return {name: t for name, t in found.items() if name.startswith("second_")}
 
 
@@ -290,8 +297,10 @@ def _second_order_run(fn: Fn, cases: list[Case], device: str) -> ClauseRun:
     t = case.inputs(device)
     inputs = tuple(t[n].requires_grad_() for n in GRAD_INPUTS)
 
-    def function(x, scale, bias):
-        return fn(x, t["valid"].clone(), scale, bias, case.eps)  # a fresh mask each call
+    def function(*leaves: torch.Tensor) -> torch.Tensor:
+        given = dict(zip(GRAD_INPUTS, leaves, strict=True))
+        # a fresh mask each call
+        return invoke(fn, {**t, **given, "valid": t["valid"].clone()}, case.eps, "positional")
 
     announce(f"{case.label}, gradgradcheck and second-order products")
     try:
@@ -327,7 +336,7 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         first_order = _first_order_problem(each, str(i), run)
         if first_order is not None:
             return first_order
-        expected = _second_order_products(reference_formula(), each, "cpu")
+        expected = _second_order_products(current().outer(reference_formula()), each, "cpu")
         for name, reference in expected.items():
             if not name.startswith("second_"):
                 continue
@@ -345,7 +354,7 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 def _second_order_formulas(case: Case, key: str, run: ClauseRun) -> list[Diagnosis]:
     """The grader's own second-order mistakes whose products the function's match."""
-    if f"{key}.second_x" not in run.tensors:
+    if f"{key}.second_x" not in run.tensors or not current().formulas:
         return []
     try:
         expected = reference_second_order(case, mean_detached_formula)
@@ -405,7 +414,7 @@ def _flags_calls(cases: list[Case]) -> list[Call]:
     calls = []
     for i in range(len(cases)):
         calls.append(Call(f"{i}.none", i))
-        calls += [Call(f"{i}.{'+'.join(s)}", i, requires=s) for s in SUBSETS]
+        calls += [Call(f"{i}.{'+'.join(s)}", i, requires=s) for s in subsets()]
         calls += [
             Call(f"{i}.no_grad", i, requires=GRAD_INPUTS, mode="no_grad"),
             Call(f"{i}.inference", i, requires=GRAD_INPUTS, mode="inference"),

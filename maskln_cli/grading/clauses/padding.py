@@ -18,6 +18,7 @@ from maskln_cli.grading.clauses.calls import (
     Call,
     ClauseRun,
     one_call_each,
+    requiring_grad_words,
 )
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
 from maskln_cli.grading.clauses.causes import NAN_AT_ZERO_VARIANCE
@@ -296,7 +297,7 @@ def _sanitized_padding_calls(cases: list[Case]) -> list[Call]:
 def _mode_words(call: Call) -> str:
     if call.mode != "grad":
         return f", {MODE_WORDS[call.mode]}"
-    return ", x, scale and bias requiring grad" if call.requires else ""
+    return requiring_grad_words() if call.requires else ""
 
 
 def _sanitized_padding_judge(cases: list[Case], run: ClauseRun) -> Verdict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from maskln_cli.grading.clauses import draws, families
-from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call
+from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, requiring_grad_words
 from maskln_cli.grading.clauses.cases import Case, describe_inputs, make_case
 from maskln_cli.grading.clauses.clause import make_clause, outputs_judge
 from maskln_cli.grading.clauses.values import VALUE_SPREADS
@@ -59,7 +59,7 @@ def _large_calls(cases: list[Case]) -> list[Call]:
 
 
 def _large_words(call: Call) -> str:
-    return ", x, scale and bias requiring grad" if call.requires else ""
+    return requiring_grad_words() if call.requires else ""
 
 
 LARGE_SHAPES_CLAUSE = make_clause(

@@ -18,6 +18,7 @@ from maskln_cli.grading.clauses.calls import (
     Call,
     ClauseRun,
     Fn,
+    requiring_grad_words,
     run_calls,
 )
 from maskln_cli.grading.clauses.cases import (
@@ -38,16 +39,25 @@ from maskln_cli.grading.clauses.judging import (
     judge_outputs,
     value_mismatch,
 )
+from maskln_cli.grading.exercise import current
 from maskln_cli.op.mistakes import Diagnosis
 
 # signature ----------------------------------------------------------------------------------------
 
-_STYLES = {
-    "positional": "called f(x, valid, scale, bias, eps)",
-    "keyword": "called f(x=x, valid=valid, scale=scale, bias=bias, eps=eps)",
-    "positional_default": "called f(x, valid, scale, bias) without eps",
-    "keyword_default": "called f(x=x, valid=valid, scale=scale, bias=bias) without eps",
-}
+
+def style_words(style: str) -> str:
+    """How a call of a ``style`` is made, with the exercise's arguments.
+
+    Example:
+        >>> style_words("keyword_default")
+        'called f(x=x, valid=valid, scale=scale, bias=bias) without eps'
+    """
+    names = current().arguments("x", "valid", "scale", "bias")
+    keyword = style.startswith("keyword")
+    given = [f"{name}={name}" if keyword else name for name in names]
+    if style.endswith("_default"):
+        return f"called f({', '.join(given)}) without eps"
+    return f"called f({', '.join([*given, 'eps=eps' if keyword else 'eps'])})"
 
 
 def _signature_cases(seed: int) -> list[Case]:
@@ -57,16 +67,16 @@ def _signature_cases(seed: int) -> list[Case]:
     valid = draws.mask(g, (2, 6))
     params = draws.params(g, 16)
     given = make_case(describe_inputs(x, torch.float64, 0.1), x, valid, params, 0.1, torch.float64)
-    default = make_case(
-        describe_inputs(x, torch.float64, 1e-5), x, valid, params, 1e-5, torch.float64
-    )
+    eps = current().default_eps  # the default the exercise declares
+    default = make_case(describe_inputs(x, torch.float64, eps), x, valid, params, eps,
+                        torch.float64)  # fmt: skip
     cases = [given, default]
     for family, channels in ((families.ONE_CHANNEL, 1), (families.PRIME, 7)):
         x = draws.rows(g, (2, 6), channels, spreads=(3e-3, 5e-3))
-        label = describe_inputs(x, torch.float64, 1e-5)
+        label = describe_inputs(x, torch.float64, eps)
         params = draws.params(g, channels)
         cases.append(
-            make_case(label, x, draws.mask(g, (2, 6)), params, 1e-5, torch.float64, family=family)
+            make_case(label, x, draws.mask(g, (2, 6)), params, eps, torch.float64, family=family)
         )
     return cases
 
@@ -103,18 +113,19 @@ def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         run,
         _signature_calls(cases),
         diagnose=True,
-        what=lambda call: f", {_STYLES[call.style]}",
+        what=lambda call: f", {style_words(call.style)}",
     )
     declared = run.meta.get("declared", {}).get("eps")
-    if not verdict.passed and isinstance(declared, str) and declared != repr(1e-5):
+    default = current().default_eps
+    if not verdict.passed and isinstance(declared, str) and declared != repr(default):
         verdict.detail = f"{verdict.detail} (the signature declares eps={declared[:40]})"
         if not verdict.diagnosis and "without eps" in (verdict.detail or ""):
             verdict.diagnosis = [
                 Diagnosis(
                     "eps_default",
-                    f"eps defaults to {declared[:40]}, not 1e-05 (another library's default?):"
-                    " calls that leave eps out get another result",
-                    "declare eps: float = 1e-05",
+                    f"eps defaults to {declared[:40]}, not {default!r} (another library's"
+                    " default?): calls that leave eps out get another result",
+                    f"declare eps: float = {default!r}",
                     0.0,
                 )
             ]
@@ -124,7 +135,8 @@ def _signature_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 SIGNATURE = make_clause(
     "signature",
     "required",
-    "callable as (x, valid, scale, bias, eps=1e-05), positionally and by keyword",
+    "callable as (x, valid, scale, bias, eps=1e-05) (RMSNorm: (x, valid, scale, eps=1e-06)),"
+    " positionally and by keyword",
     _signature_cases,
     run=_signature_run,
     judge=_signature_judge,
@@ -134,15 +146,21 @@ SIGNATURE = make_clause(
 # worked_example -----------------------------------------------------------------------------------
 
 WORKED_EXPECTED = [[[-0.5, 0.5], [0.0, 0.0]]]
+RMS_WORKED_EXPECTED = [[[1.5, -1.0], [0.0, 0.0]]]
+"""RMSNorm's worked example (the op's own docstring's, without the offset): the row [3, 4]
+has mean square 12.5; with eps 3.5 its rms is 4, so it gives [0.75, 1] * [2, -1]. Exact
+binary fractions, as LayerNorm's are."""
 
 
 def _worked_cases(seed: int) -> list[Case]:
-    x = torch.tensor([[[1.0, 3.0], [99.0, -99.0]]], dtype=torch.float64)
+    rms = current().name == "rms"
+    x = torch.tensor([[[3.0, 4.0] if rms else [1.0, 3.0], [99.0, -99.0]]], dtype=torch.float64)
     valid = torch.tensor([[True, False]], dtype=torch.bool)
     scale = torch.tensor([2.0, -1.0], dtype=torch.float64)
     bias = torch.tensor([0.5, 1.0], dtype=torch.float64)
-    label = labelled(families.WORKED, "x [1, 2, 2] float64, eps 3, every argument named")
-    return [Case(label, x, valid, scale, bias, 3.0, family=families.WORKED)]
+    eps = 3.5 if rms else 3.0
+    label = labelled(families.WORKED, f"x [1, 2, 2] float64, eps {eps:g}, every argument named")
+    return [Case(label, x, valid, scale, bias, eps, family=families.WORKED)]
 
 
 # As the specification writes it: x, scale and bias require grad; every argument is named.
@@ -159,7 +177,8 @@ def _worked_judge(cases: list[Case], run: ClauseRun) -> Verdict:
         detail = f"{case.label}: returned {dtype_name(out.dtype)}, not float64"
         return Verdict(False, detail, diagnose_failures([(case, out)]))
     if assumed() is None:
-        expected = torch.tensor(WORKED_EXPECTED, dtype=torch.float64)
+        numbers = RMS_WORKED_EXPECTED if current().name == "rms" else WORKED_EXPECTED
+        expected = torch.tensor(numbers, dtype=torch.float64)
         mismatch = first_mismatch(out, expected, 0.0, EXACT)
     else:  # judged against an assumed mistake: its formula, at its precision
         mismatch = value_mismatch(out, case.reference(), torch.float64)
@@ -216,6 +235,8 @@ def _values_cases(seed: int) -> list[Case]:
             make_case(label, x, draws.mask(g, leading), draws.params(g, channels), 1e-5, dtype)
         )
     cases += families.family_cases(g)
+    if current().name == "rms":  # its own families, drawn after the shared ones
+        cases += families.rms_cases(g)
     for dtype, eps in itertools.product((torch.float64, torch.float32), families.EPS_RANGE):
         x = families.eps_rows(g, (2, 6), 16, eps)
         label = describe_inputs(x, dtype, eps, "row variances 0.01, 1 and 100 times eps")
@@ -252,7 +273,7 @@ def _values_calls(cases: list[Case]) -> list[Call]:
 def _grad_words(call: Call) -> str:
     if call.mode != "grad":
         return f", {MODE_WORDS[call.mode]}"
-    return ", x, scale and bias requiring grad" if call.requires else ""
+    return requiring_grad_words() if call.requires else ""
 
 
 VALUES = make_clause(
