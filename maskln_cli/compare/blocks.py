@@ -11,7 +11,7 @@ in one call, as the general path takes them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare.data import WORST_ROWS, BlockFigures, PerElement
@@ -44,6 +44,7 @@ class BlockMeasurer:
         allowance_of: Allowances | None,
         lower: float,
         known: float,
+        floors: Callable[[], torch.Tensor | None] | None = None,
     ) -> BlockFigures | None:
         """:meth:`Comparison.measure`, ``known`` being the greatest ratio merged so far."""
         import torch
@@ -68,7 +69,7 @@ class BlockMeasurer:
         if allowance_of is not None:
             invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
             on_demand = AllowancesOnDemand(
-                self.judge, diff, row_max, a64, e64, invalid, allowance_of, lower, rows
+                self.judge, diff, row_max, a64, e64, invalid, allowance_of, lower, rows, floors
             )
             judged = on_demand.judged(i, known)
         else:

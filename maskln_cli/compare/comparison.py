@@ -13,7 +13,7 @@ finite floating values in blocks measured on worker threads, then merged
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from maskln_cli.compare import general
@@ -192,6 +192,7 @@ class Comparison(RunningFigures):
         yardstick_error: torch.Tensor | None = None,
         allowance_of: Allowances | None = None,
         lower: float = 0.0,
+        floors: Callable[[], torch.Tensor | None] | None = None,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
@@ -208,12 +209,14 @@ class Comparison(RunningFigures):
         ``lower`` is at most every allowance and every ``always`` of a valid row (invalid rows
         are allowed nothing). Then only rows where an element could be beyond its allowance,
         or beyond what is always allowed, or could hold the greatest ratio, get their
-        allowances: see :class:`~maskln_cli.compare.judging.AllowancesOnDemand`.
+        allowances: see :class:`~maskln_cli.compare.judging.AllowancesOnDemand`. ``floors``
+        (with ``allowance_of``) makes each element's ``always`` on valid rows, for finer
+        bounds than ``lower``'s.
         """
         per_element = PerElement(allowance, yardstick, budget_unit, always)
         return self._blocks.measure(
             actual, expected, invalid_rows, per_element, yardstick_error, allowance_of, lower,
-            self.max_ratio,
+            self.max_ratio, floors,
         )  # fmt: skip
 
     def merge(

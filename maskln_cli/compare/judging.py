@@ -97,6 +97,9 @@ class AllowancesOnDemand:
     ``diff``, ``a64`` and ``e64`` are the block's differences and values in float64,
     ``row_max`` each row's greatest difference, ``invalid`` its invalid rows (or None); every
     element of a valid row is allowed ``lower`` or more, and invalid rows nothing.
+    ``floors`` (or None) makes each element's floor, what it is always allowed, at most its
+    allowance and at least ``lower`` on a valid row: finer row ceilings than ``lower``'s,
+    where those would have every row's allowances made.
     """
 
     judge: BlockJudge
@@ -108,6 +111,7 @@ class AllowancesOnDemand:
     allowance_of: Allowances
     lower: float
     rows: int
+    floors: Callable[[], torch.Tensor | None] | None = None
 
     def judged(self, top: int, known: float) -> tuple | None:
         """:meth:`BlockJudge.judge` on the rows :meth:`_rows_to_judge` picks (``known``: the
@@ -197,6 +201,17 @@ class AllowancesOnDemand:
 
         picked = pick(known)
         count = int(picked.sum())
+        floors = self.floors() if count * PICKED_SHARE > rows and self.floors else None
+        if floors is not None:
+            # Each element's ratio is at most its difference over its floor (the allowance is
+            # the floor or more, and rounding is monotonic): a few passes over the block that
+            # spare most rows their allowances (a correct kernel's differences are mostly far
+            # below the floor). Invalid rows keep theirs (allowed nothing).
+            length = self.judge.row_length
+            finer = torch.div(self.diff, floors.reshape(-1)).view(rows, length).amax(dim=1)
+            ceiling = torch.where(invalid, ceiling, finer) if invalid is not None else finer
+            picked = pick(known)
+            count = int(picked.sum())
         if count > PICKED_FIRST:
             # Without a ratio as great as this block's yet, judge its likeliest rows first
             # (and again with the rest: the greatest ratio is then among those judged).

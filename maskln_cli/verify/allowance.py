@@ -131,6 +131,27 @@ class Allowance:
             sizes = wdy.square_().mean(dim=1).sqrt_().mul_(rstd.reshape(-1))[valid]
         return float(scaled_atol(atol, float(sizes.min()) if sizes.numel() else 1.0))
 
+    def floors(
+        self,
+        comparison: Comparison,
+        truth: torch.Tensor,
+        grad_out: torch.Tensor | None = None,
+        budget: RowBudget | None = None,
+    ) -> torch.Tensor | None:
+        """What each element of rows of a block is always allowed on a valid row, the bits
+        :meth:`from_model` makes (``always``) from the same rows' ``truth``: at most each
+        element's allowance there (for :class:`~maskln_cli.compare.judging.AllowancesOnDemand`).
+        grad_x's (the upstream ``grad_out`` given) needs the block's ``budget``, whose sizes
+        its atol takes; None without it, and with a fixed tolerance."""
+        from maskln_cli.verify import budget as budgets
+
+        if self.mode != "budget" or (grad_out is not None and budget is None):
+            return None
+        dtype = _torch_dtype(comparison.dtype) or self.judge
+        size = self.out_size if grad_out is None else budget.grad_x_size(grad_out)  # type: ignore[union-attr]
+        atol = budgets.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
+        return budgets.floor(truth, dtype, comparison.rtol, atol)
+
     def from_model(
         self,
         comparison: Comparison,

@@ -171,9 +171,13 @@ class BlockWork:
             lower = streaming.allowance.lower(
                 comparison, valid, dy64 if name == "grad_x" else None, rstd, budget
             )
+            floors = functools.partial(
+                streaming.allowance.floors, comparison, reference,
+                dy64 if name == "grad_x" else None, budget,
+            )  # fmt: skip
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
-                allowance_of=allowance_of, lower=lower,
+                allowance_of=allowance_of, lower=lower, floors=floors,
             )  # fmt: skip
             if measured is None:
                 return None
