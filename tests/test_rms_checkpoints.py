@@ -117,7 +117,8 @@ def test_normalize_finds_rmsnorm_in_the_config_and_matches_the_model(name, tmp_p
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tmp_path):
     """capture -> maskln verify DIR: each stock RMSNorm's dump (its padding normalized, so its
-    valid rows are compared) passes; a dump whose out is 1 + weight's fails, naming no cause."""
+    valid rows are compared) passes; a dump whose out is 1 + weight's fails, naming that cause
+    (RMSNorm's catalogue: the gain one more than due)."""
     from safetensors.torch import load_file, save_file
 
     import maskln_cli
@@ -140,7 +141,7 @@ def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tm
     assert len(verdicts) == 5 and all(v["passed"] for v in verdicts)
     judged = {t["name"] for v in verdicts for t in v["report"]["tensors"]}
     assert judged == {"out", "grad_x", "grad_scale"}
-    # A kernel that took Gemma's 1 + weight: wrong, and no cause is named for it.
+    # A kernel that took Gemma's 1 + weight: wrong, and that is the cause named.
     dump = sorted(folder.iterdir())[-1]
     tensors = load_file(str(dump))
     valid = tensors["valid"]
@@ -150,4 +151,5 @@ def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tm
     failed = invoke("verify", dump, tmp_path / "k.st", "--check", "out", "--json")
     assert failed.exit_code == 1
     out = json.loads(failed.stdout)["tensors"][0]
-    assert out["passed"] is False and out["diagnosis"] == []
+    assert out["passed"] is False
+    assert [d["mistake"] for d in out["diagnosis"]] == ["gain_plus_one"]
