@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from tests.clitools import invoke, metadata, read, write
+from tests.model_runs import LENGTHS, run_padded_batch
 
 COMMON = {
     "hidden_size": 32,
@@ -34,7 +35,6 @@ COMMON = {
 }
 ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen2": ("Qwen2Config", "Qwen2Model")}
 MODULE = "layers.1.input_layernorm"
-LENGTHS = (9, 5, 2)
 
 
 def capture(name, folder):
@@ -46,31 +46,8 @@ def capture(name, folder):
         model.get_submodule(MODULE).weight.normal_(1.0, 0.5)
     model.save_pretrained(folder, safe_serialization=True)
     module = model.get_submodule(MODULE)
-    captured = {}
-
-    def forward_hook(_, inputs, output):
-        captured["x"], captured["out"] = inputs[0].detach(), output.detach()
-
-    def backward_hook(_, grad_input, grad_output):
-        captured["grad_x"], captured["grad_out"] = grad_input[0], grad_output[0]
-
-    handles = [
-        module.register_forward_hook(forward_hook),
-        module.register_full_backward_hook(backward_hook),
-    ]
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, 30, (len(LENGTHS), max(LENGTHS)), generator=generator)
-    positions = torch.arange(max(LENGTHS))
-    attention_mask = (positions[None, :] < torch.tensor(LENGTHS)[:, None]).long()
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    weights = torch.randn(hidden.shape, generator=generator)
-    model.zero_grad()
-    (hidden * weights * attention_mask[..., None]).sum().backward()
-    for handle in handles:
-        handle.remove()
-    acts = {"x": captured["x"], "attention_mask": attention_mask, "grad_out": captured["grad_out"]}
-    own = {"out": captured["out"], "grad_x": captured["grad_x"], "grad_scale": module.weight.grad}
-    return acts, own, module
+    acts, own = run_padded_batch(model, module)
+    return acts, {**own, "grad_scale": module.weight.grad}, module
 
 
 def float64_rms(acts, weight, eps):
