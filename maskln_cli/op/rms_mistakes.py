@@ -7,8 +7,9 @@ that ``y = x / sqrt(mean(x**2) + eps) * scale + bias`` is RMSNorm's output. A ga
 (Gemma's ``1 + scale`` where the model's gain is ``scale``, or the other way round) is a
 formula of the gain, whichever offset the model has.
 
-RMSNorm has no fitted model of its own yet for an eps mismatch, a missing backward term or a
-coarser dtype's rounding (LayerNorm's are of centered rows): those failures are not named.
+Its backward's mistake (:data:`RMS_BACKWARD_MISTAKES`) is matched as a formula too. RMSNorm has
+no fitted model of its own yet for an eps mismatch or a coarser dtype's rounding (LayerNorm's
+are of centered rows): those failures are not named.
 """
 
 from __future__ import annotations
@@ -125,5 +126,31 @@ RMS_MISTAKES: dict[str, Mistake] = {
 }
 """RMSNorm's formula mistakes (its forward; autograd of each gives its backward's)."""
 
-RMS_BACKWARD_MISTAKES: dict[str, Mistake] = {}
-"""Mistakes of an RMSNorm backward whose forward is right: none catalogued yet."""
+
+def _backward_without_xhat_term(x, valid, scale, bias, eps, grad_out):
+    """RMSNorm's hand-written backward, ``dx = rstd * (wdy - xhat * mean(xhat * wdy))`` with
+    ``wdy = scale * grad_out``, its xhat term dropped (float64): ``dx = rstd * wdy``."""
+    keep = valid.unsqueeze(-1)
+    rows = _clean(x, valid)
+    rstd = torch.rsqrt(_mean_square(rows) + eps)
+    dy = torch.where(keep, grad_out.nan_to_num(0.0, 0.0, 0.0), 0.0)
+    leading = tuple(range(x.dim() - 1))
+    grad_x = torch.where(keep, rstd * dy * scale, 0.0)
+    return grad_x, (dy * rows * rstd).sum(leading), dy.sum(leading)
+
+
+RMS_BACKWARD_MISTAKES: dict[str, Mistake] = {
+    mistake.name: mistake
+    for mistake in (
+        Mistake(
+            "backward_missing_xhat_term",
+            "grad_x misses its xhat term, -xhat * mean(xhat * scale * grad_out): rstd's own"
+            " gradient dropped from a hand-written backward (or rstd detached from the graph)",
+            "dx = rstd * (wdy - xhat * mean(xhat * wdy)), with wdy = scale * grad_out; keep rstd"
+            " in the graph",
+            rms_correct,
+            _backward_without_xhat_term,
+        ),
+    )
+}
+"""Mistakes of an RMSNorm backward whose forward is right (``diagnose_gradient`` tries them)."""

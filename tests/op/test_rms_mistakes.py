@@ -84,3 +84,21 @@ def test_a_layer_norm_is_rms_norms_mistake_and_not_layer_norms():
     assert diagnose_output(layer, x, valid, gain, bias, 1e-6) == []
     named = diagnose_output(layer, x, valid, gain, bias, 1e-6, norm="rms")
     assert [d.mistake for d in named] == ["mean_subtracted"]
+
+
+def test_the_backward_without_its_xhat_term_is_recognized_in_grad_x_only():
+    """rstd's own gradient dropped: dx = rstd * scale * dy, against autograd's of the truth."""
+    from maskln_cli.op.rms_mistakes import RMS_BACKWARD_MISTAKES
+
+    x, valid, gain, bias = padded_batch(torch.float64)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    rows = torch.where(valid[..., None], x, 0.0)
+    rstd = torch.rsqrt(rows.square().mean(-1, keepdim=True) + 1e-6)
+    wrong = torch.where(valid[..., None], rstd * gain * dy, 0.0)
+    found = diagnose_gradient(wrong.float(), x, valid, gain, bias, dy, 1e-6, norm="rms")
+    assert (
+        [d.mistake for d in found] == list(RMS_BACKWARD_MISTAKES) == ["backward_missing_xhat_term"]
+    )
+    leaf = rows.clone().requires_grad_()
+    (right,) = torch.autograd.grad(truth(leaf, valid, gain, 1e-6), leaf, dy)
+    assert diagnose_gradient(right.float(), x, valid, gain, bias, dy, 1e-6, norm="rms") == []
