@@ -21,6 +21,11 @@ naming each cause; a cause outside the kernel's own (``tests.kernels.Wrong.cause
 instead (each in the dtypes it is correct in, float64 included): every run must pass, and the
 script prints the greatest factor any needed.
 
+``--norm rms`` measures RMSNorm's diagnosis instead: each wrong RMSNorm kernel of
+``tests.verify.test_rms_diagnosis.CAUSES`` (the mistakes of issue 39) on each of its
+``FAMILIES``, in float32 (and float16 and bfloat16 for those of its ``HALF``), at the same
+upstream scales; its table goes between the markers ``<!-- rms diagnosis table -->``.
+
 ``--update-docs`` writes the table between the markers of ``docs/verify-budget.md``
 (``<!-- diagnosis table -->``).
 """
@@ -40,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from maskln_cli.testing import verify  # noqa: E402
 from tests import kernels  # noqa: E402
+from tests.verify import test_rms_diagnosis as rms  # noqa: E402
 
 SCALES = (1.0, 1e-3, 1e-6)
 """The upstream gradient's scales: the usual, and the tiny gradients of early layers."""
@@ -48,13 +54,26 @@ UNNAMED = "no cause named"
 RUNS = "runs"
 DOCS = ROOT / "docs" / "verify-budget.md"
 MARKER = "<!-- diagnosis table -->"
+MARKERS = {"layer": MARKER, "rms": "<!-- rms diagnosis table -->"}
 
 
-def judged(name: str, family: str, dtype: str, scale: float, seed: int) -> tuple[bool, set[str]]:
+def judged(
+    name: str, family: str, dtype: str, scale: float, seed: int, norm: str = "layer"
+) -> tuple[bool, set[str]]:
     """One run: whether it passed, and the causes its failing tensors were given."""
-    report = judge(kernels.CATALOGUE[name].kernel, family, dtype, scale, seed)
+    if norm == "rms":
+        report = rms.judged(name, family, getattr(torch, dtype), seed=seed, upstream=scale)
+    else:
+        report = judge(kernels.CATALOGUE[name].kernel, family, dtype, scale, seed)
     causes = {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
     return report.passed, causes
+
+
+def allowed(name: str, norm: str) -> set[str]:
+    """The causes kernel ``name`` may be given: its own."""
+    if norm == "rms":
+        return {rms.CAUSES[name]} - {None}
+    return set(kernels.CATALOGUE[name].causes)
 
 
 def judge(kernel: kernels.Kernel, family: str, dtype: str, scale: float, seed: int):
@@ -98,9 +117,23 @@ def false_fails(seeds: int) -> int:
     return failing
 
 
-def runs(names: list[str], seeds: int) -> list[tuple[str, str, str, float, int]]:
+def runs(
+    names: list[str], seeds: int, norm: str = "layer"
+) -> list[tuple[str, str, str, float, int]]:
     """Every (kernel, family, dtype, scale, seed) judged: half-dtype kernels on every family,
-    float32 ones on every family but the one made to overflow float16."""
+    float32 ones on every family but the one made to overflow float16 (RMSNorm's: float32 but
+    for half accumulation, float16 and bfloat16 for those of ``rms.HALF``)."""
+    if norm == "rms":
+        return [
+            (name, family, dtype, scale, seed)
+            for name in names
+            for dtype in ("float32", "float16", "bfloat16")
+            if (dtype != "float32" and name in rms.HALF)
+            or (dtype == "float32" and name != "half accumulation")
+            for family in rms.FAMILIES
+            for scale in SCALES
+            for seed in range(seeds)
+        ]
     return [
         (name, family, dtype, scale, seed)
         for name in names
@@ -112,7 +145,7 @@ def runs(names: list[str], seeds: int) -> list[tuple[str, str, str, float, int]]
     ]
 
 
-def table(counts: dict[str, Counter], names: list[str]) -> str:
+def table(counts: dict[str, Counter], names: list[str], norm: str = "layer") -> str:
     """The confusion table in Markdown: a row per kernel, a column per outcome."""
     causes = sorted({c for row in counts.values() for c in row} - {PASSED, UNNAMED, RUNS})
     columns = [PASSED, UNNAMED, *causes]
@@ -120,12 +153,12 @@ def table(counts: dict[str, Counter], names: list[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for name in names:
         row = counts[name]
-        allowed = kernels.CATALOGUE[name].causes
+        own = allowed(name, norm)
         cells = []
         for column in columns:
             count = row.get(column, 0)
             text = str(count) if count else "·"
-            if count and column in allowed:
+            if count and column in own:
                 text = f"**{count}**"
             elif count and column not in (PASSED, UNNAMED):
                 text = f"{count} (wrong)"
@@ -135,14 +168,14 @@ def table(counts: dict[str, Counter], names: list[str]) -> str:
 
 
 def confusion(
-    names: list[str], seeds: int, verbose: bool = False
+    names: list[str], seeds: int, verbose: bool = False, norm: str = "layer"
 ) -> tuple[dict[str, Counter], list[tuple]]:
     """The confusion table's counts (kernel -> outcome -> runs) over :func:`runs`, and the
     runs that named a wrong cause (each printed, and every run with ``verbose``)."""
     counts: dict[str, Counter] = defaultdict(Counter)
     wrong_runs = []
-    for name, family, dtype, scale, seed in runs(names, seeds):
-        passed, causes = judged(name, family, dtype, scale, seed)
+    for name, family, dtype, scale, seed in runs(names, seeds, norm):
+        passed, causes = judged(name, family, dtype, scale, seed, norm)
         counts[name][RUNS] += 1
         if passed:
             counts[name][PASSED] += 1
@@ -150,7 +183,7 @@ def confusion(
             counts[name][UNNAMED] += 1
         for cause in causes:
             counts[name][cause] += 1
-        wrong = causes - kernels.CATALOGUE[name].causes
+        wrong = causes - allowed(name, norm)
         if wrong:
             wrong_runs.append((name, family, dtype, scale, seed, sorted(wrong)))
         if verbose or wrong:
@@ -167,6 +200,7 @@ def main() -> int:
     parser.add_argument("--only", action="append", help="a kernel of the catalogue (repeatable)")
     parser.add_argument("--verbose", action="store_true", help="print every run")
     parser.add_argument("--update-docs", action="store_true")
+    parser.add_argument("--norm", choices=["layer", "rms"], default="layer")
     parser.add_argument(
         "--correct", action="store_true", help="the correct kernels instead: no run may fail"
     )
@@ -174,19 +208,21 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.correct:
         return 1 if false_fails(args.seeds) else 0
-    names = args.only or list(kernels.CATALOGUE)
+    catalogue = rms.CAUSES if args.norm == "rms" else kernels.CATALOGUE
+    names = args.only or list(catalogue)
     start = time.perf_counter()
-    counts, wrong_runs = confusion(names, args.seeds, args.verbose)
-    text = table(counts, names)
+    counts, wrong_runs = confusion(names, args.seeds, args.verbose, args.norm)
+    text = table(counts, names, args.norm)
     total = sum(row[RUNS] for row in counts.values())
     print(text)
     print(f"\n{total} runs, {len(wrong_runs)} naming a wrong cause"
           f" ({time.perf_counter() - start:.0f} s)")  # fmt: skip
     if args.update_docs:
         page = DOCS.read_text()
-        head, _, rest = page.partition(MARKER)
-        _, _, tail = rest.partition(MARKER)
-        DOCS.write_text(f"{head}{MARKER}\n\n{text}\n\n{MARKER}{tail}")
+        marker = MARKERS[args.norm]
+        head, _, rest = page.partition(marker)
+        _, _, tail = rest.partition(marker)
+        DOCS.write_text(f"{head}{marker}\n\n{text}\n\n{marker}{tail}")
     return 1 if wrong_runs else 0
 
 

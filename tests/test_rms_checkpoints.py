@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from tests.clitools import invoke, metadata, read, write
+from tests.model_runs import LENGTHS, run_padded_batch
 
 COMMON = {
     "hidden_size": 32,
@@ -34,7 +35,6 @@ COMMON = {
 }
 ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen2": ("Qwen2Config", "Qwen2Model")}
 MODULE = "layers.1.input_layernorm"
-LENGTHS = (9, 5, 2)
 
 
 def capture(name, folder):
@@ -46,31 +46,8 @@ def capture(name, folder):
         model.get_submodule(MODULE).weight.normal_(1.0, 0.5)
     model.save_pretrained(folder, safe_serialization=True)
     module = model.get_submodule(MODULE)
-    captured = {}
-
-    def forward_hook(_, inputs, output):
-        captured["x"], captured["out"] = inputs[0].detach(), output.detach()
-
-    def backward_hook(_, grad_input, grad_output):
-        captured["grad_x"], captured["grad_out"] = grad_input[0], grad_output[0]
-
-    handles = [
-        module.register_forward_hook(forward_hook),
-        module.register_full_backward_hook(backward_hook),
-    ]
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, 30, (len(LENGTHS), max(LENGTHS)), generator=generator)
-    positions = torch.arange(max(LENGTHS))
-    attention_mask = (positions[None, :] < torch.tensor(LENGTHS)[:, None]).long()
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    weights = torch.randn(hidden.shape, generator=generator)
-    model.zero_grad()
-    (hidden * weights * attention_mask[..., None]).sum().backward()
-    for handle in handles:
-        handle.remove()
-    acts = {"x": captured["x"], "attention_mask": attention_mask, "grad_out": captured["grad_out"]}
-    own = {"out": captured["out"], "grad_x": captured["grad_x"], "grad_scale": module.weight.grad}
-    return acts, own, module
+    acts, own = run_padded_batch(model, module)
+    return acts, {**own, "grad_scale": module.weight.grad}, module
 
 
 def float64_rms(acts, weight, eps):
@@ -117,7 +94,8 @@ def test_normalize_finds_rmsnorm_in_the_config_and_matches_the_model(name, tmp_p
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tmp_path):
     """capture -> maskln verify DIR: each stock RMSNorm's dump (its padding normalized, so its
-    valid rows are compared) passes; a dump whose out is 1 + weight's fails, naming no cause."""
+    valid rows are compared) passes; a dump whose out is 1 + weight's fails, naming that cause
+    (RMSNorm's catalogue: the gain one more than due)."""
     from safetensors.torch import load_file, save_file
 
     import maskln_cli
@@ -140,7 +118,7 @@ def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tm
     assert len(verdicts) == 5 and all(v["passed"] for v in verdicts)
     judged = {t["name"] for v in verdicts for t in v["report"]["tensors"]}
     assert judged == {"out", "grad_x", "grad_scale"}
-    # A kernel that took Gemma's 1 + weight: wrong, and no cause is named for it.
+    # A kernel that took Gemma's 1 + weight: wrong, and that is the cause named.
     dump = sorted(folder.iterdir())[-1]
     tensors = load_file(str(dump))
     valid = tensors["valid"]
@@ -150,4 +128,5 @@ def test_verify_passes_a_models_captured_rmsnorms_and_fails_a_wrong_one(name, tm
     failed = invoke("verify", dump, tmp_path / "k.st", "--check", "out", "--json")
     assert failed.exit_code == 1
     out = json.loads(failed.stdout)["tensors"][0]
-    assert out["passed"] is False and out["diagnosis"] == []
+    assert out["passed"] is False
+    assert [d["mistake"] for d in out["diagnosis"]] == ["gain_plus_one"]

@@ -22,6 +22,7 @@ import transformers
 
 from maskln_cli.op.reference import reference_masked_layer_norm
 from tests.clitools import invoke, metadata, read, write
+from tests.model_runs import LENGTHS, run_padded_batch
 
 COMMON = {
     "hidden_size": 32,
@@ -56,7 +57,6 @@ ARCHITECTURES = {
         "h.1.ln_2",
     ),
 }  # fmt: skip
-LENGTHS = (9, 5, 2)
 
 
 def build(name):
@@ -71,37 +71,8 @@ def capture_layer_norm(model, module_name):
     """Run a padded batch; return the LayerNorm's input dump and its outputs and gradients."""
     module = model.get_submodule(module_name)
     assert isinstance(module, torch.nn.LayerNorm)
-    captured = {}
-
-    def forward_hook(_, inputs, output):
-        captured["x"], captured["out"] = inputs[0].detach(), output.detach()
-
-    def backward_hook(_, grad_input, grad_output):
-        # The gradients through this LayerNorm alone: in a pre-LN model (ESM, GPT-2) x also
-        # feeds the residual path, so x's own .grad would hold more than the LayerNorm's part.
-        captured["grad_x"], captured["grad_out"] = grad_input[0], grad_output[0]
-
-    handles = [
-        module.register_forward_hook(forward_hook),
-        module.register_full_backward_hook(backward_hook),
-    ]
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, 30, (len(LENGTHS), max(LENGTHS)), generator=generator)
-    positions = torch.arange(max(LENGTHS))
-    attention_mask = (positions[None, :] < torch.tensor(LENGTHS)[:, None]).long()  # int64
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    weights = torch.randn(hidden.shape, generator=generator)
-    model.zero_grad()
-    (hidden * weights * attention_mask[..., None]).sum().backward()  # a loss over valid positions
-    for handle in handles:
-        handle.remove()
-    acts = {"x": captured["x"], "attention_mask": attention_mask, "grad_out": captured["grad_out"]}
-    layer = {
-        "out": captured["out"],
-        "grad_x": captured["grad_x"],
-        "grad_scale": module.weight.grad,
-        "grad_bias": module.bias.grad,
-    }
+    acts, own = run_padded_batch(model, module)
+    layer = {**own, "grad_scale": module.weight.grad, "grad_bias": module.bias.grad}
     return acts, layer, module
 
 

@@ -69,6 +69,16 @@ class Exercise:
         """``(x, valid, scale, eps=1e-06)``, in words."""
         return f"({', '.join(self.inputs[:-1])}, eps={self.default_eps!r})"
 
+    def bias_words(self, words: str, otherwise: str = "") -> str:
+        """``words`` when the exercise has a bias, else ``otherwise``: labels and messages
+        speak of a bias only where there is one.
+
+        Example:
+            >>> RMS.bias_words("scale and bias", "scale"), LAYER.bias_words(", bias nonzero")
+            ('scale', ', bias nonzero')
+        """
+        return words if "bias" in self.inputs else otherwise
+
     def arguments(self, *names: str) -> tuple[str, ...]:
         """``names`` that this exercise's function takes, in order."""
         return tuple(name for name in names if name in self.inputs)

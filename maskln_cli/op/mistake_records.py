@@ -47,3 +47,16 @@ class Diagnosis:
     def sentence(self) -> str:
         """``likely: unbiased variance (divides by C - 1); fix: ...``"""
         return f"likely {self.description}; {self.fix}"
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """One norm's known mistakes: its ``correct`` formula (the truth a result is matched
+    against), its formula ``mistakes`` and ``backward`` ones, and whether the fitted models
+    of its rounding and statistics (a one-pass variance, a coarser dtype's grid, an eps, a
+    backward term) are of this norm (``fitted``: LayerNorm's are; RMSNorm has none yet)."""
+
+    correct: Formula
+    mistakes: dict[str, Mistake]
+    backward: dict[str, Mistake]
+    fitted: bool

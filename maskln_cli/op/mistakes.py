@@ -27,10 +27,12 @@ from maskln_cli.op.backward_mistakes import (
     STATISTICS_OVERFLOW_DTYPE,
     overflow_match,
 )
-from maskln_cli.op.mistake_records import Diagnosis, Mistake
+from maskln_cli.op.mistake_records import Catalogue, Diagnosis, Mistake
+from maskln_cli.op.rms_mistakes import RMS_BACKWARD_MISTAKES, RMS_MISTAKES, rms_correct
 
 __all__ = [
     "BACKWARD_MISTAKES",
+    "CATALOGUES",
     "LOWER_PRECISION",
     "MISTAKES",
     "MORE_MISTAKES",
@@ -209,6 +211,13 @@ MISTAKES: dict[str, Mistake] = {
         ),
     )
 }
+
+
+CATALOGUES: dict[str, Catalogue] = {
+    "layer": Catalogue(correct, MISTAKES, BACKWARD_MISTAKES, fitted=True),
+    "rms": Catalogue(rms_correct, RMS_MISTAKES, RMS_BACKWARD_MISTAKES, fitted=False),
+}
+"""Each norm's catalogue, by the norm's name: one matching code for both (``norm=``)."""
 
 
 def _affine_reset(x, valid, scale, bias, eps):
@@ -408,6 +417,7 @@ def diagnose_output(
     *,
     noise: float | None = None,
     mistakes: dict[str, Mistake] | None = None,
+    norm: str = "layer",
 ) -> list[Diagnosis]:
     """The known mistakes ``actual`` (an output of the op on these inputs) matches, best first.
 
@@ -418,7 +428,7 @@ def diagnose_output(
     offset it is well above :data:`MATCH_DISTANCE`, and a mistake then matches within three
     times it, when three times closer to it than to the correct output. An empty list: the
     result is wrong in no known way (or right). ``mistakes``: the formulas tried (default
-    :data:`MISTAKES`).
+    :data:`MISTAKES`, or the ``norm``'s catalogue of :data:`CATALOGUES`).
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0, 4.0], [5.0, 5.0, 9.0]], dtype=torch.float64)
@@ -428,9 +438,10 @@ def diagnose_output(
         ['unbiased_variance']
     """
     dtype = dtype or actual.dtype
+    catalogue = CATALOGUES[norm]
     x64, scale64, bias64 = x.double(), scale.double(), bias.double()
     result = actual.double()
-    truth = correct(x64, valid, scale64, bias64, eps)
+    truth = catalogue.correct(x64, valid, scale64, bias64, eps)
     to_truth = _distance(result, truth)
     if to_truth == 0.0:
         return []
@@ -439,11 +450,12 @@ def diagnose_output(
         with torch.no_grad():
             return mistake.formula(x64, valid, scale64, bias64, eps)
 
-    tried = MISTAKES if mistakes is None else mistakes
+    tried = catalogue.mistakes if mistakes is None else mistakes
     found = _matching(result, truth, tried.values(), output, dtype, noise)
-    one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
-    if one_pass is not None:
-        found.append(one_pass)
+    if catalogue.fitted:  # a one-pass variance's model is of centered rows
+        one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
+        if one_pass is not None:
+            found.append(one_pass)
     return sorted(found, key=lambda d: d.distance)
 
 
@@ -454,6 +466,7 @@ def diagnose_precision(
     scale: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
+    norm: str = "layer",
 ) -> list[Diagnosis]:
     """The dtype mistake ``actual`` (an output of the op on these inputs) shows, if any: its
     dtype is not x's, or every finite value of it is a number of a lower precision (float32 for
@@ -478,7 +491,8 @@ def diagnose_precision(
             name = "output_lower_precision"
     else:
         with torch.no_grad():
-            truth = correct(x.double(), valid, scale.double(), bias.double(), eps).to(x.dtype)
+            args = (x.double(), valid, scale.double(), bias.double(), eps)
+            truth = CATALOGUES[norm].correct(*args).to(x.dtype)
         for lower in (torch.bfloat16, torch.float16, torch.float32):
             if lower.itemsize >= x.dtype.itemsize or lower == x.dtype:
                 continue
@@ -681,6 +695,7 @@ def diagnose_gradient(
     noise: float | None = None,
     mistakes: dict[str, Mistake] | None = None,
     name: str = "grad_x",
+    norm: str = "layer",
 ) -> list[Diagnosis]:
     """The known mistakes a gradient ``actual`` (``name``: w.r.t. x, or grad_scale or
     grad_bias) matches, best first: for each formula of :data:`MISTAKES` the gradient of
@@ -699,6 +714,7 @@ def diagnose_gradient(
         ['unbiased_variance']
     """
     dtype = dtype or actual.dtype
+    catalogue = CATALOGUES[norm]
     x64, scale64, bias64 = x.double(), scale.double(), bias.double()
     upstream = torch.where(valid.unsqueeze(-1), grad_out.double(), 0.0)
     upstream = upstream.nan_to_num(0.0, 0.0, 0.0)
@@ -714,10 +730,10 @@ def diagnose_gradient(
             grad = torch.autograd.grad(out, leaves[which], upstream, allow_unused=True)[0]
         return torch.zeros_like(leaves[which]) if grad is None else grad
 
-    truth = gradient(Mistake("", "", "", correct))
+    truth = gradient(Mistake("", "", "", catalogue.correct))
     if _distance(result, truth) == 0.0:
         return []
-    tried = {**MISTAKES, **BACKWARD_MISTAKES} if mistakes is None else mistakes
+    tried = {**catalogue.mistakes, **catalogue.backward} if mistakes is None else mistakes
     found = _matching(result, truth, tried.values(), gradient, dtype, noise)
     return sorted(found, key=lambda d: d.distance)
 

@@ -47,14 +47,17 @@ def check_kernel(
     valid: torch.Tensor | None,
     scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-    eps: float = 1e-5,
+    eps: float | None = None,
     grad_out: torch.Tensor | None = None,
     *,
     factor: float = DEFAULT_FACTOR,
     strict: bool = True,
+    norm: str = "layer",
+    offset: float = 0.0,
 ) -> None:
     """Assert that ``kernel(x, valid, scale, bias, eps)`` computes masked layer normalization
-    right, and leaves its inputs as it found them.
+    right (with ``norm="rms"``: ``kernel(x, valid, scale, eps)`` masked RMSNorm), and leaves
+    its inputs as it found them.
 
     The kernel is called on copies of the inputs (same dtypes, devices and strides); its
     output, and with ``grad_out`` its gradients of ``sum(out * grad_out)`` by autograd, are
@@ -65,11 +68,15 @@ def check_kernel(
     ``grad_out``.
 
     Args:
-        kernel: called as ``kernel(x, valid, scale, bias, eps)``; returns ``out``, a tensor
-            of x's shape, differentiable by autograd when ``grad_out`` is given.
+        kernel: called as ``kernel(x, valid, scale, bias, eps)`` (RMSNorm's: ``kernel(x,
+            valid, scale, eps)``, and ``offset=offset`` when it is not 0, as
+            :func:`~maskln_cli.masked_rms_normalization` takes them); returns ``out``, a
+            tensor of x's shape, differentiable by autograd when ``grad_out`` is given.
         x, valid, scale, bias, eps, grad_out: the inputs, as :func:`assert_close` takes them
-            (``valid``, ``scale`` and ``bias`` may be None: the kernel gets None).
-        factor, strict: as :func:`assert_close`'s.
+            (``valid``, ``scale`` and ``bias`` may be None: the kernel gets None; bias None
+            for RMSNorm; eps None: the norm's default).
+        factor, strict, norm, offset: as :func:`assert_close`'s (``norm="rms"``: RMSNorm,
+            its gain ``offset + scale``).
 
     Raises:
         AssertionError: the kernel changed an input (an :class:`InputModified`, naming it),
@@ -102,7 +109,7 @@ def check_kernel(
     if not callable(kernel):
         raise TypeError(f"kernel must be callable, got {type(kernel).__name__}")
     check_judging(factor, strict)
-    problem = problem_of(x, valid, scale, bias, eps, grad_out)  # checks every input first
+    problem = problem_of(x, valid, scale, bias, eps, grad_out, norm, offset)  # checks all first
     given = dict(zip(ARGUMENTS, (x, valid, scale, bias), strict=True))
     if grad_out is not None:
         given["grad_out"] = grad_out
@@ -112,7 +119,11 @@ def check_kernel(
         if tensor is not None
     }
     arguments = [copies[n].tensor if n in copies else None for n in ARGUMENTS]
-    out = kernel(*arguments, eps)
+    if problem.norm.centered:
+        out = kernel(*arguments, problem.eps)
+    else:  # RMSNorm's arguments: no bias, the offset by keyword as the op takes it
+        options = {"offset": problem.offset} if problem.offset else {}
+        out = kernel(*arguments[:3], problem.eps, **options)
     if not isinstance(out, torch.Tensor):
         raise AssertionError(f"FAIL: the kernel returned {_a(type(out).__name__)}, not a tensor")
     gradients: dict[str, torch.Tensor | None] = {}

@@ -88,8 +88,12 @@ class Causes:
         origin: str,
         wrong: Callable[[str], bool | None],
     ):
+        from maskln_cli.verify.diagnose import catalogue_of
+
         self.plan = plan
         self.problem = plan.problem
+        self.norm = plan.problem.norm.name
+        self.catalogue = catalogue_of(plan.problem)  # the norm's known mistakes
         self.result = plan.result
         self.judge = plan.judge
         self.poisoned = poisoned  # invalid rows with NaN or inf in x or grad_out
@@ -136,7 +140,7 @@ class Causes:
         if self.explained is None:
             from maskln_cli.verify.diagnose import candidate_of
 
-            candidates = candidate_of(diagnosis, found)
+            candidates = candidate_of(diagnosis, found, self.norm)
             if candidates:
                 factor = found.factor if found is not None else None
                 self.explained = Explained(diagnosis, candidates, factor, found)
@@ -148,6 +152,8 @@ class Causes:
         outcome, comparison = checked.outcome, checked.comparison
         assert outcome is not None and comparison is not None
         self.current = None
+        if not self.catalogue.fitted:
+            found = None  # the systematic test's models (eps, terms, factors) are LayerNorm's
         evidence = self.evidence(checked)
         if evidence == "same" and self.out_diagnosis is None:
             return None  # out is wrong in no known way: nor are its gradients, known
@@ -222,11 +228,11 @@ class Causes:
         candidates = earlier.candidates if earlier is not None else None
         if evidence == "same":
             assert same is not None
-            candidates = diagnose.candidate_of(same, self._finding_of(same))
+            candidates = diagnose.candidate_of(same, self._finding_of(same), self.norm)
         elif (
             evidence == "backward"
             and earlier is not None
-            and (earlier.diagnosis.mistake not in catalogue.BACKWARD_MISTAKES)
+            and (earlier.diagnosis.mistake not in self.catalogue.backward)
         ):
             candidates = None
         first = self.first.mistake if self.first is not None else ""
@@ -292,18 +298,18 @@ class Causes:
         outcome = checked.outcome
         assert outcome is not None
         if same is not None:
-            tried = candidate_of(same, self._finding_of(same))
+            tried = candidate_of(same, self._finding_of(same), self.norm)
             if not tried:
                 return None
         elif evidence == "backward":
-            tried = dict(catalogue.BACKWARD_MISTAKES)
+            tried = dict(self.catalogue.backward)
         else:
-            tried = {**catalogue.MISTAKES, **catalogue.BACKWARD_MISTAKES}
+            tried = {**self.catalogue.mistakes, **self.catalogue.backward}
         judge = checked.judge or self.judge
         found = catalogue.diagnose_gradient(
             self.result.tensor(checked.key), problem.x, problem.valid, problem.scale,
             problem.bias, problem.grad_out, problem.eps, judge,
-            noise=outcome.yardstick_rel_l2, mistakes=tried, name=checked.name,
+            noise=outcome.yardstick_rel_l2, mistakes=tried, name=checked.name, norm=self.norm,
         )  # fmt: skip
         if found and (len(found) == 1 or found[1].distance >= 3 * found[0].distance):
             return same if same is not None else found[0]
@@ -315,12 +321,11 @@ def where(
     problem_valid: torch.Tensor,
     leading: tuple[int, ...],
     current: tuple[Sample, torch.Tensor] | None,
-    catalogued: bool = True,
 ) -> str:
     """Where a failing tensor's error is, in words, for one no cause explains: which rows
     (their index in x's ``leading`` shape, when not every valid row), which channels (when a
     few hold it: ``CONCENTRATED``), from the rows diagnosed (``current``: their sample and
-    truth). ``catalogued``: the known mistakes were tried (LayerNorm's; RMSNorm has none)."""
+    truth)."""
     comparison, outcome = checked.comparison, checked.outcome
     assert comparison is not None and outcome is not None
     parts = []
@@ -337,8 +342,7 @@ def where(
         if len(elements) == comparison.beyond:
             shown = ", ".join(str(e) for e in elements)
             parts.append(f"{'element' if len(elements) == 1 else 'elements'} {shown}")
-    head = "not one of the known mistakes" if catalogued else "no cause named for RMSNorm"
-    return head + (f": {', '.join(parts)}" if parts else "")
+    return "not one of the known mistakes" + (f": {', '.join(parts)}" if parts else "")
 
 
 def leading_index(row: int, leading: tuple[int, ...]) -> list[int]:

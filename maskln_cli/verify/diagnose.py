@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from maskln_cli.files.masks import RowMask
     from maskln_cli.files.problem import Problem
     from maskln_cli.files.tensorfile import TensorFile
+    from maskln_cli.op.mistake_records import Catalogue
     from maskln_cli.op.mistakes import Diagnosis, Mistake
     from maskln_cli.verify.systematic import Finding
 
@@ -40,6 +41,13 @@ C u from C = 16 to 4,096; a bfloat16 one's, in float16's u, 0.14 to 0.27."""
 STORED = (0.2, 2.0)
 """Values rounded to a dtype of unit roundoff u err, relative, by ``STORED[0] * u`` to
 ``STORED[1] * u``: float16 and bfloat16 outputs 0.65 to 0.75 u; bfloat16's in float16's u, 5.7."""
+
+
+def catalogue_of(problem: Problem) -> Catalogue:
+    """The known mistakes of ``problem``'s norm (LayerNorm's or RMSNorm's)."""
+    from maskln_cli.op.mistakes import CATALOGUES
+
+    return CATALOGUES[problem.norm.name]
 
 
 def take_sample(
@@ -98,32 +106,38 @@ def diagnose_rows(
     then the rounding of a coarser dtype (unless the tensor's error is ``systematic``, which
     rounding is not, or an earlier tensor's was a formula's: the caller says so; without
     ``catalogue``, its formulas are not tried; ``confirmed``, see
-    :func:`precision_diagnosis`). ``truth`` is the sample's float64 truth, ``noise``
-    PyTorch's relative distance from it in ``judge``."""
+    :func:`precision_diagnosis`, whose model is LayerNorm's: not tried for RMSNorm). ``truth``
+    is the sample's float64 truth, ``noise`` PyTorch's relative distance from it in
+    ``judge``; the formulas are those of the problem's norm."""
     from maskln_cli.op import mistakes as formulas
 
     problem = sample.problem
+    known = catalogue_of(problem)
+    norm = problem.norm.name
     overflow = formulas.overflow_match(sample.actual, truth, sample.x, sample.valid, judge)
     if overflow is not None:
         return overflow
     args = (sample.x, sample.valid, problem.scale, problem.bias)
-    default = None if forward else formulas.BACKWARD_MISTAKES
+    default = None if forward else known.backward
     tries = ([candidates] if candidates else []) + ([default] if catalogue else [])
     for mistakes in tries:
         if name == "out":
             found = formulas.diagnose_output(
-                sample.actual, *args, problem.eps, judge, noise=noise, mistakes=mistakes
-            )
+                sample.actual, *args, problem.eps, judge, noise=noise, mistakes=mistakes,
+                norm=norm,
+            )  # fmt: skip
         else:
             assert sample.grad_out is not None
             found = formulas.diagnose_gradient(
                 sample.actual, *args, sample.grad_out, problem.eps, judge, noise=noise,
-                mistakes=mistakes,
+                mistakes=mistakes, norm=norm,
             )  # fmt: skip
         if found:
             clear = len(found) == 1 or found[1].distance >= AMBIGUOUS * found[0].distance
             return found[0] if clear else None
-    return None if systematic else precision_diagnosis(name, sample, truth, confirmed)
+    if systematic or not known.fitted:
+        return None
+    return precision_diagnosis(name, sample, truth, confirmed)
 
 
 AMBIGUOUS = 3.0
@@ -325,13 +339,17 @@ def mistake_diagnosis(name: str) -> Diagnosis:
     return Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
 
 
-def candidate_of(diagnosis: Diagnosis, finding: Finding | None) -> dict[str, Mistake]:
-    """An explanation as a formula to try first on later tensors: a mistake of the catalogue,
-    or the correct op with the eps RESULT's rows gave (in its backward only, when out is
-    right). Empty when it has none."""
-    from maskln_cli.op.mistakes import BACKWARD_MISTAKES, MISTAKES, Mistake, correct
+def candidate_of(
+    diagnosis: Diagnosis, finding: Finding | None, norm: str = "layer"
+) -> dict[str, Mistake]:
+    """An explanation as a formula to try first on later tensors: a mistake of the ``norm``'s
+    catalogue, or the correct op with the eps RESULT's rows gave (in its backward only, when
+    out is right). Empty when it has none."""
+    from maskln_cli.op.mistakes import CATALOGUES, Mistake
 
-    known = {**MISTAKES, **BACKWARD_MISTAKES}
+    catalogue = CATALOGUES[norm]
+    correct = catalogue.correct
+    known = {**catalogue.mistakes, **catalogue.backward}
     if diagnosis.mistake in known:
         return {diagnosis.mistake: known[diagnosis.mistake]}
     if diagnosis.mistake == "eps_mismatch" and finding is not None:

@@ -159,9 +159,7 @@ class Explainer:
         the words it takes the place of, and the phrase the verdict line says."""
         outcome = checked.outcome
         assert outcome is not None
-        # The catalogue is LayerNorm's: an RMSNorm failure says where it differs, no cause.
-        centered = self.problem.norm.centered
-        diagnosis = self.causes.diagnose(checked, found) if centered else None
+        diagnosis = self.causes.diagnose(checked, found)
         if diagnosis is not None and self.problem.eps_source == "default":
             diagnosis = _eps_may_be_ours(diagnosis, self.problem.eps)
         outcome.diagnosis = [diagnosis.to_dict()] if diagnosis is not None else []
@@ -183,7 +181,7 @@ class Explainer:
         if diagnosis is None and not specific and self._beyond(checked):
             # No cause: say so, and where the error is.
             leading = tuple(self.problem.shape[:-1])
-            words = where(checked, self.problem.valid, leading, self.causes.current, centered)
+            words = where(checked, self.problem.valid, leading, self.causes.current)
             index = next((i for i, p in enumerate(outcome.problems) if "beyond" in p
                           or "valid rows off" in p), 0)  # fmt: skip
             outcome.problems[index] += f"; {words}"

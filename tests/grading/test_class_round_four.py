@@ -12,7 +12,6 @@ Slow: every submission in processes of its own, two at a time."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.clitools import ROOT
+from tests.grading.classes import load_module, submission, submissions
 from tests.grading.independent_checker import check
 
 pytestmark = pytest.mark.slow
@@ -30,20 +30,12 @@ pytestmark = pytest.mark.slow
 CLASS = ROOT / "tests" / "solutions" / "class_round_four"
 
 
-def _module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_EXPECTED = _module(CLASS / "_expected.py", "class_round_four_expected")
+_EXPECTED = load_module(CLASS / "_expected.py", "class_round_four_expected")
 EXPECTED = _EXPECTED.EXPECTED
 
 
 def test_the_class_is_the_manifest():
-    files = sorted(p.name for p in CLASS.glob("*.py") if not p.name.startswith("_"))
+    files = submissions(CLASS)
     assert files == sorted(EXPECTED)
     assert len(files) >= 40
     wrong = {name: kind for name, kind in EXPECTED.items() if kind}
@@ -55,7 +47,7 @@ def test_the_class_is_the_manifest():
 def test_the_independent_checker_agrees_with_the_instructor(name):
     """Wrong established apart from the grader: a float64 loop reference, finite differences,
     the checker's own data, families and state readers, and looser tolerances."""
-    found = check(_module(CLASS / name, f"class_round_four_{name[:-3]}").masked_layer_normalization)
+    found = check(submission(CLASS, name, "class_round_four").masked_layer_normalization)
     if EXPECTED[name] is None:
         assert found == [], found
     else:

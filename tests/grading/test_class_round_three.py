@@ -10,7 +10,6 @@ the rules, and its leading cause agrees with the instructor's (_expected.py) for
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.clitools import ROOT
+from tests.grading.classes import load_module, submission, submissions
 from tests.grading.independent_checker import check
 
 pytestmark = pytest.mark.slow
@@ -28,29 +28,17 @@ pytestmark = pytest.mark.slow
 CLASS = ROOT / "tests" / "solutions" / "class_round_three"
 
 
-def _expected() -> dict[str, tuple[str, ...] | None]:
-    spec = importlib.util.spec_from_file_location(
-        "class_round_three_expected", CLASS / "_expected.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.EXPECTED
-
-
-EXPECTED = _expected()
+EXPECTED: dict[str, tuple[str, ...] | None] = load_module(
+    CLASS / "_expected.py", "class_round_three_expected"
+).EXPECTED
 
 
 def _function(name: str):
-    spec = importlib.util.spec_from_file_location(f"class_round_three_{name[:-3]}", CLASS / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.masked_layer_normalization
+    return submission(CLASS, name, "class_round_three").masked_layer_normalization
 
 
 def test_the_class_is_the_manifest():
-    files = sorted(p.name for p in CLASS.glob("*.py") if not p.name.startswith("_"))
+    files = submissions(CLASS)
     assert files == sorted(EXPECTED)
     assert len(files) >= 60
     wrong = [name for name, cause in EXPECTED.items() if cause]

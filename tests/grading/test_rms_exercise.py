@@ -10,7 +10,6 @@ class grade are slow."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -24,30 +23,22 @@ from maskln_cli.grading.exercise import EXERCISES, exercising
 from maskln_cli.grading.rules import parse_rules
 from maskln_cli.grading.selection import CLAUSE_LEVELS, select
 from tests.clitools import ROOT, assert_one_line_error, grade_command, run_without_torch_check
+from tests.grading.classes import load_module, submission, submissions
 
 CLASS = ROOT / "tests" / "solutions" / "class_rms"
 
 
-def _module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXPECTED = _module(CLASS / "_expected.py", "class_rms_expected").EXPECTED
+EXPECTED = load_module(CLASS / "_expected.py", "class_rms_expected").EXPECTED
 CORRECT = sorted(name for name, wrong in EXPECTED.items() if wrong is None)
 WRONG = sorted(name for name, wrong in EXPECTED.items() if wrong is not None)
 
 
 def solution(name: str):
-    return _module(CLASS / name, f"class_rms_{name[:-3]}").masked_rms_normalization
+    return submission(CLASS, name, "class_rms").masked_rms_normalization
 
 
 def test_the_class_is_the_manifest():
-    files = sorted(p.name for p in CLASS.glob("*.py") if not p.name.startswith("_"))
-    assert files == sorted(EXPECTED)
+    assert submissions(CLASS) == sorted(EXPECTED)
     assert len(CORRECT) >= 4 and len(WRONG) >= 8
 
 

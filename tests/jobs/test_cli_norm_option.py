@@ -32,18 +32,33 @@ def rms_inputs(shape=(3, 5, 8), dtype=torch.float32, seed=0, **extra):
     return {"x": x, "valid": valid, "scale": scale, **extra}
 
 
+def normalized(tmp_path, tensors, *args, **meta):
+    """``maskln normalize`` of ``tensors`` (written with metadata ``meta``) with ``args``,
+    succeeding: its result and the path it wrote."""
+    source = write(tmp_path / "in.safetensors", tensors, **meta)
+    out_path = tmp_path / "out.safetensors"
+    result = invoke("normalize", source, out_path, *args)
+    assert result.exit_code == 0, result.stderr
+    return result, out_path
+
+
+def assert_rms_out(path, tensors, eps, offset=0.0, tolerance=1e-12, scale=None):
+    """The ``out`` written at ``path`` is the float64 reference's RMSNorm of ``tensors``."""
+    scale = tensors["scale"] if scale is None else scale
+    expected = rms_reference(tensors["x"], tensors["valid"], scale, eps, offset=offset)
+    out = read(path)["out"]
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    return out
+
+
 def test_rms_output_matches_a_float64_reference_and_zeroes_padding(tmp_path):
     tensors = rms_inputs()
-    source = write(tmp_path / "in.safetensors", tensors)
-    result = invoke("normalize", source, tmp_path / "out.safetensors", "--norm", "rms")
-    assert result.exit_code == 0, result.stderr
-    out = read(tmp_path / "out.safetensors")["out"]
-    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6)
-    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-6)
+    result, out_path = normalized(tmp_path, tensors, "--norm", "rms")
+    out = assert_rms_out(out_path, tensors, 1e-6, tolerance=2e-6)
     padded = out[~tensors["valid"]]
     assert torch.equal(padded, torch.zeros_like(padded))
     assert not torch.signbit(padded).any()
-    written = metadata(tmp_path / "out.safetensors")
+    written = metadata(out_path)
     assert (written["norm"], float(written["eps"])) == ("rms", 1e-6)  # RMSNorm's default eps
     assert "wrote" in result.stderr and "RMSNorm out [3, 5, 8]" in result.stderr
 
@@ -68,12 +83,8 @@ def test_rms_gradients_have_no_grad_bias_and_match_float64_autograd(tmp_path):
 
 def test_offset_gives_gemmas_one_plus_scale(tmp_path):
     tensors = rms_inputs(dtype=torch.float64, seed=2)
-    source = write(tmp_path / "in.safetensors", tensors)
-    out_path = tmp_path / "out.safetensors"
-    result = invoke("normalize", source, out_path, "--norm", "rms", "--gain-offset", "1")
-    assert result.exit_code == 0, result.stderr
-    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6, offset=1.0)
-    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    _, out_path = normalized(tmp_path, tensors, "--norm", "rms", "--gain-offset", "1")
+    assert_rms_out(out_path, tensors, 1e-6, offset=1.0)
     assert float(metadata(out_path)["offset"]) == 1.0
 
 
@@ -92,13 +103,9 @@ def write_config(folder, **entries):
 
 def test_a_config_with_rms_norm_eps_gives_the_norm_and_its_eps(tmp_path):
     tensors = rms_inputs(dtype=torch.float64, seed=3)
-    source = write(tmp_path / "in.safetensors", tensors)
     model = write_config(tmp_path / "model", rms_norm_eps=0.25)
-    out_path = tmp_path / "out.safetensors"
-    result = invoke("normalize", source, out_path, "--config", model)
-    assert result.exit_code == 0, result.stderr
-    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 0.25)
-    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    _, out_path = normalized(tmp_path, tensors, "--config", model)
+    assert_rms_out(out_path, tensors, 0.25)
     written = metadata(out_path)
     assert written["norm"] == "rms"
     assert written["eps_source"].endswith("config.json: rms_norm_eps")
@@ -127,23 +134,15 @@ def test_norm_rms_against_a_layer_config_is_a_one_line_error(tmp_path):
 
 def test_the_input_metadata_names_the_norm_and_its_eps(tmp_path):
     tensors = rms_inputs(dtype=torch.float64, seed=4)
-    source = write(tmp_path / "in.safetensors", tensors, norm="rms", rms_norm_eps="0.5")
-    out_path = tmp_path / "out.safetensors"
-    result = invoke("normalize", source, out_path)
-    assert result.exit_code == 0, result.stderr
-    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 0.5)
-    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    _, out_path = normalized(tmp_path, tensors, norm="rms", rms_norm_eps="0.5")
+    assert_rms_out(out_path, tensors, 0.5)
 
 
 def test_norm_option_overrides_the_metadata_with_a_note(tmp_path):
     tensors = rms_inputs(dtype=torch.float64, seed=5)
-    source = write(tmp_path / "in.safetensors", tensors, norm="layer", eps="0.5")
-    out_path = tmp_path / "out.safetensors"
-    result = invoke("normalize", source, out_path, "--norm", "rms")
-    assert result.exit_code == 0, result.stderr
+    result, out_path = normalized(tmp_path, tensors, "--norm", "rms", norm="layer", eps="0.5")
     assert "--norm rms overrides" in result.stderr and "'layer'" in result.stderr
-    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 0.5)
-    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    assert_rms_out(out_path, tensors, 0.5)
 
 
 @pytest.mark.parametrize(
@@ -191,19 +190,14 @@ def test_an_rms_module_without_bias_reads_its_weight(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert "no bias" not in result.stderr  # RMSNorm has none: nothing to say
-    expected = rms_reference(tensors["x"], tensors["valid"], weight, 1e-6)
-    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    assert_rms_out(out_path, tensors, 1e-6, scale=weight)
 
 
 def test_a_default_bias_tensor_is_not_used_by_rms_and_said(tmp_path):
     tensors = rms_inputs(dtype=torch.float64, seed=7, bias=torch.full((8,), 100.0))
-    source = write(tmp_path / "in.safetensors", tensors)
-    out_path = tmp_path / "out.safetensors"
-    result = invoke("normalize", source, out_path, "--norm", "rms")
-    assert result.exit_code == 0, result.stderr
+    result, out_path = normalized(tmp_path, tensors, "--norm", "rms")
     assert "'bias'" in result.stderr and "RMSNorm has no bias" in result.stderr
-    expected = rms_reference(tensors["x"], tensors["valid"], tensors["scale"], 1e-6)
-    torch.testing.assert_close(read(out_path)["out"], expected, rtol=1e-12, atol=1e-12)
+    assert_rms_out(out_path, tensors, 1e-6)
 
 
 def test_layer_norm_stays_the_default_and_says_so_in_metadata(tmp_path):

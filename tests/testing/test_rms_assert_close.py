@@ -58,7 +58,7 @@ def test_verify_reports_rms_tensors_and_the_default_eps_is_rmsnorms():
     assert report.context["yardstick"] == "torch.nn.functional.rms_norm in float32"
 
 
-def test_a_wrong_kernel_fails_and_no_layer_norm_cause_is_named():
+def test_a_wrong_kernel_fails_with_rms_norms_own_cause_named():
     x, valid, scale, _ = rows()
     x = x + 3.0  # rows with a mean: a centered kernel differs
     centered = x - x.mean(-1, keepdim=True)
@@ -67,8 +67,9 @@ def test_a_wrong_kernel_fails_and_no_layer_norm_cause_is_named():
     with pytest.raises(VerifyFailed) as failure:
         assert_close(wrong, x, valid, scale, None, 1e-6, norm="rms")
     out = failure.value.report.tensors[0]
-    assert not out.passed and out.diagnosis == []
-    assert "no cause named for RMSNorm" in str(failure.value)
+    assert not out.passed
+    assert [d["mistake"] for d in out.diagnosis] == ["mean_subtracted"]
+    assert "the row mean subtracted (LayerNorm where RMSNorm is due)" in str(failure.value)
 
 
 def test_gemmas_offset_is_judged():

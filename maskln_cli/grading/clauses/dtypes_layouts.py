@@ -26,6 +26,7 @@ from maskln_cli.grading.clauses.judging import (
     relative_rms_error,
     value_mismatch,
 )
+from maskln_cli.grading.exercise import current
 
 # dtypes -------------------------------------------------------------------------------------------
 
@@ -170,9 +171,10 @@ def _strided_cases(seed: int) -> list[Case]:
         valid_base = draws.mask(g, (n, b))  # transposed below: non-contiguous
         scale, bias = draws.params(g, 2 * c)  # every second element below: non-contiguous
         eps = families.eps_for(family, dtype)
+        parameters = current().bias_words("scale and bias", "scale")
         label = (
             f"x [{b}, {n}, {c}] {dtype_name(dtype)}, eps {eps:g}, {what};"
-            " valid, scale and bias non-contiguous"
+            f" valid, {parameters} non-contiguous"
         )
         case = make_case(label, x, valid_base, (scale, bias), eps, dtype, family=family)
         case.views = {

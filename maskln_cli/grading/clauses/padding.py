@@ -41,7 +41,13 @@ from maskln_cli.grading.clauses.rows import (
     diagnose_rows,
     sign_of_multiplied_zeros,
 )
+from maskln_cli.grading.exercise import current
 from maskln_cli.op.mistakes import NEGATIVE_ZERO, Diagnosis, diagnose_nan_gradient
+
+NEGATIVE_ZERO_UNBIASED = (
+    "invalid rows zeroed by multiplying by the mask: a negative value * 0 is -0.0"
+)
+""":data:`NEGATIVE_ZERO`'s description for an exercise without a bias (RMSNorm's)."""
 
 # leading_axes -------------------------------------------------------------------------------------
 
@@ -104,6 +110,7 @@ LEADING_AXES = make_clause(
 
 def _invalid_cases(seed: int) -> list[Case]:
     g = draws.generator(seed, "invalid_rows_zero")
+    nonzero = current().bias_words(", bias nonzero")  # RMSNorm's padding has no bias to be
     cases = []
     masks = {
         "trailing padding": torch.arange(6)[None, :] < torch.tensor([4, 1])[:, None],
@@ -114,15 +121,15 @@ def _invalid_cases(seed: int) -> list[Case]:
     for dtype in (torch.float64, torch.float32):
         for what, valid in masks.items():
             x = draws.rows(g, (2, 6), 8)
-            label = f"{describe_inputs(x, dtype, 1e-5)}, {what}, bias nonzero"
+            label = f"{describe_inputs(x, dtype, 1e-5)}, {what}{nonzero}"
             cases.append(make_case(label, x, valid, draws.params(g, 8), 1e-5, dtype))
     x = torch.zeros(2, 6, 8, dtype=torch.float64)
-    label = f"{describe_inputs(x, torch.float32, 1e-5)}, zero padding, bias nonzero"
+    label = f"{describe_inputs(x, torch.float32, 1e-5)}, zero padding{nonzero}"
     cases.append(
         make_case(label, x, masks["trailing padding"], draws.params(g, 8), 1e-5, torch.float32)
     )
     x = draws.rows(g, (), 8)
-    label = f"{describe_inputs(x, torch.float64, 1e-5)}, a 0-d valid False, bias nonzero"
+    label = f"{describe_inputs(x, torch.float64, 1e-5)}, a 0-d valid False{nonzero}"
     cases.append(make_case(label, x, torch.tensor(False), draws.params(g, 8), 1e-5, torch.float64))
     cases += families.family_cases(g, (2, 6))
     return cases
@@ -496,7 +503,8 @@ def _positive_zero_cases(seed: int) -> list[Case]:
     for family, dtype, channels in shapes:
         # negative rows and negative bias: -0.0 if multiplied
         x = -draws.rows(g, (3, 6), channels).abs()
-        label = f"{describe_inputs(x, dtype, 1e-5)}, bias negative"
+        negative = current().bias_words("bias negative", "x negative")
+        label = f"{describe_inputs(x, dtype, 1e-5)}, {negative}"
         valid = draws.mask(g, (3, 6))
         params = draws.params(g, channels, negative_bias=True)
         cases.append(make_case(label, x, valid, params, 1e-5, dtype, family=family))
@@ -514,7 +522,8 @@ def _positive_zero_verdict(case: Case, call: Call, run: ClauseRun) -> Verdict | 
         if not sign_of_multiplied_zeros(case, out):  # not where a multiplication puts them
             return Verdict(False, detail, [UNINITIALIZED])
         mistake = NEGATIVE_ZERO
-        diagnosis = Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
+        description = current().bias_words(mistake.description, NEGATIVE_ZERO_UNBIASED)
+        diagnosis = Diagnosis(mistake.name, description, mistake.fix, 0.0)
         return Verdict(False, detail, [diagnosis])
     return None
 

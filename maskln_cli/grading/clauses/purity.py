@@ -123,7 +123,9 @@ def _probe(fn: Fn, case: Case, device: str, start: Hook, check: Hook) -> None:
     out = checked_output(invoke(fn, t, case.eps, "positional"))
     check("forward", t)
     if not out.requires_grad:
-        raise Misbehaved("the output does not require grad although x, scale and bias do")
+        names = list(GRAD_INPUTS)
+        inputs = f"{', '.join(names[:-1])} and {names[-1]}"
+        raise Misbehaved(f"the output does not require grad although {inputs} do")
     upstream = Upstream.apply(out, t["grad_out"]).sum()  # its gradient at out: grad_out itself
     torch.autograd.grad(upstream, [t[n] for n in GRAD_INPUTS], allow_unused=True)
     check("backward", t)
