@@ -6,7 +6,8 @@ its largest magnitude first) in float32, float64, float16 and bfloat16 need at m
 the model on hard rows (huge and tiny magnitudes, long rows, heavy tails, one channel, constant
 rows, tiny gradients), against a float64 truth written here; the usual wrong ones need at
 least 6 (verify's default factor is 3). Here the model alone is judged (no yardstick raising
-it, as benchmarks/verify_calibration.py measures LayerNorm's). Not yet wired into verify.
+it, as benchmarks/verify_calibration.py measures LayerNorm's). verify judges RMSNorm problems
+with this model (``--norm rms``); tests/verify/test_verify_rms.py checks that end to end.
 """
 
 from __future__ import annotations
