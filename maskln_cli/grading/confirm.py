@@ -49,13 +49,18 @@ from maskln_cli.grading.clauses.calls import (
     perform,
 )
 from maskln_cli.grading.clauses.cases import RANDOM, Case, describe_inputs, make_case
+from maskln_cli.grading.clauses.catalogue import (
+    EVERY_FORMULA,
+    correct_formula,
+    diagnose_formulas,
+    formulas,
+)
 from maskln_cli.grading.clauses.causes import (
     EXCEPTION_CAUSES,
     FAMILY_CAUSES,
     explain_exception,
 )
 from maskln_cli.grading.clauses.judging import (
-    CATALOGUE,
     detached_match,
     grad_mismatch,
     reference_gradients,
@@ -71,7 +76,6 @@ from maskln_cli.op.mistakes import (
     ONE_PASS,
     PRECISION_MISTAKES,
     Diagnosis,
-    correct,
     diagnose_output,
     diagnose_precision,
 )
@@ -102,7 +106,7 @@ FAMILY_OF_CAUSE.update(
 """The family of data whose condition each family cause names."""
 
 KINDS: dict[str, str] = {
-    **{name: FORMULA for name in CATALOGUE},
+    **{name: FORMULA for name in EVERY_FORMULA},
     **{name: PRECISION for name in PRECISION_MISTAKES},
     **{name: FAMILY for name in FAMILY_OF_CAUSE},
     **{cause.mistake: RERUN for cause in EXCEPTION_CAUSES},
@@ -464,8 +468,8 @@ def _reference(step: Step) -> torch.Tensor:
     case = step.case
     t = case.inputs(clean=step.spec.clean)
     with torch.no_grad():
-        return correct(t["x"].double(), t["valid"], t["scale"].double(), t["bias"].double(),
-                       case.eps)  # fmt: skip
+        return correct_formula()(t["x"].double(), t["valid"], t["scale"].double(),
+                                 t["bias"].double(), case.eps)  # fmt: skip
 
 
 def _output_right(step: Step, run: ClauseRun, key: str) -> bool:
@@ -523,7 +527,9 @@ def _inputs64(step: Step) -> tuple[Any, ...]:
 
 
 def _formula_holds(probe: Probe, run: ClauseRun) -> bool:
-    mistake = CATALOGUE[probe.mistake]
+    mistake = formulas().get(probe.mistake)
+    if mistake is None:  # another exercise's formula
+        return False
     distinguishing = 0
     for key, step in _steps(probe, "again", "varied"):
         if key in run.errors:
@@ -532,13 +538,13 @@ def _formula_holds(probe: Probe, run: ClauseRun) -> bool:
         args = _inputs64(step)
         with torch.no_grad():
             expected = mistake.formula(*args)
-        if value_mismatch(expected, correct(*args), step.case.x.dtype) is None:
+        if value_mismatch(expected, correct_formula()(*args), step.case.x.dtype) is None:
             if not _output_right(step, run, key):
                 return False  # the formula is right here, the function is not
             continue
         distinguishing += 1
-        found = diagnose_output(out, *args[:4], args[4], out.dtype,
-                                mistakes={mistake.name: mistake})  # fmt: skip
+        found = diagnose_formulas(out, *args[:4], args[4], out.dtype,
+                                  mistakes={mistake.name: mistake})  # fmt: skip
         if mistake.name not in {d.mistake for d in found}:
             return False
     return distinguishing >= 2

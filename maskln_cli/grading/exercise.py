@@ -41,8 +41,10 @@ class Exercise:
     that do not apply to it, with why (``not_run``), and the kinds of cause a probe may
     confirm for it (:data:`maskln_cli.grading.confirm.KINDS`; None: every kind). RMSNorm's
     causes are those the clauses observe (an input mutated, NaN from the padding, a ready-made
-    norm recorded running) and exceptions raised again: the formulas and probes of the
-    catalogue are LayerNorm's, and a cause is named only when confirmed."""
+    norm recorded running), exceptions raised again, and the formulas of its own catalogue
+    (:mod:`maskln_cli.op.rms_mistakes`, as verify names them) confirmed by the formula probe;
+    LayerNorm's precisions, data families and gradient patterns are not RMSNorm's, and a
+    cause is named only when confirmed."""
 
     name: str
     title: str
@@ -53,10 +55,10 @@ class Exercise:
     confirms: tuple[str, ...] | None = None
 
     @property
-    def formulas(self) -> bool:
-        """Whether the catalogue of known mistakes' formulas, precisions, data families and
-        gradient patterns (LayerNorm's, :mod:`maskln_cli.op.mistakes`) diagnoses it: else only
-        causes that :attr:`confirms` kinds of probe can confirm are named."""
+    def patterns(self) -> bool:
+        """Whether LayerNorm's diagnoses beyond the formula catalogue apply: precisions, data
+        families, zero-variance rows, gradient patterns and second-order formulas (else only
+        the catalogue's formulas and the causes :attr:`confirms` kinds of probe can confirm)."""
         return self.confirms is None
 
     @property
@@ -121,7 +123,7 @@ RMS = Exercise(
         "offset_accuracy": "it compares with F.layer_norm's error on rows far from zero, where"
         " only a centered norm cancels",
     },
-    confirms=("observed", "rerun"),
+    confirms=("observed", "rerun", "formula"),
 )
 EXERCISES = {exercise.name: exercise for exercise in (LAYER, RMS)}
 """Every exercise, by ``--op`` name."""

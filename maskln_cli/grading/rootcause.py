@@ -27,7 +27,7 @@ import torch
 from maskln_cli.grading.clauses import Case, Clause, ClauseRun, Misbehaved
 from maskln_cli.grading.clauses.assumed import Assumption, assuming
 from maskln_cli.grading.clauses.calls import Call
-from maskln_cli.grading.clauses.judging import CATALOGUE
+from maskln_cli.grading.clauses.catalogue import formulas
 from maskln_cli.grading.confirm import KINDS, OBSERVED, Outcome
 from maskln_cli.grading.exercise import current
 from maskln_cli.grading.report import ClauseResult, RootCause
@@ -173,7 +173,7 @@ def _assumption(mistake: str, judged: Sequence[Judged]) -> Assumption | None:
     mistake without either (a NaN from the padding: only clauses naming it are explained)."""
     if mistake == "parameters_reinitialized":
         return Assumption(formula=_reinitialized_formula(judged))
-    formula = CATALOGUE.get(mistake)
+    formula = formulas().get(mistake)
     if formula is not None:
         return Assumption(formula=formula.formula)
     precision = LOWER_PRECISION.get(mistake)

@@ -13,8 +13,8 @@ import torch
 
 from maskln_cli.grading import confirm
 from maskln_cli.grading.clauses import CLAUSES
+from maskln_cli.grading.clauses.catalogue import EVERY_FORMULA
 from maskln_cli.grading.clauses.causes import EXCEPTION_CAUSES, FAMILY_CAUSES
-from maskln_cli.grading.clauses.judging import CATALOGUE
 from maskln_cli.op.mistakes import NEGATIVE_ZERO, ONE_PASS, PRECISION_MISTAKES
 from tests.solutions.correct import masked_layer_normalization as correct
 
@@ -22,9 +22,9 @@ GRADING = Path(confirm.__file__).parent
 
 
 def nameable() -> set[str]:
-    """Every cause a grade can name: the catalogues, and each Diagnosis or Cause the grading
-    package writes."""
-    names = {*CATALOGUE, *PRECISION_MISTAKES, ONE_PASS.name, NEGATIVE_ZERO.name}
+    """Every cause a grade can name: the catalogues (LayerNorm's and RMSNorm's), and each
+    Diagnosis or Cause the grading package writes."""
+    names = {*EVERY_FORMULA, *PRECISION_MISTAKES, ONE_PASS.name, NEGATIVE_ZERO.name}
     names |= {c.mistake for c in EXCEPTION_CAUSES} | {c.mistake for c in FAMILY_CAUSES.values()}
     pattern = re.compile(r'(?:Diagnosis\(|_diagnosis\(|Cause\(\s*"",)\s*"([a-z_0-9]+)"')
     for path in GRADING.rglob("*.py"):

@@ -354,7 +354,7 @@ def _second_order_judge(cases: list[Case], run: ClauseRun) -> Verdict:
 
 def _second_order_formulas(case: Case, key: str, run: ClauseRun) -> list[Diagnosis]:
     """The grader's own second-order mistakes whose products the function's match."""
-    if f"{key}.second_x" not in run.tensors or not current().formulas:
+    if f"{key}.second_x" not in run.tensors or not current().patterns:
         return []
     try:
         expected = reference_second_order(case, mean_detached_formula)

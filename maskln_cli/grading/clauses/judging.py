@@ -15,6 +15,7 @@ import torch
 from maskln_cli.grading.clauses.assumed import reference_formula, tolerance_dtype
 from maskln_cli.grading.clauses.calls import GRAD_INPUTS, Call, ClauseRun
 from maskln_cli.grading.clauses.cases import Case
+from maskln_cli.grading.clauses.catalogue import correct_formula, diagnose_formulas, formulas
 from maskln_cli.grading.clauses.causes import (
     GRADIENT_LOST_AT_ZERO_VARIANCE,
     NAN_AT_ZERO_VARIANCE,
@@ -22,18 +23,10 @@ from maskln_cli.grading.clauses.causes import (
     UPSTREAM_READ_AS_CONTIGUOUS,
     family_cause,
 )
-from maskln_cli.grading.clauses.own_mistakes import GRADE_MISTAKES, gradient_pattern
+from maskln_cli.grading.clauses.own_mistakes import gradient_pattern
 from maskln_cli.grading.clauses.rows import diagnose_rows
 from maskln_cli.grading.exercise import current
-from maskln_cli.op.mistakes import (
-    LOWER_PRECISION,
-    MISTAKES,
-    MORE_MISTAKES,
-    Diagnosis,
-    correct,
-    diagnose_output,
-    diagnose_precision,
-)
+from maskln_cli.op.mistakes import LOWER_PRECISION, Diagnosis, diagnose_precision
 
 VALUE_TOLERANCE = {
     torch.float64: 1e-10,
@@ -209,7 +202,7 @@ def diagnose_call(
     if out is None or value_mismatch(out, case.reference(), case.x.dtype) is None:
         return None
     if case.clean_x is not None:
-        if not current().formulas:
+        if not current().patterns:  # the rows' diagnoses are LayerNorm's
             return []
         earlier = list(order[: _position(order, case)])
         by_rows = diagnose_rows(case, out, earlier)
@@ -281,10 +274,6 @@ def judge_gradients(case: Case, call: Call, run: ClauseRun, what: str = "") -> s
     return None
 
 
-CATALOGUE = {**MISTAKES, **MORE_MISTAKES, **GRADE_MISTAKES}
-"""The formulas the grader tries on a wrong output."""
-
-
 def diagnose_failures(
     failing: list[tuple[Case, torch.Tensor]],
     limit: int = 8,
@@ -303,9 +292,9 @@ def diagnose_failures(
     ``passing``: cases on which the function was right (called as the failing ones were). A
     formula that is wrong on one of them is not what the function does: it matched the
     failures by coincidence (an unbiased variance is NaN at C = 1, as a solution wrong only
-    there is), and is dropped."""
-    if not current().formulas:  # the catalogue's formulas are LayerNorm's
-        return [] if any(tuple(o.shape) == tuple(c.x.shape) for c, o in failing) else None
+    there is), and is dropped. The formulas are the exercise's own catalogue's
+    (:mod:`.catalogue`); precisions, rows and families are LayerNorm's only."""
+    patterns = current().patterns
     matches: dict[str, list[Diagnosis]] = {}
     seen: set[int] = set()
     diagnosed = 0
@@ -316,11 +305,13 @@ def diagnose_failures(
         t = case.inputs()
         if tuple(out.shape) != tuple(t["x"].shape):
             continue
-        found = diagnose_precision(out, t["x"], t["valid"], t["scale"], t["bias"], case.eps)
+        found = []
+        if patterns:
+            found = diagnose_precision(out, t["x"], t["valid"], t["scale"], t["bias"], case.eps)
         precision = case.x.dtype
         if found:
             precision = LOWER_PRECISION.get(found[0].mistake) or out.dtype
-        found += diagnose_output(
+        found += diagnose_formulas(
             out,
             t["x"],
             t["valid"],
@@ -328,17 +319,16 @@ def diagnose_failures(
             t["bias"],
             case.eps,
             max(precision, case.x.dtype, key=lambda d: -d.itemsize),
-            mistakes=CATALOGUE,
         )
         found = [d for d in found if not refuted(d.mistake, passing)]
-        if not found:
+        if not found and patterns:
             earlier = list(order[: _position(order, case)])
             by_rows = diagnose_rows(case, out, earlier)
             found = [by_rows] if by_rows is not None else []
         diagnosed += 1
         for diagnosis in found:
             matches.setdefault(diagnosis.mistake, []).append(diagnosis)
-    shared = condition_causes([case for case, _ in failing][:limit])
+    shared = condition_causes([case for case, _ in failing][:limit]) if patterns else []
     if not matches:
         return shared if diagnosed else None
     most = max(len(found) for found in matches.values())
@@ -408,7 +398,7 @@ REFUTING_CASES = 24
 def refuted(mistake: str, passing: Sequence[Case]) -> bool:
     """Whether the formula of ``mistake`` is wrong on a case the function got right (beyond
     that case's tolerance): then the function does not make that mistake."""
-    formula = CATALOGUE.get(mistake)
+    formula = formulas().get(mistake)
     if formula is None:
         return False
     for case in list(passing)[:REFUTING_CASES]:
@@ -417,7 +407,7 @@ def refuted(mistake: str, passing: Sequence[Case]) -> bool:
             continue
         args = (t["x"].double(), t["valid"], t["scale"].double(), t["bias"].double(), case.eps)
         with torch.no_grad():
-            wrong, right = formula.formula(*args), correct(*args)
+            wrong, right = formula.formula(*args), correct_formula()(*args)
         if first_mismatch(wrong, right, *_tolerances(case.x.dtype)) is not None:
             return True
     return False
@@ -452,7 +442,7 @@ def gradient_causes(case: Case, call: Call, run: ClauseRun) -> list[Diagnosis] |
     """Why a call's gradients are wrong when its output is right: NaN, or a gradient of 0,
     on rows of zero variance; the upstream gradient read as contiguous (a case whose upstream
     gradient is strided); statistics cut from the graph. None: no known cause."""
-    if not current().formulas:  # zero-variance rows, patterns and probes are LayerNorm's
+    if not current().patterns:  # zero-variance rows, patterns and probes are LayerNorm's
         return None
     pattern = _gradient_pattern(case, call, run)
     if "x" not in call.requires or f"{call.key}.grad_x" not in run.tensors:
