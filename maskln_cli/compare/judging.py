@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     """``allowance_of(rows)``: the allowance pieces (``allowance``, and ``budget_unit`` and
     ``always`` when budgeted) of some rows of a block (None: all), as
     :meth:`Comparison.update` takes them; ``allowance_of(rows, later=True)``: a function of
-    no argument making them later, holding copies of just those rows."""
+    no argument making them later, holding copies of just those rows;
+    ``allowance_of(None, always=floors)``: those of every row, taking ``floors`` (the bits its
+    ``always`` would be) instead of making them again."""
 
     Judged = tuple[torch.Tensor | None, float, float, tuple[torch.Tensor, ...] | None]
     """What :meth:`BlockJudge.judge` finds: elements beyond per row (None: none), the greatest
@@ -112,6 +114,9 @@ class AllowancesOnDemand:
     lower: float
     rows: int
     floors: Callable[[], torch.Tensor | None] | None = None
+    # The floors made by _rows_to_judge (None: not made), taken as ``always`` when every row
+    # is judged after all: the same bits, not made twice.
+    made_floors: torch.Tensor | None = None
 
     def judged(self, top: int, known: float) -> tuple | None:
         """:meth:`BlockJudge.judge` on the rows :meth:`_rows_to_judge` picks (``known``: the
@@ -125,7 +130,8 @@ class AllowancesOnDemand:
         top_row, channel = divmod(top, length)
         picked = self._rows_to_judge(top_row, known)
         if picked is None:  # every row: nothing to gather
-            pieces = {k: v.reshape(-1).double() for k, v in self.allowance_of(None).items()}
+            made = self.allowance_of(None, always=self.made_floors)
+            pieces = {k: v.reshape(-1).double() for k, v in made.items()}
             bound = pieces["allowance"]
             judged = self.judge.judge(
                 diff, bound, bool(bound.amin() > 0), a64, e64, rows,
@@ -202,6 +208,7 @@ class AllowancesOnDemand:
         picked = pick(known)
         count = int(picked.sum())
         floors = self.floors() if count * PICKED_SHARE > rows and self.floors else None
+        self.made_floors = floors
         if floors is not None:
             # Each element's ratio is at most its difference over its floor (the allowance is
             # the floor or more, and rounding is monotonic): a few passes over the block that

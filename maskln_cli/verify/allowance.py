@@ -52,15 +52,17 @@ class Allowance:
         rows: torch.Tensor | None,
         later: bool = False,
         budget: RowBudget | None = None,
+        always: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]]:
         """The allowance pieces of some rows of a block (None: all of them) for
         :meth:`Comparison.measure`, from the block's ``inputs`` (x in float64, valid, the
         truth, the yardstick and its error, and for grad_x the upstream gradient in float64);
         ``later``, a function making them from copies of just those rows. ``budget``, the
         block's RowBudget when the caller has it: its rows' statistics are taken, not computed
-        again from x."""
+        again from x. ``always``, with every row: their :meth:`floors`, when the caller made
+        them (the bits ``always`` would be)."""
         if rows is None:
-            return self.pieces(comparison, *inputs, budget=budget)
+            return self.pieces(comparison, *inputs, budget=budget, always=always)
         if budget is not None:
             budget = budget.rows(rows)
         some = [t.index_select(0, rows) for t in inputs]
@@ -78,10 +80,12 @@ class Allowance:
         error: torch.Tensor,
         grad_out: torch.Tensor | None = None,
         budget: RowBudget | None = None,
+        always: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The allowance pieces of rows of x (float64), as those of a whole chunk are made;
         those of grad_x with the upstream gradient ``grad_out`` (float64). ``budget``: these
-        rows' RowBudget, if the caller has it (in any judged dtype)."""
+        rows' RowBudget, if the caller has it (in any judged dtype); ``always``: these rows'
+        :meth:`floors`, if the caller made them."""
         from maskln_cli.verify.budget import RowBudget
 
         problem = self.problem
@@ -98,7 +102,9 @@ class Allowance:
                 model, size = budget.out(truth), self.out_size
             else:
                 model, size = budget.grad_x(grad_out), budget.grad_x_size(grad_out)
-            return self.from_model(comparison, model, guess, truth, valid.unsqueeze(1), error, size)
+            return self.from_model(
+                comparison, model, guess, truth, valid.unsqueeze(1), error, size, always=always
+            )
         allowed = truth.abs().mul_(comparison.rtol).add_(comparison.atol)
         return {"allowance": allowed.masked_fill_(~valid.unsqueeze(1), 0.0)}
 
@@ -161,11 +167,14 @@ class Allowance:
         valid: torch.Tensor | None,
         error: torch.Tensor | None = None,
         size: float | torch.Tensor | None = None,
+        always: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
         pieces it is made of, as :meth:`Comparison.update` takes them. ``error`` is the
         yardstick's, ``|guess - reference|``, when the caller has it; ``size`` the tensor's
-        own magnitude (per row, per channel), which the default atol is in units of."""
+        own magnitude (per row, per channel), which the default atol is in units of;
+        ``always`` what is always allowed (:meth:`floors`), when the caller made it (not
+        written)."""
         import torch
 
         from maskln_cli.verify import budget
@@ -174,8 +183,9 @@ class Allowance:
         if error is None and self.yardstick_raises:
             error = (guess.double() - reference).abs_()
         unit = budget.unit(model, error if self.yardstick_raises else None)
-        atol = budget.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
-        always = budget.floor(reference, dtype, comparison.rtol, atol)
+        if always is None:
+            atol = budget.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
+            always = budget.floor(reference, dtype, comparison.rtol, atol)
         allowed = torch.maximum(unit * self.factor, always)
         if valid is not None and not bool(valid.all()):  # else masking changes nothing
             allowed.masked_fill_(~valid, 0.0)

@@ -7,6 +7,7 @@ change a verdict or a figure: the floors are those very bits of each allowance
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -186,3 +187,42 @@ def test_an_element_beyond_its_floor_in_a_skippable_row_fails(
     with monkeypatch.context() as patch:
         patch.setattr(Allowance, "floors", too_great)
         assert verify(*args).passed  # what a false bound would do
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_floors_made_are_the_always_of_every_row_judged(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype | None
+) -> None:
+    """Where the floors were made and every row is judged anyway (grad_x, with gradients), they
+    are taken as the allowances' ``always``: each piece the same bits as made afresh, and the
+    report that of every row's allowances made. With floors one ulp too great (a stale or
+    foreign tensor taken), a piece differs."""
+    data = kernels.offset_batch(1e3, 9, (8, 256, 64))
+    result = kernels.zero_padding(kernels.run(kernels.torch_layer_norm, data, dtype), data["valid"])
+    from_model = Allowance.from_model
+    taken: list[bool] = []
+
+    def compared(self: Allowance, *args: object, **kwargs: object) -> dict:
+        pieces = from_model(self, *args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("always") is not None:
+            fresh = from_model(self, *args, **{**kwargs, "always": None})  # type: ignore[arg-type]
+            taken.append(all(torch.equal(pieces[k], fresh[k]) for k in fresh))
+        return pieces
+
+    monkeypatch.setattr(Allowance, "from_model", compared)
+    report = _report(data, result, True)
+    assert report["passed"]
+    assert taken and all(taken), taken
+    with monkeypatch.context() as patch:
+        _every_row_judged(patch)
+        assert _text(_report(data, result, True)) == _text(report)
+    taken.clear()
+    floors = Allowance.floors
+
+    def ulp_greater(*a: object, **k: object) -> torch.Tensor | None:
+        made = floors(*a, **k)  # type: ignore[arg-type]
+        return None if made is None else torch.nextafter(made, torch.tensor(math.inf).double())
+
+    monkeypatch.setattr(Allowance, "floors", ulp_greater)
+    _report(data, result, True)
+    assert taken and not all(taken), taken
