@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from maskln_cli.files.problem import Problem
     from maskln_cli.files.tensorfile import TensorFile
     from maskln_cli.verify.allowance import Allowance
-    from maskln_cli.verify.budget import Precision, SumBudget, Yardstick
+    from maskln_cli.verify.budget import Precision, RowBudget, SumBudget, Yardstick
     from maskln_cli.verify.plan import Checked
 
 
@@ -145,6 +145,7 @@ class BlockWork:
         invalid = ~valid if keep is None else ~valid & keep
         figures: dict[str, BlockFigures] = {}
         fits: dict[str, FitSums] = {}
+        offset = None
         for name in ROW_TENSORS:
             checked = self.live.get(name)
             if checked is None:
@@ -184,9 +185,12 @@ class BlockWork:
             figures[name] = measured
             if name in self.fits and self.fitted(start):
                 assert rstd is not None
+                if offset is None:  # each row's A (as RowBudget's), for out's fit and grad_x's
+                    offset = _offset(x64, rstd.reshape(-1), budget)
                 fits[name] = self.fit(
-                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start
-                )
+                    actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
+                    offset,
+                )  # fmt: skip
         sums = None
         if dy64 is not None:
             sums = SumShare(truth["grad_scale"], truth["grad_bias"])
@@ -219,41 +223,53 @@ class BlockWork:
         checked: Checked,
         dy64: torch.Tensor | None = None,
         first_row: int = 0,
+        offset: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
-        on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``)."""
+        on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``).
+        ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), when the caller has it."""
         import math
 
         import torch
 
         problem = self.problem
+        gradient = checked.name == "grad_x"
+        if gradient and (problem.channels < GRAD_X_CHANNELS or dy64 is None):
+            return FitSums()
         rows = valid if keep is None else valid & keep
         error = actual.double() - reference
-        terms = None
-        if checked.name == "grad_x":
-            if problem.channels < GRAD_X_CHANNELS or dy64 is None:
-                return FitSums()
+        if offset is None:
+            offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
+        # Each row's rms of the truth, and its rows' sums of squares (grad_x's, below).
+        squares = reference.square()
+        rms = squares.mean(dim=1).sqrt_()
+        terms = z_squares = None
+        if gradient:
+            assert dy64 is not None
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
-            terms = self._terms(error, reference, rows, rstd, x64, dy64, precision)
-            rows = rows & _grad_x_resolved(reference, dy64, problem.scale, rstd)
+            terms, wdy_squares = self._terms(
+                error, reference, rows, rstd, x64, dy64, precision, offset, rms
+            )
+            z_squares = squares.sum(dim=1)
+            rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
         if not bool(rows.any()):
             return FitSums(terms=terms)
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
         z = reference - problem.bias if checked.name == "out" else reference
         precision = self.streaming.precisions[checked.judge or self.streaming.judge]
         e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
-        offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         second_order = (offset * e0).square_()
         # Each row's stored rounding: relative, and absolute below the dtype's smallest normal
         # (a float16 grad_x of 1e-6 rounds by 3e-8, a twentieth of it).
         info = torch.finfo(precision.dtype)
-        stored = reference.square().mean(dim=1).sqrt_().mul_(precision.store)
+        stored = rms.mul(precision.store)
         stored += info.tiny * info.eps / 2
         shifted = problem.scale.double() if checked.name == "out" else None
         sums = fit_rows(
-            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row, shifted
-        )
+            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row, shifted,
+            z_squares,
+        )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
         sums.terms = terms
@@ -268,10 +284,14 @@ class BlockWork:
         x64: torch.Tensor,
         dy64: torch.Tensor,
         precision: Precision,
-    ) -> TermSums:
+        offset: torch.Tensor,
+        rms: torch.Tensor,
+    ) -> tuple[TermSums, torch.Tensor]:
         """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
         with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
-        and its rstd's), the upstream terms' (the backward's sums, the statistics' shift)."""
+        and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
+        ``offset`` and ``rms`` are each row's A and rms of the truth (read on ``rows`` only);
+        also returned, the squares of ``scale * dy64`` (0 off ``rows``)."""
         import math
 
         import torch
@@ -284,13 +304,12 @@ class BlockWork:
         p = precision
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
-        offset = x.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         info = torch.finfo(p.dtype)
-        rms = truth.square().mean(dim=1).sqrt_()
-        terms = wdy.square().mean(dim=1).sqrt_().mul_(rstd)
-        rounding = rms.mul_(e1 + p.store).add_(terms.mul_(offset.add_(1).mul_(e1).add_(ed)))
+        wdy_squares = wdy.square()
+        terms = wdy_squares.mean(dim=1).sqrt_().mul_(rstd)
+        rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
         rounding += info.tiny * info.eps / 2
-        return fit_terms(error, truth, xhat, wdy, rstd, rows, rounding)
+        return fit_terms(error, truth, xhat, wdy, rstd, rows, rounding), wdy_squares
 
 
 GRAD_X_CHANNELS = 4
@@ -303,13 +322,23 @@ upstream gradient of ones through a LayerNorm of unit scale gives a grad_x of 0 
 rounding noise either side: regressed, a factor of -1)."""
 
 
+def _offset(x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None) -> torch.Tensor:
+    """Each row's ``mean |x| * rstd`` ``[R]``, its mean |x| taken from the block's ``budget``
+    when it has it (the same bits on valid rows, where the fits read it: the budget zeroes
+    only invalid rows, and non-finite values, which stop a block before its fits)."""
+    if budget is not None and budget.mean_abs is not None:
+        return budget.mean_abs.reshape(-1).mul(rstd)
+    return x64.abs().mean(dim=1).mul_(rstd)
+
+
 def _grad_x_resolved(
-    truth: torch.Tensor, dy64: torch.Tensor, scale: torch.Tensor, rstd: torch.Tensor
+    energy: torch.Tensor, wdy_squares: torch.Tensor, rstd: torch.Tensor
 ) -> torch.Tensor:
     """The rows whose true grad_x is not the near-cancellation of its terms (see
-    :data:`CANCELLED`)."""
-    terms = (dy64 * scale).square_().sum(dim=1).mul_(rstd.square())
-    return truth.square().sum(dim=1) >= terms.mul_(CANCELLED)
+    :data:`CANCELLED`), from each row's sum of the true grad_x's squares ``[R]`` and the
+    squares of ``scale * grad_out`` ``[R, C]`` (the rows' own wherever they are read)."""
+    terms = wdy_squares.sum(dim=1).mul_(rstd.square())
+    return energy >= terms.mul_(CANCELLED)
 
 
 def float64_truth(

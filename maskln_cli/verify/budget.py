@@ -158,8 +158,11 @@ class RowBudget:
         rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
         self.xhat = rows.mul_(self.rstd)
+        # Each row's mean |x| (None for RMSNorm), kept for whoever needs it with another rstd.
+        self.mean_abs: torch.Tensor | None = None
         if centered:
-            self.offset = x.abs().mean(dim=-1, keepdim=True).mul_(self.rstd)  # A
+            self.mean_abs = x.abs().mean(dim=-1, keepdim=True)
+            self.offset = self.mean_abs.mul(self.rstd)  # A
         else:  # RMSNorm: no mean is rounded, nothing shifts xhat
             self.offset = torch.zeros_like(self.rstd)
         # The upstream gradient as these rows take it, and its rows' rms times scale, for the
@@ -196,6 +199,7 @@ class RowBudget:
         some = copy.copy(self)
         for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
             setattr(some, name, getattr(self, name).index_select(0, index))
+        some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
         some._upstream = some._wdy_rms = None
         return some
 

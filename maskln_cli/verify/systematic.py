@@ -164,6 +164,7 @@ def fit_rows(
     stored: torch.Tensor | None = None,
     first_row: int = 0,
     shifted: torch.Tensor | None = None,
+    z_squares: torch.Tensor | None = None,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -179,7 +180,7 @@ def fit_rows(
     by ``A * e0`` on every element at once, which no averaging over the row shrinks, and which a
     scale that varies by channel makes partly like z (the share regressed on z adds to the
     noise: an offset row of 16 channels of a correct float32 kernel reached twice its bound
-    without it).
+    without it). ``z_squares`` ``[R]``: each row's sum of ``z**2``, when the caller has it.
 
     Example:
         >>> import torch
@@ -193,7 +194,8 @@ def fit_rows(
     channels = z.shape[-1]
     if channels < 2 or not len(z):
         return sums
-    sz, szz = z.sum(dim=1), z.square().sum(dim=1)
+    sz = z.sum(dim=1)
+    szz = z.square().sum(dim=1) if z_squares is None else z_squares
     se, sze = error.sum(dim=1), (z * error).sum(dim=1)
     det = szz * channels - sz.square()
     usable = (det > 1e-12 * szz * channels) & det.isfinite() & se.isfinite() & sze.isfinite()

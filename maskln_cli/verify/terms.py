@@ -152,7 +152,11 @@ def fit_terms(
     c1 = (xhat * wdy).mean(dim=1, keepdim=True)
     c2 = wdy.mean(dim=1, keepdim=True)
     r = rstd.reshape(-1, 1)
-    basis = torch.stack([truth, xhat * c1 * r, (c2 * r).expand_as(truth)], dim=2)  # [R, C, 3]
+    # [R, C, 3]: the true grad_x, t_xhat and t_mean, each written in place (no copies stacked).
+    basis = truth.new_empty((*truth.shape, 3))
+    basis[..., 0] = truth
+    torch.mul(xhat, c1, out=basis[..., 1]).mul_(r)
+    basis[..., 2] = c2 * r
     gram = basis.transpose(1, 2) @ basis  # [R, 3, 3]
     moment = (basis.transpose(1, 2) @ error.unsqueeze(2)).squeeze(2)  # [R, 3]
     usable = rows & gram.isfinite().all(dim=(1, 2)) & moment.isfinite().all(dim=1)
