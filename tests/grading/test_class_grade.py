@@ -170,7 +170,15 @@ def test_ctrl_c_stops_a_class_cleanly_with_what_was_graded(classroom):
     targets = [str(classroom / "a_hangs.py"), str(classroom / "c_correct.py")]
     options = ["--timeout", "60", "--jobs", "1", "--json"]
     command = [sys.executable, "-m", "maskln_cli", "grade", *targets, *options]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT) as p:
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        # A terminal's Ctrl-C: SIGINT not ignored. An ignored SIGINT is inherited (and rightly
+        # kept by the grader), as under pytest-xdist's workers or a script's background job.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as p:
         _wait_for_a_worker(p.pid)  # on a loaded machine start-up alone may take seconds
         time.sleep(3)  # the first submission hangs in its first clause
         p.send_signal(signal.SIGINT)
