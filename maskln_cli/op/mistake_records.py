@@ -31,6 +31,31 @@ class Mistake:
     gradients: Gradients | None = None
 
 
+def padding_mistakes(unmasked: Formula, correct: Formula) -> tuple[Mistake, Mistake]:
+    """The padding's two mistakes, worded alike for every norm: invalid rows normalized like
+    valid ones (``unmasked``, the norm's formula with no mask), and the mask read the other way
+    round (``correct`` given ``~valid``)."""
+
+    def inverted(x, valid, scale, bias, eps):
+        return correct(x, ~valid, scale, bias, eps)
+
+    return (
+        Mistake(
+            "padding_not_masked",
+            "invalid rows are normalized like valid ones and not zeroed",
+            "sanitize invalid x before the reductions and zero invalid outputs at the end",
+            unmasked,
+        ),
+        Mistake(
+            "mask_inverted",
+            "the mask read the other way round: valid rows zeroed and invalid ones normalized"
+            " (valid taken for a padding mask, as nn.MultiheadAttention's key_padding_mask is)",
+            "True in valid means a row to normalize: keep = valid[..., None], zero where ~keep",
+            inverted,
+        ),
+    )
+
+
 @dataclass
 class Diagnosis:
     """A known mistake a result matches. ``distance`` is the relative L2 distance between the

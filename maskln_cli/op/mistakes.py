@@ -27,7 +27,7 @@ from maskln_cli.op.backward_mistakes import (
     STATISTICS_OVERFLOW_DTYPE,
     overflow_match,
 )
-from maskln_cli.op.mistake_records import Catalogue, Diagnosis, Mistake
+from maskln_cli.op.mistake_records import Catalogue, Diagnosis, Mistake, padding_mistakes
 from maskln_cli.op.rms_mistakes import RMS_BACKWARD_MISTAKES, RMS_MISTAKES, rms_correct
 
 __all__ = [
@@ -196,19 +196,7 @@ MISTAKES: dict[str, Mistake] = {
             "zero every invalid output after adding bias: torch.where(valid[..., None], y, 0)",
             _padding_returns_bias,
         ),
-        Mistake(
-            "padding_not_masked",
-            "invalid rows are normalized like valid ones and not zeroed",
-            "sanitize invalid x before the reductions and zero invalid outputs at the end",
-            _padding_not_masked,
-        ),
-        Mistake(
-            "mask_inverted",
-            "the mask read the other way round: valid rows zeroed and invalid ones normalized"
-            " (valid taken for a padding mask, as nn.MultiheadAttention's key_padding_mask is)",
-            "True in valid means a row to normalize: keep = valid[..., None], zero where ~keep",
-            lambda x, valid, scale, bias, eps: correct(x, ~valid, scale, bias, eps),
-        ),
+        *padding_mistakes(_padding_not_masked, correct),
     )
 }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from maskln_cli.op.mistake_records import Mistake
+from maskln_cli.op.mistake_records import Mistake, padding_mistakes
 
 __all__ = ["RMS_BACKWARD_MISTAKES", "RMS_MISTAKES", "rms_correct"]
 
@@ -109,19 +109,7 @@ RMS_MISTAKES: dict[str, Mistake] = {
             "multiply by offset + scale: 1 + scale for Gemma (offset 1), scale for the others",
             _gain_plus(-1.0),
         ),
-        Mistake(
-            "padding_not_masked",
-            "invalid rows are normalized like valid ones and not zeroed",
-            "sanitize invalid x before the reductions and zero invalid outputs at the end",
-            _padding_not_masked,
-        ),
-        Mistake(
-            "mask_inverted",
-            "the mask read the other way round: valid rows zeroed and invalid ones normalized"
-            " (valid taken for a padding mask, as nn.MultiheadAttention's key_padding_mask is)",
-            "True in valid means a row to normalize: keep = valid[..., None], zero where ~keep",
-            lambda x, valid, scale, bias, eps: rms_correct(x, ~valid, scale, bias, eps),
-        ),
+        *padding_mistakes(_padding_not_masked, rms_correct),
     )
 }
 """RMSNorm's formula mistakes (its forward; autograd of each gives its backward's)."""
