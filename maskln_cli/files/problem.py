@@ -641,6 +641,25 @@ class GradientSums:
         )
 
 
+def overflows(stored: torch.Tensor, rounded: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether a valid row of ``stored`` holds a finite value that ``rounded`` (``stored`` in a
+    narrower dtype) made inf.
+
+    Example:
+        >>> import torch
+        >>> g = torch.tensor([[1e5, 1.0], [float("inf"), 1.0]])
+        >>> overflows(g, g.half(), torch.tensor([True, True]))
+        True
+        >>> overflows(g, g.half(), torch.tensor([False, True]))  # padding may hold anything
+        False
+    """
+    import torch
+
+    if math.isfinite(float(rounded.sum(dtype=torch.float64))):
+        return False  # one pass: a sum is finite only if every value is
+    return bool((rounded.isinf() & stored.isfinite() & valid.unsqueeze(-1)).any())
+
+
 def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(start, stop, grad_x[start:stop])`` per chunk; grad_scale and grad_bias go to ``sums``.
 
@@ -655,14 +674,21 @@ def iter_gradients(problem: Problem, sums: GradientSums) -> Iterator[tuple[int, 
     if problem.grad_out is None:
         raise ValueError("the problem has no grad_out")
     compute = torch.float32 if problem.dtype in (torch.float16, torch.bfloat16) else problem.dtype
-    parameters = problem.parameters(compute)
     for start, stop in row_blocks(problem.rows, problem.chunk_rows):
+        valid = problem.valid[start:stop]
+        stored = problem.grad_out[start:stop]
+        grad_out = stored.to(problem.dtype)
+        # A finite upstream gradient beyond the dtype's range would reach the op as inf and
+        # its rows' gradients as NaN; those chunks are computed in float64 instead, so their
+        # gradients round to what they are (inf where they overflow, as the truth's would).
+        chunk_compute = torch.float64 if overflows(stored, grad_out, valid) else compute
         with torch.enable_grad():
-            x = problem.x[start:stop].to(problem.dtype).to(compute).requires_grad_()
+            x = problem.x[start:stop].to(problem.dtype).to(chunk_compute).requires_grad_()
+            parameters = problem.parameters(chunk_compute)
             leaves = (x, *(p.detach().requires_grad_() for p in parameters))
-            out = problem.normalized(x, problem.valid[start:stop], *leaves[1:])
-            grad_out = problem.grad_out[start:stop].to(problem.dtype).to(compute)
-            grad_x, grad_scale, *grad_bias = torch.autograd.grad(out, leaves, grad_out)
+            out = problem.normalized(x, valid, *leaves[1:])
+            upstream = (stored if chunk_compute == torch.float64 else grad_out).to(chunk_compute)
+            grad_x, grad_scale, *grad_bias = torch.autograd.grad(out, leaves, upstream)
         sums.scale += grad_scale.double()
         if sums.bias is not None:
             sums.bias += grad_bias[0].double()

@@ -312,6 +312,47 @@ def test_grad_out_from_another_file_and_key(tmp_path):
     assert torch.equal(produced["grad_x"], want["grad_x"])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "grad_dtype", "huge"),
+    [
+        (torch.float16, torch.bfloat16, 1e29),
+        (torch.float16, torch.float32, 1e6),
+        (torch.float32, torch.float64, 1e300),
+    ],
+)
+def test_grad_out_beyond_the_dtypes_range_gives_the_rounded_truth_not_nan(
+    tmp_path, dtype, grad_dtype, huge
+):
+    """A finite grad_out too large for x's dtype: each gradient is the float64 truth rounded
+    to the dtype (inf where it overflows), never NaN, and verify passes it. (It once reached
+    the op as inf, and inf - inf made NaN.)"""
+    tensors = random_inputs((2, 3, 4), dtype=dtype, seed=3)
+    grad_out = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(4)).to(grad_dtype)
+    valid = tensors["valid"]
+    valid[1, 2], valid[0, 0] = True, False
+    tensors["x"][1, 2] = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=dtype)
+    grad_out[1, 2, 0] = huge  # a valid row: its gradients overflow
+    grad_out[0, 0, 1] = huge  # padding: never reaches anything
+    tensors["grad_out"] = grad_out
+    source = write(tmp_path / "in.safetensors", tensors)
+    target = tmp_path / "o.safetensors"
+    result = invoke("normalize", source, target)
+    assert result.exit_code == 0, result.stderr
+    produced = read(target)
+    leaves = [tensors[k].double().requires_grad_() for k in ("x", "scale", "bias")]
+    truth = reference_masked_layer_norm(leaves[0], valid, leaves[1], leaves[2])
+    grads = torch.autograd.grad(truth, leaves, grad_out.double())
+    for key, want in zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True):
+        got = produced[key]
+        assert not got.isnan().any(), (key, got)
+        assert torch.equal(got.isinf(), want.to(dtype).isinf()), (key, got, want)
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2e-3, atol=1e-5)
+    assert produced["grad_x"][1, 2].isinf().any()  # the case is what it says
+    assert produced["grad_x"][0, 0].eq(0).all()
+    verdict = invoke("verify", source, target)
+    assert verdict.exit_code == 0, verdict.stdout + verdict.stderr
+
+
 def test_grad_out_of_wrong_shape_is_an_error(tmp_path):
     tensors = dict(random_inputs(), grad_out=torch.randn(2, 2))
     source = write(tmp_path / "in.safetensors", tensors)
