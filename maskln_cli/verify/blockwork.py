@@ -266,9 +266,14 @@ class BlockWork:
         stored = rms.mul(precision.store)
         stored += info.tiny * info.eps / 2
         shifted = problem.scale.double() if checked.name == "out" else None
+        # A half dtype's stored rounding could hide a factor (systematic_gate): how systematic
+        # is the truth's own rounding on these rows?
+        rounding = None
+        if precision.store > precision.reduce:
+            rounding = reference.to(precision.dtype).double().sub_(reference)
         sums = fit_rows(
             error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row, shifted,
-            z_squares,
+            z_squares, rounding,
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
