@@ -31,6 +31,20 @@ def test_the_report_leads_with_the_one_mistake_that_explains_every_failing_claus
     assert diagnosis_lines(report) == []  # said once, at the top; no "matches none..." after it
 
 
+def test_an_unbiased_variance_guarded_at_c_1_is_still_named():
+    """Right at C = 1 (max(C - 1, 1)), so the C = 1 cases it passes once refuted the formula,
+    which is NaN there: 3 of 10 failing clauses were explained, the others "none of the known
+    mistakes" (a new user's trial). An undefined formula now says nothing on such a case."""
+    report = grade(mistakes.unbiased_variance_guarded)
+    failing = [c.name for c in report.clauses if c.counted and not c.passed]
+    assert report.root_cause is not None, report.text()
+    assert report.root_cause.mistake == "unbiased_variance", report.text()
+    assert {"values", "large_shapes", "leading_axes", "gradients", "strided_inputs"} <= set(
+        report.root_cause.explains
+    ), report.text()
+    assert len(report.root_cause.explains) >= len(failing) - 1, report.text()
+
+
 # Each dtype or parameter mistake, and the root cause the report names.
 ROOT_CAUSES = {
     "output_hard_coded_float32": "output_float32",

@@ -19,6 +19,14 @@ def unbiased_variance(x, valid, scale, bias, eps=1e-05):
     return _masked((x - mean) / torch.sqrt(variance + eps) * scale + bias, valid)
 
 
+def unbiased_variance_guarded(x, valid, scale, bias, eps=1e-05):
+    """Divides by C - 1, guarded at C = 1 (where it is then right)."""
+    x = _clean(x, valid)
+    mean = x.mean(dim=-1, keepdim=True)
+    variance = (x - mean).square().sum(dim=-1, keepdim=True) / max(x.shape[-1] - 1, 1)
+    return _masked((x - mean) / torch.sqrt(variance + eps) * scale + bias, valid)
+
+
 def eps_outside_sqrt(x, valid, scale, bias, eps=1e-05):
     x = _clean(x, valid)
     mean = x.mean(dim=-1, keepdim=True)
