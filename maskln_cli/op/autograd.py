@@ -119,8 +119,10 @@ def differentiable(*tensors: torch.Tensor | None) -> bool:
     """A derivative of the op's result may be taken: reverse mode (grad enabled, an input
     requiring it) or forward mode (a dual level active, forward gradients enabled). None
     (RMSNorm's bias) is no tensor."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return True
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(): this runs on every eager call
+            if t is not None and t.requires_grad:
+                return True
     return torch.autograd.forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
 
 
@@ -432,6 +434,10 @@ def save_forward(
     mean: torch.Tensor | None,
     rstd: torch.Tensor,
 ) -> None:
+    # Gradients and tangents that were never made stay None (no zeros made for mean and rstd,
+    # which take none: they are not differentiable): forward_gradients and forward_tangent take
+    # None for zero.
+    ctx.set_materialize_grads(False)
     if mean is None:
         ctx.mark_non_differentiable(rstd)
     else:
@@ -442,7 +448,9 @@ def save_forward(
 
 
 def forward_gradients(ctx: Any, dy: torch.Tensor, needs: Needs) -> Grads:
-    """The forward Function's gradients for the incoming ``dy``."""
+    """The forward Function's gradients for the incoming ``dy`` (None: zero, so are they)."""
+    if dy is None:
+        return None, None, None
     x, valid, scale, mean, rstd = ctx.saved_tensors
     return differentiable_backward(
         ctx.norm, dy, x, valid, scale, mean, rstd, ctx.eps, ctx.offset, needs

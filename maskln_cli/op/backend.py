@@ -226,7 +226,7 @@ def forward(
     ``[..., 1]`` in the compute dtype (None without ``keep_statistics``; RMSNorm's mean None,
     as its bias)."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
-    if kernels is not None and x.device.type == "cpu":
+    if kernels is not None and x.is_cpu:
         if norm.centered:
             return kernels.forward(x, valid, scale, bias, eps, keep_statistics)
         y, rstd = kernels.rms_forward(x, valid, scale, eps, offset, keep_statistics)
@@ -260,7 +260,7 @@ def backward(
     layout, dscale and dbias in scale's dtype; +0.0 from invalid rows. RMSNorm takes no mean
     and gives no dbias."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
-    if kernels is not None and x.device.type == "cpu":
+    if kernels is not None and x.is_cpu:
         if norm.centered:
             computed = kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs))
             return spread(computed, needs)
