@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ __all__ = [
     "native_kernels",
     "set_backend",
     "spread",
+    "within_contract",
 ]
 
 BACKEND_ENV = "MASKLN_BACKEND"
@@ -79,6 +81,10 @@ _native: ModuleType | None = None
 _native_tried = False
 _failure: str | None = None
 """Why loading the native kernels failed in this process."""
+_PLAIN: tuple[type, ...] = ()
+"""torch.Tensor and torch.nn.Parameter, and torch.compiler.is_compiling: set when the library
+loads (torch imported then), for within_contract."""
+_is_compiling: Callable[[], bool] = bool
 _python_autograd: dict[str, tuple[object, object]] = {}
 """use_python_autograd's kernels, by norm."""
 
@@ -177,7 +183,7 @@ def _load(build: bool) -> ModuleType | None:
     global _native, _native_tried, _failure
     # torch before the lock: importing it defines maskln's ops, whose module asks for the
     # native kernels in turn (build=False), and would wait for this lock forever.
-    import torch  # noqa: F401
+    import torch
 
     with _lock:
         if _native is not None or _native_tried:
@@ -204,6 +210,8 @@ def _load(build: bool) -> ModuleType | None:
         for name, (forward, backward) in _python_autograd.items():
             module.set_python_autograd(name, forward, backward)
         module.register_maskln_kernels(True)
+        global _PLAIN, _is_compiling
+        _PLAIN, _is_compiling = (torch.Tensor, torch.nn.Parameter), torch.compiler.is_compiling
         _native = module
         _native_tried = True
         return module
@@ -287,6 +295,32 @@ def backward(
         dx = dx.to(x.dtype)
     dscale, dbias = (None if g is None else g.to(scale.dtype) for g in (dscale, dbias))
     return dx, dscale, dbias
+
+
+def within_contract(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: object,
+    offset: object,
+    norm: Norm = LAYER,
+) -> bool:
+    """True when the native library, loaded, vouches that these arguments meet the op's
+    contract (``norm``'s; RMSNorm's bias is None), which it checks in a fraction of the time
+    :mod:`maskln_cli.op.checks` takes; False when it says otherwise or cannot tell (not loaded,
+    a graph being compiled, tensor subclasses, eps or offset not a float): then the checks
+    there decide, and give the message."""
+    if _native is None or _is_compiling():  # no library call in a graph being traced
+        return False
+    if type(eps) is not float or type(offset) is not float:
+        return False
+    plain = _PLAIN
+    if type(x) not in plain or type(valid) not in plain or type(scale) not in plain:
+        return False
+    if norm.centered and type(bias) not in plain:  # RMSNorm's bias is None
+        return False
+    return _native.within_contract(x, valid, scale, bias if norm.centered else None, eps, offset)
 
 
 def spread(
