@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad
-from torch._functorch.utils import unwrap_dead_wrappers
+from torch._C._functorch import unwrap_if_dead
 
 from maskln_cli.op import backend
 from maskln_cli.op.batching import batched_backward, batched_forward, normalized
@@ -160,7 +160,7 @@ class Way(enum.Enum):
 
 Condition = Callable[..., bool]
 FORWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
-    ("a graph is made or ops are watched", lambda x, v, s, b: graph_made(x, v, s, b), Way.OP),
+    ("a graph is made or ops are watched", graph_made, Way.OP),
     ("two forward-mode transforms", lambda x, v, s, b: nested_forward_mode(), Way.COMPOSITE),
     ("torch.func or forward-mode AD", lambda x, v, s, b: transformed(), Way.FUNCTION),
     ("grad needed", lambda x, v, s, b: differentiable(x, s, b), Way.AUTOGRAD),
@@ -195,7 +195,8 @@ def apply_eager(function: type[torch.autograd.Function], *args: Any) -> Any:
     """``function.apply(*args)`` for plain tensors outside torch.func's transforms, every
     argument given: ``Function.apply`` binds default arguments through ``inspect.signature``
     on every call, which costs more than the whole op on a small tensor."""
-    args = unwrap_dead_wrappers(args)  # as Function.apply does
+    # dead torch.func wrappers unwrapped, as Function.apply does (unwrap_dead_wrappers, inline)
+    args = tuple([unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
     return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
@@ -443,7 +444,8 @@ def save_forward(
     else:
         ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, valid, scale, mean, rstd)
-    ctx.save_for_forward(x, valid, scale, mean, rstd)
+    if transformed():  # only then may forward AD call jvp (its dual level is active now)
+        ctx.save_for_forward(x, valid, scale, mean, rstd)
     ctx.norm, ctx.eps, ctx.offset = norm, eps, offset
 
 

@@ -328,8 +328,11 @@ def spread(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dscale, dbias)`` from the list a backward kernel or op returns (the requested
     ones, in that order), None where ``needs`` did not request one."""
-    given = iter(computed)
-    return tuple(next(given) if need else None for need in needs)  # type: ignore[return-value]
+    # indices, not a generator: every eager backward runs this
+    dx = computed[0] if needs[0] else None
+    dscale = computed[needs[0]] if needs[1] else None
+    dbias = computed[needs[0] + needs[1]] if needs[2] else None
+    return dx, dscale, dbias
 
 
 class _autocast_off:
