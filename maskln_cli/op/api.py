@@ -62,7 +62,8 @@ def masked_layer_normalization(
                  [ 0.0000,  0.0000]]], dtype=torch.float64)
     """
     valid = as_valid_mask(valid)
-    eps = check_inputs(x, valid, scale, bias, eps)
+    if not backend.within_contract(x, valid, scale, bias, eps, 0.0, LAYER):
+        eps = check_inputs(x, valid, scale, bias, eps)
     return _normalized(LAYER, forward_way(x, valid, scale, bias), x, valid, scale, bias, eps, 0.0)
 
 
@@ -107,7 +108,8 @@ def masked_rms_normalization(
                  [0.0000, 0.0000]]], dtype=torch.float64)
     """
     valid = as_valid_mask(valid)
-    eps, offset = check_rms_inputs(x, valid, scale, eps, offset)
+    if not backend.within_contract(x, valid, scale, None, eps, offset, RMS):
+        eps, offset = check_rms_inputs(x, valid, scale, eps, offset)
     return _normalized(RMS, forward_way(x, valid, scale, None), x, valid, scale, None, eps, offset)
 
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad
-from torch._functorch.utils import unwrap_dead_wrappers
+from torch._C._functorch import unwrap_if_dead
 
 from maskln_cli.op import backend
 from maskln_cli.op.batching import batched_backward, batched_forward, normalized
@@ -119,8 +119,10 @@ def differentiable(*tensors: torch.Tensor | None) -> bool:
     """A derivative of the op's result may be taken: reverse mode (grad enabled, an input
     requiring it) or forward mode (a dual level active, forward gradients enabled). None
     (RMSNorm's bias) is no tensor."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return True
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(): this runs on every eager call
+            if t is not None and t.requires_grad:
+                return True
     return torch.autograd.forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
 
 
@@ -158,7 +160,7 @@ class Way(enum.Enum):
 
 Condition = Callable[..., bool]
 FORWARD_WAYS: tuple[tuple[str, Condition, Way], ...] = (
-    ("a graph is made or ops are watched", lambda x, v, s, b: graph_made(x, v, s, b), Way.OP),
+    ("a graph is made or ops are watched", graph_made, Way.OP),
     ("two forward-mode transforms", lambda x, v, s, b: nested_forward_mode(), Way.COMPOSITE),
     ("torch.func or forward-mode AD", lambda x, v, s, b: transformed(), Way.FUNCTION),
     ("grad needed", lambda x, v, s, b: differentiable(x, s, b), Way.AUTOGRAD),
@@ -193,7 +195,8 @@ def apply_eager(function: type[torch.autograd.Function], *args: Any) -> Any:
     """``function.apply(*args)`` for plain tensors outside torch.func's transforms, every
     argument given: ``Function.apply`` binds default arguments through ``inspect.signature``
     on every call, which costs more than the whole op on a small tensor."""
-    args = unwrap_dead_wrappers(args)  # as Function.apply does
+    # dead torch.func wrappers unwrapped, as Function.apply does (unwrap_dead_wrappers, inline)
+    args = tuple([unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
     return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
@@ -432,17 +435,24 @@ def save_forward(
     mean: torch.Tensor | None,
     rstd: torch.Tensor,
 ) -> None:
+    # Gradients and tangents that were never made stay None (no zeros made for mean and rstd,
+    # which take none: they are not differentiable): forward_gradients and forward_tangent take
+    # None for zero.
+    ctx.set_materialize_grads(False)
     if mean is None:
         ctx.mark_non_differentiable(rstd)
     else:
         ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, valid, scale, mean, rstd)
-    ctx.save_for_forward(x, valid, scale, mean, rstd)
+    if transformed():  # only then may forward AD call jvp (its dual level is active now)
+        ctx.save_for_forward(x, valid, scale, mean, rstd)
     ctx.norm, ctx.eps, ctx.offset = norm, eps, offset
 
 
 def forward_gradients(ctx: Any, dy: torch.Tensor, needs: Needs) -> Grads:
-    """The forward Function's gradients for the incoming ``dy``."""
+    """The forward Function's gradients for the incoming ``dy`` (None: zero, so are they)."""
+    if dy is None:
+        return None, None, None
     x, valid, scale, mean, rstd = ctx.saved_tensors
     return differentiable_backward(
         ctx.norm, dy, x, valid, scale, mean, rstd, ctx.eps, ctx.offset, needs

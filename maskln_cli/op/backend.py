@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ __all__ = [
     "native_kernels",
     "set_backend",
     "spread",
+    "within_contract",
 ]
 
 BACKEND_ENV = "MASKLN_BACKEND"
@@ -79,6 +81,10 @@ _native: ModuleType | None = None
 _native_tried = False
 _failure: str | None = None
 """Why loading the native kernels failed in this process."""
+_PLAIN: tuple[type, ...] = ()
+"""torch.Tensor and torch.nn.Parameter, and torch.compiler.is_compiling: set when the library
+loads (torch imported then), for within_contract."""
+_is_compiling: Callable[[], bool] = bool
 _python_autograd: dict[str, tuple[object, object]] = {}
 """use_python_autograd's kernels, by norm."""
 
@@ -177,7 +183,7 @@ def _load(build: bool) -> ModuleType | None:
     global _native, _native_tried, _failure
     # torch before the lock: importing it defines maskln's ops, whose module asks for the
     # native kernels in turn (build=False), and would wait for this lock forever.
-    import torch  # noqa: F401
+    import torch
 
     with _lock:
         if _native is not None or _native_tried:
@@ -204,6 +210,8 @@ def _load(build: bool) -> ModuleType | None:
         for name, (forward, backward) in _python_autograd.items():
             module.set_python_autograd(name, forward, backward)
         module.register_maskln_kernels(True)
+        global _PLAIN, _is_compiling
+        _PLAIN, _is_compiling = (torch.Tensor, torch.nn.Parameter), torch.compiler.is_compiling
         _native = module
         _native_tried = True
         return module
@@ -226,7 +234,7 @@ def forward(
     ``[..., 1]`` in the compute dtype (None without ``keep_statistics``; RMSNorm's mean None,
     as its bias)."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
-    if kernels is not None and x.device.type == "cpu":
+    if kernels is not None and x.is_cpu:
         if norm.centered:
             return kernels.forward(x, valid, scale, bias, eps, keep_statistics)
         y, rstd = kernels.rms_forward(x, valid, scale, eps, offset, keep_statistics)
@@ -260,7 +268,7 @@ def backward(
     layout, dscale and dbias in scale's dtype; +0.0 from invalid rows. RMSNorm takes no mean
     and gives no dbias."""
     kernels = _native if _native is not None and _chosen != "raw" else native_kernels()
-    if kernels is not None and x.device.type == "cpu":
+    if kernels is not None and x.is_cpu:
         if norm.centered:
             computed = kernels.backward(dy, x, valid, scale, mean, rstd, eps, list(needs))
             return spread(computed, needs)
@@ -289,13 +297,42 @@ def backward(
     return dx, dscale, dbias
 
 
+def within_contract(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: object,
+    offset: object,
+    norm: Norm = LAYER,
+) -> bool:
+    """True when the native library, loaded, vouches that these arguments meet the op's
+    contract (``norm``'s; RMSNorm's bias is None), which it checks in a fraction of the time
+    :mod:`maskln_cli.op.checks` takes; False when it says otherwise or cannot tell (not loaded,
+    a graph being compiled, tensor subclasses, eps or offset not a float): then the checks
+    there decide, and give the message."""
+    if _native is None or _is_compiling():  # no library call in a graph being traced
+        return False
+    if type(eps) is not float or type(offset) is not float:
+        return False
+    plain = _PLAIN
+    if type(x) not in plain or type(valid) not in plain or type(scale) not in plain:
+        return False
+    if norm.centered and type(bias) not in plain:  # RMSNorm's bias is None
+        return False
+    return _native.within_contract(x, valid, scale, bias if norm.centered else None, eps, offset)
+
+
 def spread(
     computed: list[torch.Tensor], needs: tuple[bool, bool, bool]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dscale, dbias)`` from the list a backward kernel or op returns (the requested
     ones, in that order), None where ``needs`` did not request one."""
-    given = iter(computed)
-    return tuple(next(given) if need else None for need in needs)  # type: ignore[return-value]
+    # indices, not a generator: every eager backward runs this
+    dx = computed[0] if needs[0] else None
+    dscale = computed[needs[0]] if needs[1] else None
+    dbias = computed[needs[0] + needs[1]] if needs[2] else None
+    return dx, dscale, dbias
 
 
 class _autocast_off:

@@ -61,13 +61,7 @@ def check_rms_inputs(
         (1e-06, 1.0)
     """
     eps = _check(x, valid, (("scale", scale),), eps)
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real | torch.SymFloat):
-        raise TypeError(f"offset must be a finite number, got {type(offset).__name__}")
-    if isinstance(offset, numbers.Integral):
-        try:
-            offset = float(offset)
-        except OverflowError:  # an int beyond float's range
-            offset = math.inf
+    offset = as_number(offset, "offset")
     if not (offset > -math.inf and offset < math.inf):  # NaN fails both
         raise ValueError(f"offset must be a finite number, got {offset!r}")
     return eps, offset  # type: ignore[return-value]
@@ -77,55 +71,68 @@ def _check(x: object, valid: object, params: tuple[tuple[str, object], ...], eps
     quiet_when_traced()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
+    dtype = x.dtype
+    if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"x must be a float32, float64, float16 or bfloat16 tensor, got {dtype_name(x.dtype)}"
+            f"x must be a float32, float64, float16 or bfloat16 tensor, got {dtype_name(dtype)}"
         )
     for name, tensor in (("x", x), ("valid", valid), *params):
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
             raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
-    if x.dim() == 0:
+    shape = x.shape
+    if not shape:
         raise ValueError("x must have a channel axis (shape [..., C]), got a 0-d tensor")
     if not isinstance(valid, torch.Tensor):
         raise TypeError(f"valid must be a bool torch.Tensor, got {type(valid).__name__}")
     if valid.dtype != torch.bool:  # as_valid_mask converts masks of numbers first
         raise TypeError(f"valid must be a bool tensor, got {dtype_name(valid.dtype)}")
-    if valid.shape != x.shape[:-1]:
+    if valid.shape != shape[:-1]:
         raise ValueError(
-            f"valid must have x's leading shape {list(x.shape[:-1])}, got {list(valid.shape)}"
+            f"valid must have x's leading shape {list(shape[:-1])}, got {list(valid.shape)}"
         )
-    if valid.device != x.device:
+    on_cpu = x.is_cpu  # CPU tensors share the one device: no device objects made
+    if not (on_cpu and valid.is_cpu) and valid.device != x.device:
         raise ValueError(f"valid must be on x's device {x.device}, got {valid.device}")
-    channels = x.shape[-1]
+    channels = shape[-1]
     for name, param in params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(param).__name__}")
-        if param.dtype != x.dtype and not (x.dtype in HALF_DTYPES and param.dtype == torch.float32):
-            accepted = "x's dtype" + (" or float32" if x.dtype in HALF_DTYPES else "")
+        if param.dtype != dtype and not (dtype in HALF_DTYPES and param.dtype == torch.float32):
+            accepted = "x's dtype" + (" or float32" if dtype in HALF_DTYPES else "")
             raise TypeError(
-                f"{name} must have {accepted} ({dtype_name(x.dtype)}), got"
-                f" {dtype_name(param.dtype)}"
+                f"{name} must have {accepted} ({dtype_name(dtype)}), got {dtype_name(param.dtype)}"
             )
         if param.shape != (channels,):
             raise ValueError(
                 f"{name} must have shape [{channels}] (x's channels), got {list(param.shape)}"
             )
-        if param.device != x.device:
+        if not (on_cpu and param.is_cpu) and param.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {param.device}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real | torch.SymFloat):
-        raise TypeError(f"eps must be a finite positive number, got {type(eps).__name__}")
-    if isinstance(eps, numbers.Integral):
-        try:
-            eps = float(eps)
-        except OverflowError:  # an int beyond float's range
-            eps = math.inf
+    eps = as_number(eps, "eps")
     # Comparisons only: under torch.compile with dynamic shapes, eps is a symbolic float.
     if not (eps > 0 and eps < math.inf):
         raise ValueError(f"eps must be a finite positive number, got {eps!r}")
-    compute = compute_dtype(x.dtype)
-    if eps_rounds_to_zero(eps, compute):
-        raise ValueError(f"eps {eps!r} rounds to 0 in {dtype_name(compute)}, the compute dtype")
+    if dtype is not torch.float64 and eps_rounds_to_zero(eps, compute_dtype(dtype)):
+        compute = dtype_name(compute_dtype(dtype))
+        raise ValueError(f"eps {eps!r} rounds to 0 in {compute}, the compute dtype")
     return eps  # type: ignore[return-value]
+
+
+def as_number(value: object, name: str) -> float:
+    """``value`` (eps, offset) as a float, or a symbolic float as it is; a TypeError naming
+    ``name`` for anything but a real number (a bool included). An int beyond float's range is
+    inf (refused by the caller's finiteness check)."""
+    if type(value) is float:  # the usual case, first: no abstract-class checks
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | torch.SymFloat):
+        what = "a finite positive number" if name == "eps" else "a finite number"
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    if isinstance(value, numbers.Integral):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float's range
+            return math.inf
+    return value  # type: ignore[return-value]
 
 
 def raise_contract_error(

@@ -137,3 +137,61 @@ def test_bad_inputs_raise_instead_of_crashing(lib):  # noqa: F811
         lib.rms_backward(x, x, valid, scale, rstd[:2], EPS, 0.0, [True, True])
     with pytest.raises(ValueError, match="offset must be a finite number, got nan"):
         torch.ops.maskln.masked_rms_norm(x, valid, scale, EPS, math.nan)
+
+
+def contract_cases():
+    """(x, valid, scale, bias, eps, offset) within and outside the contract of either norm (bias
+    None: RMSNorm's), every argument of a type the native check takes."""
+    x, valid, scale = torch.ones(2, 3, 4), torch.ones(2, 3, dtype=torch.bool), torch.ones(4)
+    good = {"x": x, "valid": valid, "scale": scale, "bias": torch.zeros(4), "eps": EPS,
+            "offset": 0.0}  # fmt: skip
+    double = {"x": x.double(), "scale": scale.double()}
+    changes = {
+        "good": {},
+        "rms": {"bias": None, "offset": 1.0},
+        "float64": {**double, "bias": torch.zeros(4).double()},
+        "half, float32 scale": {"x": x.half()},
+        "bfloat16": {"x": x.bfloat16(), "scale": scale.bfloat16(), "bias": None},
+        "x strided": {"x": torch.ones(4, 3, 2).transpose(0, 2)},
+        "x integer": {"x": x.long()},
+        "x 0-d": {"x": torch.tensor(1.0), "valid": torch.tensor(True)},
+        "x sparse": {"x": x.to_sparse()},
+        "valid integer": {"valid": valid.long()},
+        "valid full shape": {"valid": valid[..., None]},
+        "valid wrong axis": {"valid": valid[:, :2]},
+        "valid meta": {"valid": valid.to("meta")},
+        "scale wrong length": {"scale": scale[:3]},
+        "scale wrong rank": {"scale": scale[None]},
+        "scale float64": {"scale": scale.double()},
+        "scale meta": {"scale": scale.to("meta"), "bias": None},
+        "bias wrong length": {"bias": torch.zeros(5)},
+        "bias float16": {"bias": torch.zeros(4).half()},
+        "eps zero": {"eps": 0.0},
+        "eps negative": {"eps": -EPS},
+        "eps nan": {"eps": math.nan},
+        "eps inf": {"eps": math.inf},
+        "eps rounds to 0 in float32": {"eps": 1e-50, "bias": None},
+        "eps 1e-50 in float64": {**double, "bias": None, "eps": 1e-50},
+        "offset nan": {"bias": None, "offset": math.nan},
+        "offset inf": {"bias": None, "offset": -math.inf},
+        "offset inf, layer norm (no offset)": {"offset": math.inf},
+    }
+    return [pytest.param(dict(good, **change), id=name) for name, change in changes.items()]
+
+
+@pytest.mark.parametrize("arguments", contract_cases())
+def test_the_native_contract_check_agrees_with_the_python_checks(lib, arguments):  # noqa: F811
+    # The public functions take the native check's yes for the Python checks' (backend.
+    # within_contract): it must never say yes where they raise, nor no where they accept.
+    from maskln_cli.op.checks import check_inputs, check_rms_inputs
+
+    x, valid, scale, bias, eps, offset = arguments.values()
+    try:
+        if bias is None:
+            check_rms_inputs(x, valid, scale, eps, offset)
+        else:
+            check_inputs(x, valid, scale, bias, eps)
+        accepted = True
+    except (TypeError, ValueError):
+        accepted = False
+    assert lib.within_contract(x, valid, scale, bias, eps, offset) is accepted

@@ -28,6 +28,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("valid"), py::arg("scale"), py::arg("rstd"), py::arg("eps"), py::arg("offset"),
         py::arg("output_mask"), py::call_guard<py::gil_scoped_release>(),
         "RMSNorm's requested of (dx, dscale), in that order");
+  // With Python's lock held: a check of a few fields costs less than releasing it.
+  m.def(
+      "within_contract",
+      [](const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+         const std::optional<at::Tensor>& bias, double eps, double offset) {
+        return maskln_native::within_contract(x, valid, scale, bias ? &*bias : nullptr, eps,
+                                              offset);
+      },
+      py::arg("x"), py::arg("valid"), py::arg("scale"), py::arg("bias"), py::arg("eps"),
+      py::arg("offset"),
+      "Whether the inputs meet the op's contract (bias None: RMSNorm's); never raises");
   m.def("register_maskln_kernels", &maskln_native::register_maskln_kernels,
         py::arg("enable") = true,
         "Make forward and backward the CPU kernels of maskln::masked_layer_norm(_backward),"

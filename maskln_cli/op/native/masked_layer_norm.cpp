@@ -172,10 +172,15 @@ bool meets_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tens
 }
 
 // bias null: RMSNorm's contract, whose offset must be finite.
+bool within_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+                     const at::Tensor* bias, double eps, double offset) {
+  return bias != nullptr ? meets_contract(x, valid, scale, *bias, eps)
+                         : meets_contract(x, valid, scale, scale, eps) && std::isfinite(offset);
+}
+
 void check_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
                     const at::Tensor* bias, double eps, double offset = 0.0) {
-  if (bias != nullptr ? meets_contract(x, valid, scale, *bias, eps)
-                      : meets_contract(x, valid, scale, scale, eps) && std::isfinite(offset)) {
+  if (within_contract(x, valid, scale, bias, eps, offset)) {
     return;
   }
   if (contract_error != nullptr) {  // raises the op's own error

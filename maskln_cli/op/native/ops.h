@@ -30,6 +30,12 @@ std::vector<at::Tensor> rms_backward_py(
 
 bool register_maskln_kernels(bool enable);
 
+// Whether the inputs meet the op's contract (every condition of maskln_cli.op.checks'
+// check_inputs, or check_rms_inputs' when bias is null), without raising: the public functions'
+// check of plain tensors, whose messages Python gives when this says no.
+bool within_contract(const at::Tensor& x, const at::Tensor& valid, const at::Tensor& scale,
+                     const at::Tensor* bias, double eps, double offset);
+
 // Raises the op's own error for inputs outside its contract (maskln_cli.op.checks, called back
 // in Python): the dispatcher ops check the contract in C++ and, only when it is not met, call
 // this for the message, so that there is one source of messages. bias is undefined (None in
