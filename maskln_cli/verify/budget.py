@@ -261,9 +261,9 @@ class RowBudget:
         on_xhat = (moved * n2).add_(rstd_e1 * n1 * 2).add_(rstd_ed * n1).mul_(self.growth)
         constant = (moved * (n2 + n1)).add_(rstd_ed * n2).mul_(self.growth)
         on_dx = (self.rstd * (self.e2 + (e1 + p.store))).mul_(self.growth)
-        model = torch.addcmul(constant, self.xhat.abs(), on_xhat)
-        model.addcmul_(wdy.abs(), rstd_ed * self.growth)
         dx = torch.addcmul(wdy, self.xhat, c1, value=-1).sub_(c2).abs_()
+        model = torch.addcmul(constant, self.xhat.abs(), on_xhat)
+        model.addcmul_(wdy.abs_(), rstd_ed * self.growth)  # wdy is done with: in place
         model.addcmul_(dx, on_dx)
         if not bool(self.valid.all()):
             model.masked_fill_(~self.valid, 0.0)
@@ -350,7 +350,8 @@ class RowBudget:
         sums.second_order_sum += float(energy.dot(self.e2.reshape(-1)))
         sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
-        moved = self.xhat.abs().add_(self.offset).mul_(dy.abs()).mul_(self.growth)
+        dy_abs = torch.abs(dy, out=term)  # the buffer again
+        moved = self.xhat.abs().add_(self.offset).mul_(dy_abs).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
 
 
@@ -428,7 +429,8 @@ def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Ten
     non-finite model or yardstick error, from NaN or inf in the data, raises nothing)."""
     budget = model.nan_to_num(nan=0.0, posinf=0.0)
     if yardstick_error is not None:
-        budget = torch.maximum(budget, yardstick_error.nan_to_num(nan=0.0, posinf=0.0))
+        raised = yardstick_error.nan_to_num(nan=0.0, posinf=0.0)
+        torch.maximum(budget, raised, out=budget)  # in place: a buffer fewer
     return budget
 
 
