@@ -145,6 +145,7 @@ class RowBudget:
         eps: float,
         precision: Precision,
         centered: bool = True,
+        keep_deviations: bool = False,
     ) -> None:
         self.valid = valid.unsqueeze(1)
         self.centered = centered
@@ -157,7 +158,11 @@ class RowBudget:
         self.channels = x.shape[-1]
         rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
-        self.xhat = rows.mul_(self.rstd)
+        # x - mean, kept beside xhat when asked (``keep_deviations``; LayerNorm's only):
+        # grad_x's fits normalize it by the truth's rstd.
+        keep_deviations = keep_deviations and centered
+        self.deviations: torch.Tensor | None = rows if keep_deviations else None
+        self.xhat = rows * self.rstd if keep_deviations else rows.mul_(self.rstd)
         # Each row's mean |x| (None for RMSNorm), kept for whoever needs it with another rstd.
         self.mean_abs: torch.Tensor | None = None
         if centered:
@@ -200,7 +205,7 @@ class RowBudget:
         for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
             setattr(some, name, getattr(self, name).index_select(0, index))
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
-        some._upstream = some._wdy_rms = None
+        some._upstream = some._wdy_rms = some.deviations = None
         return some
 
     def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
