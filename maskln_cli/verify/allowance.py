@@ -186,7 +186,8 @@ class Allowance:
         if always is None:
             atol = budget.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
             always = budget.floor(reference, dtype, comparison.rtol, atol)
-        allowed = torch.maximum(unit * self.factor, always)
+        allowed = unit.mul(self.factor)
+        torch.maximum(allowed, always, out=allowed)  # in place: a buffer fewer
         if valid is not None and not bool(valid.all()):  # else masking changes nothing
             allowed.masked_fill_(~valid, 0.0)
             always = always.masked_fill(~valid, math.inf)  # the padding is another matter

@@ -121,6 +121,8 @@ class BlockWork:
     def measure(self, start: int, stop: int) -> Measured | None:
         """The figures of rows ``start:stop`` (None when a value is NaN or inf)."""
 
+        import torch
+
         from maskln_cli.verify.budget import RowBudget
 
         streaming, problem = self.streaming, self.problem
@@ -139,7 +141,7 @@ class BlockWork:
             precision = streaming.precisions[streaming.judge]
             budget = RowBudget(
                 x64, valid, problem.scale, problem.bias, problem.eps, precision,
-                problem.norm.centered,
+                problem.norm.centered, keep_deviations=True,
             )  # fmt: skip
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
@@ -160,7 +162,7 @@ class BlockWork:
                 actual, reference = leave_out(actual, reference, keep)
                 guess, _ = leave_out(guess, reference, keep)
             # |yardstick - truth|: for the budget and the comparison alike, computed once.
-            error = (guess.double() - reference).abs_()
+            error = torch.sub(guess, reference).abs_()  # float64: the truth's dtype
             inputs = (x64, valid, reference, guess, error)
             if name == "grad_x":
                 inputs += (dy64,)  # type: ignore[assignment]
@@ -189,7 +191,7 @@ class BlockWork:
                     offset = _offset(x64, rstd.reshape(-1), budget)
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
-                    offset,
+                    offset, budget.deviations if budget is not None else None,
                 )  # fmt: skip
         sums = None
         if dy64 is not None:
@@ -224,11 +226,13 @@ class BlockWork:
         dy64: torch.Tensor | None = None,
         first_row: int = 0,
         offset: torch.Tensor | None = None,
+        deviations: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
         on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``).
-        ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), when the caller has it."""
+        ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), and ``deviations``, x
+        minus its row's mean (RowBudget's, read on valid rows), when the caller has them."""
         import math
 
         import torch
@@ -238,7 +242,7 @@ class BlockWork:
         if gradient and (problem.channels < GRAD_X_CHANNELS or dy64 is None):
             return FitSums()
         rows = valid if keep is None else valid & keep
-        error = actual.double() - reference
+        error = torch.sub(actual, reference)  # in float64 (the truth's), as one pass
         if offset is None:
             offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         # Each row's rms of the truth, and its rows' sums of squares (grad_x's, below).
@@ -249,7 +253,7 @@ class BlockWork:
             assert dy64 is not None
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
             terms, wdy_squares = self._terms(
-                error, reference, rows, rstd, x64, dy64, precision, offset, rms
+                error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations
             )
             z_squares = squares.sum(dim=1)
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
@@ -291,21 +295,25 @@ class BlockWork:
         precision: Precision,
         offset: torch.Tensor,
         rms: torch.Tensor,
+        deviations: torch.Tensor | None = None,
     ) -> tuple[TermSums, torch.Tensor]:
         """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
         with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
         and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
-        ``offset`` and ``rms`` are each row's A and rms of the truth (read on ``rows`` only);
-        also returned, the squares of ``scale * dy64`` (0 off ``rows``)."""
+        ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
+        its x minus its mean (all three read on ``rows`` only);
+        also returned, the squares of ``scale * dy64`` (to be read on ``rows`` only)."""
         import math
 
         import torch
 
         channels = self.problem.channels
-        keep = rows.unsqueeze(1)
-        x = torch.where(keep, x64, 0.0)
-        xhat = (x - x.mean(dim=1, keepdim=True)).mul_(rstd.reshape(-1, 1))
-        wdy = torch.where(keep, dy64, 0.0).mul_(self.problem.scale)
+        # Every figure below is a row's own (its reductions run along the row), read on
+        # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
+        if deviations is None:
+            deviations = x64 - x64.mean(dim=1, keepdim=True)
+        xhat = torch.mul(deviations, rstd.reshape(-1, 1))
+        wdy = dy64 * self.problem.scale
         p = precision
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store

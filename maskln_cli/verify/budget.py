@@ -145,6 +145,7 @@ class RowBudget:
         eps: float,
         precision: Precision,
         centered: bool = True,
+        keep_deviations: bool = False,
     ) -> None:
         self.valid = valid.unsqueeze(1)
         self.centered = centered
@@ -157,7 +158,11 @@ class RowBudget:
         self.channels = x.shape[-1]
         rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
-        self.xhat = rows.mul_(self.rstd)
+        # x - mean, kept beside xhat when asked (``keep_deviations``; LayerNorm's only):
+        # grad_x's fits normalize it by the truth's rstd.
+        keep_deviations = keep_deviations and centered
+        self.deviations: torch.Tensor | None = rows if keep_deviations else None
+        self.xhat = rows * self.rstd if keep_deviations else rows.mul_(self.rstd)
         # Each row's mean |x| (None for RMSNorm), kept for whoever needs it with another rstd.
         self.mean_abs: torch.Tensor | None = None
         if centered:
@@ -200,7 +205,7 @@ class RowBudget:
         for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
             setattr(some, name, getattr(self, name).index_select(0, index))
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
-        some._upstream = some._wdy_rms = None
+        some._upstream = some._wdy_rms = some.deviations = None
         return some
 
     def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
@@ -261,9 +266,9 @@ class RowBudget:
         on_xhat = (moved * n2).add_(rstd_e1 * n1 * 2).add_(rstd_ed * n1).mul_(self.growth)
         constant = (moved * (n2 + n1)).add_(rstd_ed * n2).mul_(self.growth)
         on_dx = (self.rstd * (self.e2 + (e1 + p.store))).mul_(self.growth)
-        model = torch.addcmul(constant, self.xhat.abs(), on_xhat)
-        model.addcmul_(wdy.abs(), rstd_ed * self.growth)
         dx = torch.addcmul(wdy, self.xhat, c1, value=-1).sub_(c2).abs_()
+        model = torch.addcmul(constant, self.xhat.abs(), on_xhat)
+        model.addcmul_(wdy.abs_(), rstd_ed * self.growth)  # wdy is done with: in place
         model.addcmul_(dx, on_dx)
         if not bool(self.valid.all()):
             model.masked_fill_(~self.valid, 0.0)
@@ -350,7 +355,8 @@ class RowBudget:
         sums.second_order_sum += float(energy.dot(self.e2.reshape(-1)))
         sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
-        moved = self.xhat.abs().add_(self.offset).mul_(dy.abs()).mul_(self.growth)
+        dy_abs = torch.abs(dy, out=term)  # the buffer again
+        moved = self.xhat.abs().add_(self.offset).mul_(dy_abs).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
 
 
@@ -428,7 +434,8 @@ def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Ten
     non-finite model or yardstick error, from NaN or inf in the data, raises nothing)."""
     budget = model.nan_to_num(nan=0.0, posinf=0.0)
     if yardstick_error is not None:
-        budget = torch.maximum(budget, yardstick_error.nan_to_num(nan=0.0, posinf=0.0))
+        raised = yardstick_error.nan_to_num(nan=0.0, posinf=0.0)
+        torch.maximum(budget, raised, out=budget)  # in place: a buffer fewer
     return budget
 
 
