@@ -118,6 +118,10 @@ class SafetensorsWriter:
             raise MasklnError(f"{self._name}: cannot write: {os_reason(error)}") from None
 
 
+ABORT_WAIT_SECONDS = 10.0
+"""How long an aborted BackgroundWriter waits for its current write (one chunk, to a file)."""
+
+
 class BackgroundWriter:
     """A :class:`SafetensorsWriter` fed from the caller and writing on a thread of its own, so
     that computing the next chunk overlaps writing the last one: here, writing 512 MiB to a
@@ -125,7 +129,7 @@ class BackgroundWriter:
 
     At most ``depth`` chunks wait to be written. An error in writing is raised in the caller,
     at its next :meth:`write` or at :meth:`close`; leaving the ``with`` block on an error of the
-    caller's (Ctrl-C included) drops what waits, and the thread ends after its current write.
+    caller's (Ctrl-C included) drops what waits, and waits for the thread's current write.
     For files only: a write to a pipe can block for as long as its reader likes, and the
     caller could then not be interrupted.
 
@@ -177,8 +181,11 @@ class BackgroundWriter:
         self._writer.close()
 
     def _abort(self) -> None:
-        """Stop writing: drop what waits and let the thread end after its current write, without
-        waiting for it (a write may hang, on a pipe nobody reads)."""
+        """Stop writing: drop what waits and wait (a bounded time: a file, not a pipe) for the
+        thread to end after its current write. Left running, it would be killed at the
+        interpreter's exit inside a write's native code: C++ then calls std::terminate, and a
+        SIGTERM that should exit 143 aborted with -6 ("terminate called without an active
+        exception", 1 of CI's runs)."""
         import queue
 
         self._stop.set()
@@ -187,6 +194,7 @@ class BackgroundWriter:
                 self._chunks.get_nowait()
         with contextlib.suppress(queue.Full):
             self._chunks.put_nowait(None)
+        self._thread.join(ABORT_WAIT_SECONDS)
 
     def _raise_error(self) -> None:
         if self._error is not None:
