@@ -148,6 +148,8 @@ class Explainer:
             finding.of = self.valid_rows  # more than its rows when a sample was regressed
             if isinstance(finding.row, int):
                 finding.row = leading_index(finding.row, tuple(problem.shape[:-1]))
+        elif finding is not None and checked.outcome is not None:
+            finding.of = checked.outcome.numel  # the elements regressed are not always all
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding
