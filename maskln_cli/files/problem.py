@@ -155,6 +155,19 @@ class Problem:
         """The gradients its output holds: grad_x, grad_scale (and grad_bias for LayerNorm)."""
         return gradient_keys(self.norm)
 
+    def nonfinite_valid_rows(self) -> int:
+        """How many valid rows hold NaN or inf in x: there the formula's statistics, and so
+        the op's output (and grad_scale), are NaN. Read in chunks (x stays memory-mapped):
+        only rows whose sum is not finite are looked at element by element."""
+        count = 0
+        step = max(1, self.chunk_rows)
+        for start in range(0, self.rows, step):
+            rows = self.x[start : start + step]
+            suspects = ~rows.sum(-1).isfinite() & self.valid[start : start + step]
+            if bool(suspects.any()):
+                count += int((~rows[suspects].isfinite().all(-1)).sum())
+        return count
+
     def parameters(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """scale (and bias, for LayerNorm), in ``dtype`` if given: the op's parameters."""
         found = (self.scale,) if self.bias is None else (self.scale, self.bias)

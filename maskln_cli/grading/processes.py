@@ -211,3 +211,33 @@ class Forked:
             time.sleep(0.005)
         assert self.returncode is not None
         return self.returncode
+
+
+class CpuWait:
+    """How long a process has waited for a CPU since this was made: the longest such wait of
+    any of its threads (Linux's ``/proc/PID/task/TID/schedstat``, its second figure: time spent
+    runnable on a run queue, not running). On a loaded machine a call's wall time is mostly
+    this wait; a call that sleeps or blocks (a hang that uses no CPU) never waits for one.
+    0 where the kernel keeps no such figures."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = self._waits()
+
+    def _waits(self) -> dict[str, int]:
+        waits: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                with (
+                    contextlib.suppress(OSError, ValueError, IndexError),
+                    open(f"/proc/{self.pid}/task/{tid}/schedstat") as stat,
+                ):
+                    waits[tid] = int(stat.read().split()[1])
+        return waits
+
+    def seconds(self) -> float:
+        """The longest wait for a CPU of one thread since :meth:`__init__` (a thread started
+        since counts all of its own)."""
+        now = self._waits()
+        longest = max((ns - self.start.get(tid, 0) for tid, ns in now.items()), default=0)
+        return max(0, longest) / 1e9

@@ -29,7 +29,8 @@ Time limits: with ``timeout`` (``--timeout``), each clause may take that long, a
 Without, each call of the function may take :data:`~.child.TIME_FACTOR` times what maskln's own
 op takes on its case, or :data:`~.child.LOOP_FACTOR` times a plain Python loop over its rows,
 measured in the child, at least :data:`~.child.FLOOR_SECONDS` (a hang
-fails in seconds), and each clause :data:`CLAUSE_LIMIT` at most. Importing the target is bounded
+fails in seconds), and each clause :data:`CLAUSE_LIMIT` at most; a call's time leaves out what
+the child waited for a CPU (:class:`_CallClock`). Importing the target is bounded
 by ``timeout``, else :data:`CLAUSE_LIMIT`; the child's own start-up (Python, torch, the grader)
 by :data:`START_TIMEOUT`.
 
@@ -79,6 +80,7 @@ from maskln_cli.grading.child import (
 )
 from maskln_cli.grading.processes import (
     GRACE_SECONDS,
+    CpuWait,
     Forked,
     children,
     kill_descendants,
@@ -361,8 +363,7 @@ class Sandbox:
         case the child is on (``{"at": ...}``) is kept (:attr:`case`), the child's memory is
         sampled meanwhile (:attr:`peak_memory`). Raises TimeoutError, ChildGone."""
         assert self.channel is not None
-        whole = time.monotonic() + limit
-        deadline = whole
+        clock = _CallClock(limit)
         self.call_limit = None
         while True:
             frame = pop_frame(self.buffer)
@@ -372,15 +373,15 @@ class Sandbox:
                     self.case = str(frame[0]["at"])[:MAX_LABEL]
                     continue
                 if keys == {"tick"}:
-                    if per_call:
+                    if per_call and self.process is not None:
                         self.call_limit = _call_limit(frame[0]["tick"], limit)
-                        deadline = min(whole, time.monotonic() + self.call_limit)
+                        clock.call(self.call_limit, self.process.pid)
                     continue
                 return frame
-            remaining = deadline - time.monotonic()
+            remaining = clock.remaining()
             if remaining <= 0:
                 self._sample_memory()
-                if deadline >= whole:
+                if clock.whole_ran_out:
                     self.call_limit = None  # the whole clause's limit ran out
                 raise TimeoutError
             ready, _, _ = select.select([self.channel], [], [], min(remaining, 0.5))
@@ -596,6 +597,40 @@ def timeout_words(
         f" {LOOP_FACTOR:g} times a Python loop over its rows, at least {FLOOR_SECONDS:g} s;"
         " --timeout SECONDS gives each clause one limit instead)"
     )
+
+
+class _CallClock:
+    """The deadlines of a wait for the child: the whole clause's, and the current call's. A
+    call's limit is of its own time: what its process waited for a CPU (a loaded machine) is
+    not counted (:class:`~.processes.CpuWait`). A hang that sleeps never waits for one; one
+    that spins under load is stopped by the clause's limit at the latest."""
+
+    def __init__(self, limit: float) -> None:
+        self.whole = time.monotonic() + limit
+        self.deadline = self.whole
+        self.started = 0.0
+        self.limit = 0.0
+        self.waited: CpuWait | None = None
+
+    def call(self, limit: float, pid: int) -> None:
+        """A call begins, which may take ``limit`` seconds of its own."""
+        self.started, self.limit = time.monotonic(), limit
+        self.deadline = min(self.whole, self.started + limit)
+        self.waited = CpuWait(pid)
+
+    def remaining(self) -> float:
+        """Seconds until a deadline (<= 0: one passed), the call's moved by its CPU wait."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 and self.waited is not None and self.deadline < self.whole:
+            later = min(self.whole, self.started + self.limit + self.waited.seconds())
+            if later - self.deadline > 0.01:
+                self.deadline = later
+                remaining = later - time.monotonic()
+        return remaining
+
+    @property
+    def whole_ran_out(self) -> bool:
+        return self.deadline >= self.whole
 
 
 def _call_limit(told: Any, limit: float) -> float:

@@ -105,7 +105,9 @@ def normalize_file(
             valid_rows=int(problem.valid.sum()),
             rows=problem.rows,
             keys=tuple(keys),
-            notes=tuple(problem.notes) + _valid_key_hint(problem, options),
+            notes=tuple(problem.notes)
+            + _valid_key_hint(problem, options)
+            + _nonfinite_x_note(problem),
             eps_source=problem.eps_source,
             norm=problem.norm.name,
         )
@@ -120,3 +122,20 @@ def _valid_key_hint(problem: Problem, options: NormalizeOptions) -> tuple[str, .
         return ()
     hint = valid_key_hint(problem.input_file, tuple(problem.shape[:-1]))
     return (hint,) if hint is not None else ()
+
+
+def _nonfinite_x_note(problem: Problem) -> tuple[str, ...]:
+    """Valid rows whose x holds NaN or inf: their out is NaN (the formula's mean and variance
+    are), written without a word before."""
+    found = problem.nonfinite_valid_rows()
+    if not found:
+        return ()
+    sums = (
+        ", and grad_scale in every channel (it sums over them)"
+        if problem.grad_out is not None
+        else ""
+    )
+    return (
+        f"{found:,} of {int(problem.valid.sum()):,} valid rows hold NaN or inf in x: their out"
+        f" is NaN (their mean and variance are){sums}",
+    )

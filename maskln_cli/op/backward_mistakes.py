@@ -120,7 +120,8 @@ BACKWARD_MISTAKES: dict[str, Mistake] = {
 STATISTICS_OVERFLOW = Mistake(
     "statistics_overflow",
     "the row statistics overflow float16: a row's sum of squares beyond 65,504 (values of a"
-    " few hundred) becomes inf, and the row NaN, inf or its bias",
+    " few hundred) becomes inf, and the row NaN, inf, or what a zero rstd leaves (LayerNorm's"
+    " bias, RMSNorm's 0)",
     "accumulate the statistics in float32 (as torch's half-precision kernels do), whatever the"
     " dtype of the values",
     _correct,  # recognized by where the result is wrong, not by a formula

@@ -565,7 +565,7 @@ def yardstick(
             out = F.layer_norm(rows, (channels,), weight, shift, eps)
             return Yardstick(out.index_fill_(0, invalid, 0.0))
     rows = torch.where(keep, x.to(dtype), zero)
-    upstream = torch.where(keep, grad_out.to(dtype), zero)
+    upstream, power = _upstream_in_range(grad_out, keep, dtype)
     # The kernels autograd runs for F.layer_norm and its backward, called directly: the same
     # bits (the backward of torch.where passes the upstream gradient, already 0 on the
     # padding), without autograd's graph and its first call's imports (sympy, a second or two).
@@ -574,7 +574,7 @@ def yardstick(
         grads = torch.ops.aten.native_layer_norm_backward(
             upstream, rows, (channels,), mean, rstd, weight, shift, (True, True, True)
         )
-    return Yardstick(torch.where(keep, normalized, zero), *grads)
+    return Yardstick(torch.where(keep, normalized, zero), *(_times(g, power) for g in grads))
 
 
 def rms_yardstick(
@@ -603,9 +603,41 @@ def rms_yardstick(
     if grad_out is None:
         with torch.no_grad():
             return Yardstick(torch.where(keep, F.rms_norm(rows, shape, weight, eps), zero))
-    upstream = torch.where(keep, grad_out.to(dtype), zero)
+    upstream, power = _upstream_in_range(grad_out, keep, dtype)
     with torch.enable_grad():
         leaves = (rows.detach().requires_grad_(), weight.detach().requires_grad_())
         out = F.rms_norm(leaves[0], shape, leaves[1], eps)
         grad_x, grad_scale = torch.autograd.grad(out, leaves, upstream)
-    return Yardstick(torch.where(keep, out.detach(), zero), grad_x, grad_scale, upstream.sum(dim=0))
+    grads = (_times(g, power) for g in (grad_x, grad_scale, upstream.sum(dim=0)))
+    return Yardstick(torch.where(keep, out.detach(), zero), *grads)
+
+
+RANGE_HEADROOM = 2.0**8
+"""How far below its dtype's largest value grad_out is brought when it is beyond it."""
+
+
+def _upstream_in_range(
+    grad_out: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, float]:
+    """grad_out on the valid rows, in ``dtype``, and 1; or, where a finite value of it is beyond
+    ``dtype``'s range (inf once cast), divided by the power of two that brings its largest
+    :data:`RANGE_HEADROOM` below that range's end, and that power: a gradient is linear in
+    grad_out, so PyTorch's gradients times it are its gradients of grad_out itself (the
+    yardstick's figure was NaN, or 0 when its error was taken as none)."""
+    zero = torch.zeros((), dtype=dtype)
+    upstream = torch.where(keep, grad_out.to(dtype), zero)
+    if math.isfinite(float(upstream.abs().amax())):
+        return upstream, 1.0
+    finite = torch.where(keep & grad_out.isfinite(), grad_out.double(), 0.0)
+    largest = float(finite.abs().amax())
+    ceiling = torch.finfo(dtype).max / RANGE_HEADROOM
+    if largest <= ceiling:  # inf in grad_out itself: nothing to bring into range
+        return upstream, 1.0
+    power = 2.0 ** math.ceil(math.log2(largest / ceiling))
+    return torch.where(keep, (grad_out.double() / power).to(dtype), zero), power
+
+
+def _times(grad: torch.Tensor, power: float) -> torch.Tensor:
+    """``grad`` times ``power`` (a power of two: exact), in its dtype (inf where the product
+    is beyond it, as PyTorch's own gradient would be)."""
+    return grad if power == 1.0 else (grad.double() * power).to(grad.dtype)

@@ -148,6 +148,8 @@ class Explainer:
             finding.of = self.valid_rows  # more than its rows when a sample was regressed
             if isinstance(finding.row, int):
                 finding.row = leading_index(finding.row, tuple(problem.shape[:-1]))
+        elif finding is not None and checked.outcome is not None:
+            finding.of = checked.outcome.numel  # the elements regressed are not always all
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding
@@ -185,7 +187,7 @@ class Explainer:
             index = next((i for i, p in enumerate(outcome.problems) if "beyond" in p
                           or "valid rows off" in p), 0)  # fmt: skip
             outcome.problems[index] += f"; {words}"
-        outcome.explanation = phrase or _one_level(outcome.problems[0])
+        outcome.explanation = _every_aspect(outcome.problems, phrase)
         self.causes.said(checked, diagnosis, found)
 
     def _beyond(self, checked: Checked) -> bool:
@@ -360,6 +362,41 @@ def phrase_of(diagnosis: Diagnosis) -> str:
         head = diagnosis.description.split(" (", 1)[0]
         return f"{head}: {diagnosis.fix.split(':', 1)[0]}"
     return diagnosis.description
+
+
+def _about_padding(text: str) -> bool:
+    """Whether a problem line (or a cause's phrase) is about the invalid rows."""
+    return any(word in text for word in ("invalid row", "padding", "padded"))
+
+
+def _every_aspect(problems: list[str], phrase: str | None) -> str:
+    """A failing tensor's one explanation for the verdict line: its cause's phrase (else its
+    first problem), and the other aspect's first problem line when that says something else:
+    the padding not zeroed beside wrong values, or wrong values beside the padding. A cause
+    about the padding stands for both.
+
+    Example:
+        >>> problems = ["9 of 9 invalid rows not zeroed", "all 20 valid rows off; ...: eps"]
+        >>> _every_aspect(problems, "eps 0.001")
+        'eps 0.001; 9 of 9 invalid rows not zeroed'
+        >>> _every_aspect(problems, None)
+        '9 of 9 invalid rows not zeroed; all 20 valid rows off; ...: eps'
+    """
+    lead = phrase if phrase is not None else problems[0]
+    said = [phrase if phrase is not None else _one_level(lead)]
+    if phrase is not None and _about_padding(phrase):
+        return said[0]
+    # The line the phrase was said in (appended to it, or in place of its generic words).
+    carrier = next((p for p in problems if phrase is not None and phrase in p), lead)
+    padding = _about_padding(carrier)
+    other = next(
+        (p for p in problems if p != carrier and _about_padding(p) is not padding
+         and not p.startswith(("shape", "dtype"))),
+        None,
+    )  # fmt: skip
+    if other is not None:
+        said.append(_one_level(other))
+    return "; ".join(said)
 
 
 def _one_level(text: str) -> str:

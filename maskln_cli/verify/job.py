@@ -105,6 +105,7 @@ def verify_problem(
     if not problem.norm.centered:
         problem = _as_rms_view(problem)
     valid_rows = int(problem.valid.sum())
+    nonfinite_rows = problem.nonfinite_valid_rows()
     if verify.plain_layer_norm:
         problem, mask = _as_plain_layer_norm(problem, mask)
     plan = Plan(problem, result, options, verify)
@@ -112,7 +113,7 @@ def verify_problem(
     _suggest_valid_key(plan, options)
     if mask is not None and mask.left_out == mask.rows:
         _refuse_comparing_nothing(plan, mask)
-    job = _Job(plan, mask, options.chunk_rows)
+    job = _Job(plan, mask, options.chunk_rows, nonfinite_rows)
     return job.run(progress)
 
 
@@ -168,9 +169,12 @@ def _refuse_comparing_nothing(plan: Plan, mask: RowMask) -> None:
 class _Job:
     """The verification of one RESULT against one INPUT: the plan, one streaming pass, words."""
 
-    def __init__(self, plan: Plan, mask: RowMask | None, chunk_rows: int | None) -> None:
+    def __init__(
+        self, plan: Plan, mask: RowMask | None, chunk_rows: int | None, nonfinite_x_rows: int = 0
+    ) -> None:
         self.plan = plan
         self.mask = mask
+        self.nonfinite_x_rows = nonfinite_x_rows  # valid rows of x holding NaN or inf
         # RMSNorm's budget is its model alone (calibrated so: tests/verify/test_rms_budget.py):
         # F.rms_norm in float32 overflows on rows above 1.8e19, and its error there (its output
         # is 0) would raise those rows' budget to 1.
@@ -213,6 +217,7 @@ class _Job:
         tensors += plan.unchecked()
         context = plan.context()
         not_checked = self._not_checked(live) + explainer.not_checked
+        context["nonfinite_x_rows"] = self.nonfinite_x_rows
         if not_checked:
             context["not_checked"] = not_checked
         return ComparisonReport(
@@ -223,9 +228,27 @@ class _Job:
         """What no comparison of these tensors can show, in words (for the verdict line)."""
         if live and self.plan.valid_rows == 0:  # every tensor is 0 whatever a kernel computes
             return ["no row is valid: only the padding was checked, no normalized value"]
+        found = []
         if self.plan.problem.channels == 1 and ("out" in live or "grad_x" in live):
-            return [
+            found.append(
                 "C = 1: out is the bias alone (every normalized value is 0), so no"
                 " normalization mistake can show"
-            ]
-        return []
+            )
+        if live and self.nonfinite_x_rows:
+            found.append(self._nonfinite_x_words(live))
+        return found
+
+    def _nonfinite_x_words(self, live: dict[str, Checked]) -> str:
+        """Valid rows whose x holds NaN or inf: the truth is NaN there (its mean and variance
+        are), so RESULT was only checked to be NaN too, in those rows (and in grad_scale's
+        every channel, which sums over them)."""
+        plan = self.plan
+        rows = [n for n in ("out", "grad_x") if n in live]
+        where = f"{' and '.join(rows)} only checked to be NaN there" if rows else ""
+        if "grad_scale" in live:
+            sums = "grad_scale only checked to be NaN (it sums over those rows)"
+            where = f"{where}, and {sums}" if where else sums
+        return (
+            f"{self.nonfinite_x_rows:,} of {plan.valid_rows:,} valid rows hold NaN or inf in x:"
+            f" the truth is NaN there, so RESULT's {where}"
+        )

@@ -360,16 +360,16 @@ class Finding:
     def sentence(self) -> str:
         """``all 922 valid rows scaled by 1 - 4.5e-06 ± 2e-09: systematic, not rounding``"""
         what = f"all {self.rows:,} valid rows" if self.unit == "rows" else f"all {self.rows:,}"
-        if self.of is not None and self.of > self.rows:
+        fewer = self.of is not None and self.of > self.rows
+        if fewer and self.unit == "rows":
             what = f"all {self.rows:,} valid rows sampled (of {self.of:,})"
+        elif fewer:  # the elements regressed (a sum's nonzero ones), of the tensor's
+            what = f"{self.rows:,} of {self.of:,}"
         if self.unit != "rows":
-            what += " elements" if self.rows != 1 else " element"
+            what += " elements" if self.rows != 1 or fewer else " element"
         parts = []
         if self.systematic_factor:
-            sign = "+" if self.factor >= 0 else "-"
-            parts.append(
-                f"{what} scaled by 1 {sign} {abs(self.factor):.2g} ± {self.factor_error:.1g}"
-            )
+            parts.append(f"{what} scaled by {scaled(self.factor)} ± {self.factor_error:.1g}")
         if self.systematic_shift:
             parts.append(
                 f"{'and ' if parts else f'{what} '}shifted by"
@@ -380,16 +380,32 @@ class Finding:
             return terms if not parts else " ".join(parts) + "; " + terms.split(": ", 1)[1]
         if not parts and self.rows_beyond:
             assert self.row_factor is not None and self.row_limit is not None
-            sign = "+" if self.row_factor >= 0 else "-"
             which = f"row {self.row}" if self.rows_beyond == 1 else (
                 f"{self.rows_beyond:,} rows (row {self.row}"
             )  # fmt: skip
             return (
-                f"{which} scaled by 1 {sign} {abs(self.row_factor):.2g}"
+                f"{which} scaled by {scaled(self.row_factor)}"
                 f"{'' if self.rows_beyond == 1 else ' the most)'}, where one row of a correct"
                 f" kernel errs by {self.row_limit:.1g} at most: systematic, not rounding"
             )
         return " ".join(parts) + ": systematic, not rounding"
+
+
+PLAIN_FACTOR = 0.1
+"""From this relative factor on, a scaling is said as its multiplier (0.14, not 1 - 0.86)."""
+
+
+def scaled(factor: float) -> str:
+    """A row's scaling ``1 + factor`` in words: ``1 - 4.5e-06`` (a small factor keeps its
+    digits), ``0.14`` (a large one plainly).
+
+    Example:
+        >>> scaled(-4.5e-6), scaled(-0.86), scaled(0.5)
+        ('1 - 4.5e-06', '0.14', '1.5')
+    """
+    if abs(factor) >= PLAIN_FACTOR:
+        return f"{1 + factor:.3g}"
+    return f"1 {'+' if factor >= 0 else '-'} {abs(factor):.2g}"
 
 
 def rounding_is_noise(sums: FitSums) -> bool:

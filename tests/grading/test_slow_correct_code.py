@@ -84,3 +84,42 @@ def test_a_hang_on_many_rows_still_fails_within_a_minute_on_a_loaded_machine():
     assert limit, clause["detail"]
     assert float(limit[1]) <= CLAUSE_LIMIT, clause["detail"]  # what stopped it: a minute at most
     assert seconds < 150  # start-up under load, the clause's minute at most
+
+
+CORRECT = ROOT / "tests" / "solutions" / "correct.py"
+ROUND_FIVE = ROOT / "tests" / "solutions" / "round_five.py"
+
+
+@pytest.mark.parametrize("per_core", [4, 8])
+def test_a_correct_solution_passes_second_order_on_a_loaded_machine(per_core):
+    """gradgradcheck's first double backward loads a part of torch lazily (sympy, through
+    torch.fx: 1.2 s in a quiet process, 3.7 s in the grader's child), inside a call's window of
+    5 s: at a load of 4 to 10 per core the correct solution timed out (a new user's trial of
+    the docs examples, issue 37's leftovers). A call's window now leaves out the time its
+    process waited for a CPU, and the lazy load happens before the first call."""
+    with loaded_machine(per_core):
+        result = grade_command(CORRECT, "--only", "second_order", "--json")
+    report = json.loads(result.stdout)
+    failed = {c["name"]: c["detail"] for c in report["clauses"] if not c["passed"]}
+    assert result.exit_code == 0 and report["passed"], (failed, report["problem"])
+
+
+@pytest.mark.parametrize("hang", ["sleeps_in_second_order", "spins_in_second_order"])
+def test_a_hang_in_second_order_still_fails_on_a_loaded_machine(hang):
+    """A call that sleeps (no CPU used: it never waits for one) is stopped by its own call
+    limit, seconds; a busy loop under load waits for a CPU, so its window stretches, but the
+    clause's minute still stops it."""
+    started = time.monotonic()
+    with loaded_machine(8):
+        result = grade_command(f"{ROUND_FIVE}:{hang}", "--only", "second_order", "--json")
+    seconds = time.monotonic() - started
+    report = json.loads(result.stdout)
+    assert len(report["clauses"]) == 1, (report["problem"], result.stderr)
+    (clause,) = report["clauses"]
+    assert result.exit_code == 1 and not clause["passed"]
+    limit = re.match(r"timed out after ([0-9.]+) s", clause["detail"])
+    assert limit, clause["detail"]
+    assert float(limit[1]) <= CLAUSE_LIMIT, clause["detail"]
+    if hang.startswith("sleeps"):
+        assert float(limit[1]) < 30, clause["detail"]  # its call's own limit, not the clause's
+    assert seconds < 150

@@ -1,0 +1,71 @@
+"""Words that said what was not true or not plainly (issue 37's leftovers): "all 57 elements"
+of a 64-element grad_scale, "scaled by 1 - 0.86", and RMSNorm's overflow said to leave a
+row "its bias" (RMSNorm has none)."""
+
+from __future__ import annotations
+
+import torch
+
+from maskln_cli.testing import verify
+from maskln_cli.verify.systematic import Finding
+from tests.verify.test_rms_diagnosis import wrong_kernel
+
+
+def _finding(rows, factor, unit="rows", of=None, **more):
+    return Finding(
+        rows=rows, factor=factor, factor_error=abs(factor) / 1000, shift=0.0, shift_error=0.0,
+        gate=0.0, systematic_factor=True, systematic_shift=False, unit=unit, of=of, **more,
+    )  # fmt: skip
+
+
+def test_a_large_factor_is_printed_plainly():
+    sentence = _finding(200, -0.86).sentence()
+    assert "scaled by 0.14 ±" in sentence and "1 - 0.86" not in sentence, sentence
+    assert "scaled by 1.5 ±" in _finding(200, 0.5).sentence()
+    # a small one keeps its digits: 0.9999955 would hide them
+    assert "scaled by 1 - 4.5e-06 ±" in _finding(922, -4.5e-6).sentence()
+
+
+def test_a_row_beyond_its_bound_is_printed_plainly_too():
+    finding = _finding(6, -0.86, rows_beyond=1, row=[0, 5], row_factor=-0.86, row_limit=0.004)
+    finding.systematic_factor = False
+    assert "row [0, 5] scaled by 0.14," in finding.sentence(), finding.sentence()
+
+
+def test_elements_regressed_are_said_of_the_tensors_elements():
+    sentence = _finding(57, 0.0083, unit="elements", of=64).sentence()
+    assert sentence.startswith("57 of 64 elements scaled by"), sentence
+    assert _finding(64, 0.0083, unit="elements", of=64).sentence().startswith("all 64 elements")
+
+
+def test_a_verify_of_grad_scale_says_how_many_of_its_elements():
+    """The Explainer gives the finding the tensor's element count."""
+    from tests.verify.test_rms_diagnosis import judged
+
+    report = judged("half accumulation", "outliers", torch.float16)
+    grad_scale = next(t for t in report.tensors if t.name == "grad_scale")
+    (line,) = [p for p in grad_scale.problems if "elements scaled by" in p]
+    regressed = grad_scale.systematic["rows"]
+    assert regressed < grad_scale.numel  # the case: not every element was regressed
+    assert line.startswith(f"{regressed:,} of {grad_scale.numel:,} elements scaled by"), line
+
+
+def test_rms_statistics_overflow_says_no_bias():
+    g = torch.Generator().manual_seed(0)
+    channels = 256
+    x = (300 * torch.randn(4, 8, channels, generator=g, dtype=torch.float64)).to(torch.float16)
+    valid = torch.ones(4, 8, dtype=torch.bool)
+    valid[:, 6:] = False
+    weight = torch.ones(channels, dtype=torch.float16)
+    dy = torch.randn(4, 8, channels, generator=g).to(torch.float16)
+    run = wrong_kernel("half accumulation")
+    flat = (x.reshape(-1, channels), valid.reshape(-1), weight, 1e-6, dy.reshape(-1, channels))
+    out, grad_x, grad_scale = run(*flat)
+    report = verify(
+        out.reshape(x.shape), x, valid, weight, None, 1e-6, grad_out=dy,
+        grad_x=grad_x.reshape(x.shape), grad_scale=grad_scale, norm="rms",
+    )  # fmt: skip
+    named = [d for t in report.tensors for d in t.diagnosis]
+    assert {d["mistake"] for d in named} == {"statistics_overflow"}
+    for d in named:  # RMSNorm's row is 0 there: said, and no bias of its own
+        assert "its bias" not in d["description"] and "RMSNorm's 0" in d["description"]
