@@ -23,6 +23,15 @@ from tests.docs.runner import EXECUTED, ROOT, blocks_of, pages, pinned, pinned_e
 
 RUN = [page for page in pages() if any(b.lang in EXECUTED for b in blocks_of(page.read_text()))]
 
+# Pages whose examples take long enough to be `make test-slow`'s (CI runs both): the grading
+# guide grades seven times, 35 s of one worker's time on two quiet cores, a fifth of `make test`.
+SLOW_PAGES = {"docs/guides/grading.md"}
+
+
+def _page_param(page: Path) -> object:
+    name = str(page.relative_to(ROOT))
+    return pytest.param(page, id=name, marks=[pytest.mark.slow] if name in SLOW_PAGES else [])
+
 
 @pytest.fixture(scope="session")
 def run_pinned() -> Iterator[Callable[[Path, Path], dict[str, object]]]:
@@ -66,7 +75,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("page", RUN, ids=[str(p.relative_to(ROOT)) for p in RUN])
+@pytest.mark.parametrize("page", [_page_param(page) for page in RUN])
 def test_the_examples_of_the_page_run_and_print_what_it_shows(
     page: Path, tmp_path: Path, run_pinned: Callable[[Path, Path], dict[str, object]]
 ):
