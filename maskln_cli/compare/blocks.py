@@ -53,9 +53,13 @@ class BlockMeasurer:
         length = self.row_length
         rows = actual.numel() // length
         a = actual.detach().reshape(-1)
-        a64 = a.double()
         e64 = expected.detach().reshape(-1).double()  # may be expected itself: never written
-        diff = torch.sub(a64, e64).abs_()
+        # Promoted to float64 in the subtraction itself (the same bits): a float64 copy of
+        # the actual values would be read only at a few elements, converted there. torch
+        # promotes no float8 type: those are converted first.
+        if a.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            a = a.double()
+        diff = torch.sub(a, e64).abs_()
         # The greatest difference and its first index, row by row: a third of the time of
         # diff.max(dim=0), which finds the same (torch returns the first of equal maxima).
         row_max = diff.view(rows, length).amax(dim=1)
@@ -69,7 +73,7 @@ class BlockMeasurer:
         if allowance_of is not None:
             invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
             on_demand = AllowancesOnDemand(
-                self.judge, diff, row_max, a64, e64, invalid, allowance_of, lower, rows, floors
+                self.judge, diff, row_max, a, e64, invalid, allowance_of, lower, rows, floors
             )
             judged = on_demand.judged(i, known)
         else:
@@ -79,13 +83,13 @@ class BlockMeasurer:
             else:
                 bound = allowance.detach().reshape(-1).double()
                 positive = bool(bound.amin() > 0)  # False on NaN
-            judged = self.judge.judge(diff, bound, positive, a64, e64, rows, budget_unit, always)
+            judged = self.judge.judge(diff, bound, positive, a, e64, rows, budget_unit, always)
             if judged is not None:
                 judged = (*judged, float(bound[i]), None)
         if judged is None:
             return None
         counts, max_ratio, factor, worst, allowed, allowed_later = judged
-        max_abs = (float(value), i, float(a64[i]), float(e64[i]), allowed)
+        max_abs = (float(value), i, float(a[i]), float(e64[i]), allowed)
         relative = torch.div(diff, e_abs, out=e_abs).nan_to_num_(nan=0.0, posinf=math.inf)
         value, index = relative.max(dim=0)
         max_rel = (float(value), int(index))
@@ -113,7 +117,7 @@ class BlockMeasurer:
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
             if bool(invalid.any()):
-                block.padding = padding_of(a64.view(rows, length)[invalid])
+                block.padding = padding_of(a.view(rows, length)[invalid].double())
         return block
 
 

@@ -50,7 +50,7 @@ class BlockJudge:
         diff: torch.Tensor,
         bound: torch.Tensor,
         positive: bool,
-        a64: torch.Tensor,
+        actual: torch.Tensor,
         e64: torch.Tensor,
         rows: int,
         budget_unit: torch.Tensor | None,
@@ -88,7 +88,7 @@ class BlockJudge:
             inside = bad.view(rows, length)[bad_rows]
             score, channel = torch.where(inside, measure, -1.0).max(dim=1)
             flat = bad_rows * length + channel
-            worst = (bad_rows, score, flat, a64[flat], e64[flat], bound[flat])
+            worst = (bad_rows, score, flat, actual[flat].double(), e64[flat], bound[flat])
         return counts, max_ratio, factor, worst
 
 
@@ -96,7 +96,8 @@ class BlockJudge:
 class AllowancesOnDemand:
     """A block whose allowances ``allowance_of`` makes, judged on the rows that need them.
 
-    ``diff``, ``a64`` and ``e64`` are the block's differences and values in float64,
+    ``diff`` and ``e64`` are the block's differences and expected values in float64,
+    ``actual`` its actual values in their own dtype (converted where read),
     ``row_max`` each row's greatest difference, ``invalid`` its invalid rows (or None); every
     element of a valid row is allowed ``lower`` or more, and invalid rows nothing.
     ``floors`` (or None) makes each element's floor, what it is always allowed, at most its
@@ -107,7 +108,7 @@ class AllowancesOnDemand:
     judge: BlockJudge
     diff: torch.Tensor
     row_max: torch.Tensor
-    a64: torch.Tensor
+    actual: torch.Tensor
     e64: torch.Tensor
     invalid: torch.Tensor | None
     allowance_of: Allowances
@@ -125,7 +126,7 @@ class AllowancesOnDemand:
         (the greatest difference), or NaN and how to make it."""
         import torch
 
-        diff, a64, e64, rows = self.diff, self.a64, self.e64, self.rows
+        diff, actual, e64, rows = self.diff, self.actual, self.e64, self.rows
         length = self.judge.row_length
         top_row, channel = divmod(top, length)
         picked = self._rows_to_judge(top_row, known)
@@ -134,7 +135,7 @@ class AllowancesOnDemand:
             pieces = {k: v.reshape(-1).double() for k, v in made.items()}
             bound = pieces["allowance"]
             judged = self.judge.judge(
-                diff, bound, bool(bound.amin() > 0), a64, e64, rows,
+                diff, bound, bool(bound.amin() > 0), actual, e64, rows,
                 pieces.get("budget_unit"), pieces.get("always"),
             )  # fmt: skip
             return None if judged is None else (*judged, float(bound[top]), None)
@@ -176,7 +177,7 @@ class AllowancesOnDemand:
         pieces = {k: v.reshape(-1).double() for k, v in self.allowance_of(picked).items()}
         bound = pieces["allowance"]
         judged = self.judge.judge(
-            gather(self.diff), bound, bool(bound.amin() > 0), gather(self.a64),
+            gather(self.diff), bound, bool(bound.amin() > 0), gather(self.actual),
             gather(self.e64), count, pieces.get("budget_unit"), pieces.get("always"),
         )  # fmt: skip
         return None if judged is None else (judged, bound)

@@ -550,22 +550,24 @@ def yardstick(
     """
     if not centered:
         return rms_yardstick(x, valid, scale, eps, dtype, grad_out)
-    keep = valid.unsqueeze(1)
-    zero = torch.zeros((), dtype=dtype)
     weight, shift = scale.to(dtype), bias.to(dtype)
     channels = x.shape[-1]
+    # The padding set to +0.0 by index, before and after: what torch.where(keep, ..., 0)
+    # gives, at a third of the cost of a broadcast mask (and nothing when every row is valid).
+    invalid = (~valid).nonzero().squeeze(1)
+
+    def padded(values: torch.Tensor) -> torch.Tensor:
+        if not invalid.numel():
+            return values.to(dtype)
+        return values.to(dtype, copy=True).index_fill_(0, invalid, 0.0)
+
     if grad_out is None:
-        # The padding set to +0.0 by index, before and after: what torch.where(keep, ..., 0)
-        # gives, at a third of the cost of a broadcast mask.
-        invalid = (~valid).nonzero().squeeze(1)
         with torch.no_grad():
-            if not invalid.numel():
-                return Yardstick(F.layer_norm(x.to(dtype), (channels,), weight, shift, eps))
-            rows = x.to(dtype, copy=True).index_fill_(0, invalid, 0.0)
-            out = F.layer_norm(rows, (channels,), weight, shift, eps)
-            return Yardstick(out.index_fill_(0, invalid, 0.0))
-    rows = torch.where(keep, x.to(dtype), zero)
-    upstream, power = _upstream_in_range(grad_out, keep, dtype)
+            out = F.layer_norm(padded(x), (channels,), weight, shift, eps)
+            return Yardstick(out.index_fill_(0, invalid, 0.0) if invalid.numel() else out)
+    rows, upstream, power = padded(x), padded(grad_out), 1.0
+    if not math.isfinite(float(upstream.abs().amax())):
+        upstream, power = _upstream_in_range(grad_out, valid.unsqueeze(1), dtype)
     # The kernels autograd runs for F.layer_norm and its backward, called directly: the same
     # bits (the backward of torch.where passes the upstream gradient, already 0 on the
     # padding), without autograd's graph and its first call's imports (sympy, a second or two).
@@ -574,7 +576,9 @@ def yardstick(
         grads = torch.ops.aten.native_layer_norm_backward(
             upstream, rows, (channels,), mean, rstd, weight, shift, (True, True, True)
         )
-    return Yardstick(torch.where(keep, normalized, zero), *(_times(g, power) for g in grads))
+    if invalid.numel():
+        normalized.index_fill_(0, invalid, 0.0)
+    return Yardstick(normalized, *(_times(g, power) for g in grads))
 
 
 def rms_yardstick(

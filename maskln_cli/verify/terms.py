@@ -64,6 +64,7 @@ class Pool:
     w2a: float = 0.0
     w2aa: float = 0.0
     wn: float = 0.0  # w times each row's modelled rounding noise of its coefficient
+    n: float = 0.0  # the rows summed (each sum's float64 rounding grows with them)
 
     def add(self, other: Pool) -> None:
         for item in fields(self):
@@ -72,7 +73,7 @@ class Pool:
     @classmethod
     def of(cls, a: torch.Tensor, w: torch.Tensor, noise: torch.Tensor) -> Pool:
         sums = [float((w**p * a**k).sum()) for p in (1, 2) for k in (0, 1, 2)]
-        return cls(*sums, float((w * noise).sum()))
+        return cls(*sums, float((w * noise).sum()), float(len(a)))
 
     def noise(self) -> float:
         """The rows' modelled rounding noise of the coefficient, weighted as it is."""
@@ -89,13 +90,37 @@ class Pool:
         """The standard error of the pooled coefficient, from the rows' spread."""
         if not self.w > 0:
             return math.inf
-        a = self.mean()
-        return math.sqrt(max(0.0, self.w2aa - 2 * a * self.w2a + a * a * self.w2)) / self.w
+        return pooled_error(self.w, self.w2, self.w2a, self.w2aa, self.mean(), self.n)
 
     def spread(self) -> float:
         """The weighted rms of the rows' coefficients about their mean."""
         a = self.mean()
         return math.sqrt(max(0.0, self.waa / self.w - a * a)) if self.w > 0 else 0.0
+
+
+EPS64 = 2.0**-53
+"""float64's unit roundoff."""
+
+
+def pooled_error(w: float, w2: float, w2a: float, w2aa: float, mean: float, rows: float) -> float:
+    """The standard error of a pooled coefficient ``mean`` (``sum w a / sum w``) from its sums
+    over ``rows`` rows: ``sqrt(sum w**2 (a - mean)**2) / sum w``, as ``w2aa - 2 mean w2a +
+    mean**2 w2``. Where the rows agree to float64's last bits (a term missing exactly), those
+    three cancel, and what is left is their own rounding: each sum of ``rows`` terms errs by
+    ``rows * eps64`` of the size of its terms at most (``sum w**2 |a| <= sqrt(w2 * w2aa)``).
+    A spread within that bound is noise, not a standard error: 0.
+
+    Example:
+        >>> pooled_error(1.0, 1.0, 1.0, 1.0 + 2**-52, 1.0, 1)  # cancellation noise, not 1.5e-08
+        0.0
+        >>> round(pooled_error(1.0, 1.0, 1.0, 1.0 + 1e-6, 1.0, 1), 9)  # a spread of 1e-3
+        0.001
+    """
+    spread = w2aa - 2 * mean * w2a + mean * mean * w2
+    size = w2aa + 2 * abs(mean) * math.sqrt(max(0.0, w2 * w2aa)) + mean * mean * w2
+    if spread <= (rows + 4) * EPS64 * size:
+        return 0.0
+    return math.sqrt(spread) / w
 
 
 @dataclass
@@ -149,16 +174,22 @@ def fit_terms(
     channels = truth.shape[-1]
     if channels < 4 or not len(truth):
         return sums
-    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
-    c2 = wdy.mean(dim=1, keepdim=True)
-    r = rstd.reshape(-1, 1)
-    # [R, C, 3]: the true grad_x, t_xhat and t_mean, each written in place (no copies stacked).
-    basis = truth.new_empty((*truth.shape, 3))
-    basis[..., 0] = truth
-    torch.mul(xhat, c1, out=basis[..., 1]).mul_(r)
-    basis[..., 2] = c2 * r
-    gram = basis.transpose(1, 2) @ basis  # [R, 3, 3]
-    moment = (basis.transpose(1, 2) @ error.unsqueeze(2)).squeeze(2)  # [R, 3]
+    c1 = (xhat * wdy).mean(dim=1)
+    c2 = wdy.mean(dim=1)
+    # The terms are the true grad_x, t_xhat = (rstd c1) xhat and t_mean = (rstd c2) 1: each
+    # row's gram matrix and moments are its sums of truth, xhat and error (products and
+    # plain), times those factors, in one batched product over rows (not a basis [R, C, 3]).
+    rows_of = torch.stack((truth, xhat, error), dim=1)  # [R, 3, C]
+    products = rows_of @ rows_of.transpose(1, 2)  # [R, 3, 3]
+    plain = rows_of.sum(dim=2)  # [R, 3]
+    base = torch.empty_like(products)
+    base[:, :2, :2] = products[:, :2, :2]
+    base[:, :2, 2] = base[:, 2, :2] = plain[:, :2]
+    base[:, 2, 2] = channels
+    factors = torch.stack((torch.ones_like(c1), rstd * c1, rstd * c2), dim=1)  # [R, 3]
+    gram = base.mul_(factors.unsqueeze(2)).mul_(factors.unsqueeze(1))  # [R, 3, 3]
+    moment = torch.stack((products[:, 0, 2], products[:, 1, 2], plain[:, 2]), dim=1)
+    moment.mul_(factors)  # [R, 3]
     usable = rows & gram.isfinite().all(dim=(1, 2)) & moment.isfinite().all(dim=1)
     # A row determines a coefficient when its term is not (nearly) a combination of the other
     # two: the information 1 / (gram^-1)_kk, against the term's own energy.

@@ -1,0 +1,83 @@
+"""grad_x's term regressions (maskln_cli.verify.terms): the row sums' fit against an independent
+least-squares fit per row, and the rule that a standard error within float64's rounding of the
+sums it comes from is 0, while a real small one still shows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from maskln_cli.verify.terms import Pool, fit_terms, pooled_error
+
+
+def _rows(rows: int = 64, channels: int = 48, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, channels, generator=g, dtype=torch.float64) * 3 + 2
+    wdy = torch.randn(rows, channels, generator=g, dtype=torch.float64)
+    var = x.var(dim=1, correction=0)
+    rstd = (var + 1e-5).rsqrt()
+    xhat = (x - x.mean(dim=1, keepdim=True)) * rstd[:, None]
+    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
+    c2 = wdy.mean(dim=1, keepdim=True)
+    truth = rstd[:, None] * (wdy - xhat * c1 - c2)
+    t_xhat = rstd[:, None] * xhat * c1
+    t_mean = (rstd[:, None] * c2).expand_as(truth)
+    return truth, xhat, wdy, rstd, t_xhat, t_mean
+
+
+def test_each_rows_coefficients_are_a_least_squares_fit_on_its_terms():
+    truth, xhat, wdy, rstd, t_xhat, t_mean = _rows()
+    g = torch.Generator().manual_seed(1)
+    known = torch.tensor([0.3, -0.7, 0.2], dtype=torch.float64)
+    noise = 1e-3 * torch.randn(truth.shape, generator=g, dtype=torch.float64)
+    basis = torch.stack((truth, t_xhat, t_mean), dim=2)  # [R, C, 3]
+    error = basis @ known + noise * truth.abs().mean()
+    rows = torch.ones(len(truth), dtype=torch.bool)
+    sums = fit_terms(error, truth, xhat, wdy, rstd, rows)
+    # Independently: each row's least squares, pooled with the same weights.
+    solved = torch.linalg.lstsq(basis, error.unsqueeze(2)).solution.squeeze(2)  # [R, 3]
+    information = 1 / torch.linalg.inv(basis.transpose(1, 2) @ basis).diagonal(dim1=1, dim2=2)
+    for k, name in enumerate(("xhat", "mean"), start=1):
+        w, a = information[:, k], solved[:, k]
+        expected = float((w * a).sum() / w.sum())
+        assert sums.pools[name].mean() == pytest.approx(expected, rel=1e-9)
+        assert abs(sums.pools[name].mean() - float(known[k])) < 0.05
+    assert sums.rows == len(truth)
+
+
+@pytest.mark.parametrize("term", ["xhat", "mean"])
+def test_a_term_missing_exactly_has_a_standard_error_of_0(term):
+    # Every row's coefficient is 1 to float64's last bits: what the pooled sums leave is their
+    # own cancellation, not a spread (before: printed as "± 9e-10" or so).
+    truth, xhat, wdy, rstd, t_xhat, t_mean = _rows(rows=512)
+    error = t_xhat if term == "xhat" else t_mean
+    sums = fit_terms(error.clone(), truth, xhat, wdy, rstd, torch.ones(512, dtype=torch.bool))
+    pool = sums.pools[term]
+    assert pool.mean() == pytest.approx(1.0, abs=1e-12)
+    assert pool.error() == 0.0
+    # The uncapped formula does find cancellation noise here: the rule is what zeroes it.
+    a = pool.mean()
+    raw = pool.w2aa - 2 * a * pool.w2a + a * a * pool.w2
+    assert raw <= (pool.n + 4) * 2.0**-53 * 4 * pool.w2aa
+
+
+def test_a_real_small_standard_error_still_shows():
+    g = torch.Generator().manual_seed(2)
+    rows = 2000
+    a = 1 + 1e-5 * torch.randn(rows, generator=g, dtype=torch.float64)
+    w = torch.rand(rows, generator=g, dtype=torch.float64) + 0.5
+    pool = Pool.of(a, w, torch.zeros(rows, dtype=torch.float64))
+    expected = float(((w**2 * (a - (w * a).sum() / w.sum()) ** 2).sum()).sqrt() / w.sum())
+    assert expected > 1e-7
+    assert pool.error() == pytest.approx(expected, rel=1e-3)
+
+
+def test_pooled_error_zeroes_only_what_the_sums_round_by():
+    size = 4.0  # w2aa + 2 |a| sqrt(w2 w2aa) + a**2 w2 at a = w2 = w2aa = 1
+    rows = 10
+    bound = (rows + 4) * 2.0**-53 * size
+    assert pooled_error(1.0, 1.0, 1.0, 1.0 + 0.9 * bound, 1.0, rows) == 0.0
+    above = pooled_error(1.0, 1.0, 1.0, 1.0 + 4 * bound, 1.0, rows)
+    assert above == pytest.approx(math.sqrt(4 * bound), rel=1e-6)
