@@ -5,8 +5,9 @@ judges files.
   and gradients judged against the inputs as given, and any change it made to an input a
   failure (:class:`InputModified`). The one to use when the kernel can be called.
 - :func:`assert_close` (:mod:`.judging`): ``out`` and the gradients given, judged by the error
-  budget; raises an AssertionError whose message is the plain-text report. :func:`verify`
-  returns that report as data.
+  budget; raises an AssertionError whose message is the plain-text report, and a pass that
+  could not check everything warns (:class:`NotCheckedWarning`). :func:`verify` returns that
+  report as data.
 - :mod:`.strategies`: Hypothesis strategies drawing the inputs that break kernels (Hypothesis
   is an optional dependency: ``pip install 'maskln[testing]'``).
 - :mod:`.plugin`: the pytest plugin (entry point ``pytest11``) that shows a failing
@@ -28,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from maskln_cli.testing.checking import InputModified, check_kernel
-    from maskln_cli.testing.judging import VerifyFailed, assert_close, verify
+    from maskln_cli.testing.judging import NotCheckedWarning, VerifyFailed, assert_close, verify
     from maskln_cli.testing.text import report_text
 
 __all__ = [
     "InputModified",
+    "NotCheckedWarning",
     "VerifyFailed",
     "assert_close",
     "check_kernel",
@@ -44,6 +46,7 @@ _HOMES = {
     "check_kernel": "maskln_cli.testing.checking",
     "InputModified": "maskln_cli.testing.checking",
     "assert_close": "maskln_cli.testing.judging",
+    "NotCheckedWarning": "maskln_cli.testing.judging",
     "verify": "maskln_cli.testing.judging",
     "VerifyFailed": "maskln_cli.testing.judging",
     "report_text": "maskln_cli.testing.text",

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from maskln_cli.testing.judging import DEFAULT_FACTOR, VerifyFailed, check_judging, judge
+from maskln_cli.testing.judging import (
+    DEFAULT_FACTOR,
+    VerifyFailed,
+    check_judging,
+    judge,
+    warn_not_checked,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -144,6 +150,7 @@ def check_kernel(
         )
     if not report.passed:
         raise VerifyFailed(failure_message(report), report)
+    warn_not_checked(report, "check_kernel")
 
 
 def _gradients(

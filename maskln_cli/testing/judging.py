@@ -35,6 +35,13 @@ class VerifyFailed(AssertionError):
         self.report = report
 
 
+class NotCheckedWarning(UserWarning):
+    """A passing :func:`assert_close` (or :func:`check_kernel`) could not check everything it
+    judged: no row is valid, C = 1, valid rows of x holding NaN or inf, too few rows to tell a
+    systematic error from rounding. Its message is what ``maskln verify``'s PASS line says
+    after ``not checked:``."""
+
+
 def verify(
     out: torch.Tensor | None,
     x: torch.Tensor,
@@ -190,6 +197,28 @@ def assert_close(
         from maskln_cli.testing.text import failure_message
 
         raise VerifyFailed(failure_message(report), report)
+    warn_not_checked(report, "assert_close")
+
+
+def warn_not_checked(report: ComparisonReport, caller: str) -> None:
+    """A passing report's ``not checked`` list as one :class:`NotCheckedWarning` pointing at
+    the test's line: a None return must not hide that part of the judging saw nothing. Not
+    inside a Hypothesis test: its strategies draw the edge cases (no valid row, C = 1, one
+    row) on purpose, beside draws that check everything, so a warning per draw is noise."""
+    missed = report.context.get("not_checked")
+    if isinstance(missed, list) and missed and not _in_hypothesis_test():
+        import warnings
+
+        words = "; ".join(str(m) for m in missed)
+        warnings.warn(f"{caller} passed; not checked: {words}", NotCheckedWarning, stacklevel=3)
+
+
+def _in_hypothesis_test() -> bool:
+    """Whether a Hypothesis test is running (never imports Hypothesis: a test using it has)."""
+    import sys
+
+    hypothesis = sys.modules.get("hypothesis")
+    return hypothesis is not None and bool(hypothesis.currently_in_test_context())
 
 
 def check_judging(factor: object, strict: object) -> None:

@@ -450,3 +450,43 @@ def test_the_report_says_when_no_row_is_valid(tmp_path):
     some = dict(inputs, valid=inputs["valid"].clone())
     some["valid"][0, 0] = True  # one valid row: no such words
     assert said not in str(judged(some, kernels.run(kernels.maskln, some)).context)
+
+
+def test_a_pass_that_could_not_check_everything_warns(recwarn):
+    """A passing assert_close returns None; what it could not check (no valid row, C = 1, NaN
+    rows of x) reaches the test's run as a NotCheckedWarning naming it, as verify's PASS line
+    says it; a pass that checked everything warns nothing."""
+    from maskln_cli.testing.judging import NotCheckedWarning
+
+    inputs = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    inputs["valid"] = torch.zeros_like(inputs["valid"])
+    result = kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+    with pytest.warns(NotCheckedWarning, match="no row is valid: only the padding was checked"):
+        assert_judged_close(inputs, result)
+    ones = kernels.offset_batch(0.0, shape=(2, 8, 1))  # C = 1: out is the bias alone
+    with pytest.warns(NotCheckedWarning, match="C = 1: out is the bias alone"):
+        assert_judged_close(ones, kernels.run(kernels.maskln, ones))
+    recwarn.clear()
+    full = kernels.offset_batch(0.0, shape=(2, 8, 16))
+    assert_judged_close(full, kernels.run(kernels.maskln, full))
+    assert not [w for w in recwarn if issubclass(w.category, NotCheckedWarning)]
+
+
+def test_no_warning_per_draw_inside_a_hypothesis_test(recwarn):
+    """Hypothesis draws no valid row and C = 1 on purpose: those draws do not warn."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from maskln_cli.testing.judging import NotCheckedWarning
+
+    @settings(max_examples=2, database=None, deadline=None)
+    @given(st.sampled_from([1, 16]))
+    def judge_a_draw(channels):
+        inputs = kernels.offset_batch(0.0, shape=(2, 8, channels))
+        inputs["valid"] = torch.zeros_like(inputs["valid"])
+        assert_judged_close(
+            inputs, kernels.zero_padding(kernels.run(kernels.maskln, inputs), inputs["valid"])
+        )
+
+    judge_a_draw()
+    assert not [w for w in recwarn if issubclass(w.category, NotCheckedWarning)]
