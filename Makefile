@@ -40,15 +40,13 @@ demo: $(INSTALLED)
 	@echo
 	@$(call say,"The demo completed: every step ran as expected (the FAIL above is the deliberate mistake).")
 
-# The suite on the default (native) backend, then the op's own tests on the raw-op fallback
-# (test_native_kernel.py and test_native_rms.py test the native module itself, whichever
-# backend: run once). The adversarial suites marked slow (real processes, signals, fuzzed
-# files) are `make test-slow`.
+# The suite on the default backend: the native kernels, or the raw-op fallback where no C++
+# compiler built them. The adversarial suites marked slow (real processes, signals, fuzzed
+# files) are `make test-slow`; the whole suite on the raw-op fallback where the native kernels
+# were built is `make test-raw` (CI runs both).
 PYTEST := $(BIN)/python -m pytest --numprocesses auto --maxprocesses 4
 test: $(INSTALLED)
 	$(PYTEST) -m "not slow"
-	MASKLN_BACKEND=raw $(PYTEST) -m "not slow" tests/op --ignore tests/op/test_native_kernel.py \
-		--ignore tests/op/test_native_rms.py
 
 # The adversarial suites (CI runs them after `make test`).
 test-slow: $(INSTALLED)
