@@ -192,6 +192,7 @@ class BlockWork:
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
+                    measured.row_norms,
                 )  # fmt: skip
         sums = None
         if dy64 is not None:
@@ -227,12 +228,14 @@ class BlockWork:
         first_row: int = 0,
         offset: torch.Tensor | None = None,
         deviations: torch.Tensor | None = None,
+        row_norms: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
         on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``).
         ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), and ``deviations``, x
-        minus its row's mean (RowBudget's, read on valid rows), when the caller has them."""
+        minus its row's mean (RowBudget's, read on valid rows), and ``row_norms``, each
+        row's sum of the truth's squares (the comparison's), when the caller has them."""
         import math
 
         import torch
@@ -245,9 +248,11 @@ class BlockWork:
         error = torch.sub(actual, reference)  # in float64 (the truth's), as one pass
         if offset is None:
             offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
-        # Each row's rms of the truth, and its rows' sums of squares (grad_x's, below).
-        squares = reference.square()
-        rms = squares.mean(dim=1).sqrt_()
+        # Each row's sum of the truth's squares (grad_x's, below), and its rms: torch's mean
+        # is the sum divided by C, the same bits.
+        if row_norms is None or len(row_norms) != len(reference):
+            row_norms = reference.square().sum(dim=1)
+        rms = row_norms.div(problem.channels).sqrt_()
         terms = z_squares = None
         if gradient:
             assert dy64 is not None
@@ -255,7 +260,7 @@ class BlockWork:
             terms, wdy_squares = self._terms(
                 error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations
             )
-            z_squares = squares.sum(dim=1)
+            z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
         if not bool(rows.any()):
             return FitSums(terms=terms)
@@ -302,7 +307,8 @@ class BlockWork:
         and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
         ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
         its x minus its mean (all three read on ``rows`` only);
-        also returned, the squares of ``scale * dy64`` (to be read on ``rows`` only)."""
+        also returned, each row's sum of the squares of ``scale * dy64`` (read on ``rows``
+        only)."""
         import math
 
         import torch
@@ -318,8 +324,8 @@ class BlockWork:
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
         info = torch.finfo(p.dtype)
-        wdy_squares = wdy.square()
-        terms = wdy_squares.mean(dim=1).sqrt_().mul_(rstd)
+        wdy_squares = wdy.square().sum(dim=1)  # [R]; their mean is this over C (torch's)
+        terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
         rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
         rounding += info.tiny * info.eps / 2
         return fit_terms(error, truth, xhat, wdy, rstd, rows, rounding), wdy_squares
@@ -348,9 +354,9 @@ def _grad_x_resolved(
     energy: torch.Tensor, wdy_squares: torch.Tensor, rstd: torch.Tensor
 ) -> torch.Tensor:
     """The rows whose true grad_x is not the near-cancellation of its terms (see
-    :data:`CANCELLED`), from each row's sum of the true grad_x's squares ``[R]`` and the
-    squares of ``scale * grad_out`` ``[R, C]`` (the rows' own wherever they are read)."""
-    terms = wdy_squares.sum(dim=1).mul_(rstd.square())
+    :data:`CANCELLED`), from each row's sum of the true grad_x's squares ``[R]`` and of the
+    squares of ``scale * grad_out`` ``[R]``."""
+    terms = wdy_squares.mul(rstd.square())
     return energy >= terms.mul_(CANCELLED)
 
 
