@@ -121,8 +121,6 @@ class BlockWork:
     def measure(self, start: int, stop: int) -> Measured | None:
         """The figures of rows ``start:stop`` (None when a value is NaN or inf)."""
 
-        import torch
-
         from maskln_cli.verify.budget import RowBudget
 
         streaming, problem = self.streaming, self.problem
@@ -162,7 +160,7 @@ class BlockWork:
                 actual, reference = leave_out(actual, reference, keep)
                 guess, _ = leave_out(guess, reference, keep)
             # |yardstick - truth|: for the budget and the comparison alike, computed once.
-            error = torch.sub(guess, reference).abs_()  # float64: the truth's dtype
+            error = _minus(guess, reference).abs_()  # float64: the truth's dtype
             inputs = (x64, valid, reference, guess, error)
             if name == "grad_x":
                 inputs += (dy64,)  # type: ignore[assignment]
@@ -181,10 +179,12 @@ class BlockWork:
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
                 allowance_of=allowance_of, lower=lower, floors=floors,
+                keep_error=name in self.fits and self.fitted(start),
             )  # fmt: skip
             if measured is None:
                 return None
             figures[name] = measured
+            signed, measured.error = measured.error, None  # the fit's, not the chunk's to hold
             if name in self.fits and self.fitted(start):
                 assert rstd is not None
                 if offset is None:  # each row's A (as RowBudget's), for out's fit and grad_x's
@@ -192,7 +192,7 @@ class BlockWork:
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
-                    measured.row_norms,
+                    measured.row_norms, signed,
                 )  # fmt: skip
         sums = None
         if dy64 is not None:
@@ -229,13 +229,15 @@ class BlockWork:
         offset: torch.Tensor | None = None,
         deviations: torch.Tensor | None = None,
         row_norms: torch.Tensor | None = None,
+        error: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
         on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``).
         ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), and ``deviations``, x
         minus its row's mean (RowBudget's, read on valid rows), and ``row_norms``, each
-        row's sum of the truth's squares (the comparison's), when the caller has them."""
+        row's sum of the truth's squares (the comparison's), and ``error``, ``actual -
+        reference`` in float64 (the comparison's, flat), when the caller has them."""
         import math
 
         import torch
@@ -245,7 +247,10 @@ class BlockWork:
         if gradient and (problem.channels < GRAD_X_CHANNELS or dy64 is None):
             return FitSums()
         rows = valid if keep is None else valid & keep
-        error = torch.sub(actual, reference)  # in float64 (the truth's), as one pass
+        if error is None or error.numel() != reference.numel():
+            error = _minus(actual, reference)  # in float64 (the truth's)
+        else:
+            error = error.view(reference.shape)
         if offset is None:
             offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
         # Each row's sum of the truth's squares (grad_x's, below), and its rms: torch's mean
@@ -403,3 +408,14 @@ def _rms_truth(
         dy = torch.where(valid.unsqueeze(1) & dy64.isfinite(), dy64, 0.0)
         truth["grad_bias"] = dy.sum(dim=0)
     return truth, rstd
+
+
+def _minus(values: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """``values - truth`` in float64 (``truth``'s dtype), a new tensor: float32 or half values
+    converted in one pass and subtracted in place, the same bits as the promotion in a mixed
+    subtraction, which converts element by element (slower)."""
+    import torch
+
+    if values.dtype == torch.float64:
+        return torch.sub(values, truth)
+    return values.to(torch.float64).sub_(truth)
