@@ -45,6 +45,7 @@ class BlockMeasurer:
         lower: float,
         known: float,
         floors: Callable[[], torch.Tensor | None] | None = None,
+        keep_error: bool = False,
     ) -> BlockFigures | None:
         """:meth:`Comparison.measure`, ``known`` being the greatest ratio merged so far."""
         import torch
@@ -59,7 +60,12 @@ class BlockMeasurer:
         # promotes no float8 type: those are converted first.
         if a.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             a = a.double()
-        diff = torch.sub(a, e64).abs_()
+        # float32 and half values converted in one pass, then subtracted in place: the same
+        # bits as the promotion in a mixed subtraction, which converts element by element
+        # (slower).
+        error = torch.sub(a, e64) if a.dtype == torch.float64 else a.to(torch.float64).sub_(e64)
+        # The signed error kept when asked (keep_error), else its buffer is the differences.
+        diff = torch.abs(error) if keep_error else error.abs_()
         # The greatest difference and its first index, row by row: a third of the time of
         # diff.max(dim=0), which finds the same (torch returns the first of equal maxima).
         row_max = diff.view(rows, length).amax(dim=1)
@@ -101,7 +107,7 @@ class BlockMeasurer:
         row_norms = torch.square(e64, out=e_abs).view(rows, length).sum(dim=1)
         block = BlockFigures(
             rows, counts, max_abs, max_rel, max_ratio, factor, row_squares, row_norms, worst,
-            allowed_later=allowed_later,
+            allowed_later=allowed_later, error=error if keep_error else None,
         )  # fmt: skip
         if yardstick is not None:
             if yardstick_error is None:

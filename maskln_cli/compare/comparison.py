@@ -193,6 +193,7 @@ class Comparison(RunningFigures):
         allowance_of: Allowances | None = None,
         lower: float = 0.0,
         floors: Callable[[], torch.Tensor | None] | None = None,
+        keep_error: bool = False,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
@@ -211,12 +212,13 @@ class Comparison(RunningFigures):
         or beyond what is always allowed, or could hold the greatest ratio, get their
         allowances: see :class:`~maskln_cli.compare.judging.AllowancesOnDemand`. ``floors``
         (with ``allowance_of``) makes each element's ``always`` on valid rows, for finer
-        bounds than ``lower``'s.
+        bounds than ``lower``'s. ``keep_error``: the figures hold ``actual - expected`` in
+        float64 too (:attr:`BlockFigures.error`).
         """
         per_element = PerElement(allowance, yardstick, budget_unit, always)
         return self._blocks.measure(
             actual, expected, invalid_rows, per_element, yardstick_error, allowance_of, lower,
-            self.max_ratio, floors,
+            self.max_ratio, floors, keep_error,
         )  # fmt: skip
 
     def merge(

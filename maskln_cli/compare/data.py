@@ -182,6 +182,9 @@ class BlockFigures:
     # The allowance of the greatest difference when max_abs leaves it out (NaN): made only
     # if this block's greatest difference is reported.
     allowed_later: Callable[[], float] | None = None
+    # ``actual - expected`` in float64, flat, when asked (``keep_error``): for whoever regresses
+    # it next, not made again.
+    error: torch.Tensor | None = None
 
 
 @dataclass

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 PICKED_FIRST = 8
 """Rows of a block judged first when no ratio found so far rules out most (see
 :meth:`AllowancesOnDemand._rows_to_judge`)."""
+FIRST_RETRY = 8
+"""Blocks whose likeliest rows are not judged first after that spared a block nothing."""
 PICKED_SHARE = 4
 """When more than one row in this many needs its allowances, every row of the block gets
 them: gathering the rows would cost more than it saves."""
@@ -44,6 +46,12 @@ class BlockJudge:
     def __init__(self, row_length: int, rank_by_ratio: bool) -> None:
         self.row_length = row_length
         self.rank_by_ratio = rank_by_ratio
+        # Blocks since judging a block's likeliest rows first last spared it most of its
+        # rows' allowances (see AllowancesOnDemand._rows_to_judge): a tensor whose allowances
+        # are far above its floors (grad_x's) has every row judged all the same. Only which
+        # rows are judged when depends on it (blocks on several threads share it), never a
+        # figure.
+        self.first_in_vain = 0
 
     def judge(
         self,
@@ -220,7 +228,11 @@ class AllowancesOnDemand:
             ceiling = torch.where(invalid, ceiling, finer) if invalid is not None else finer
             picked = pick(known)
             count = int(picked.sum())
-        if count > PICKED_FIRST:
+        judge = self.judge
+        # Every row is judged unless the likeliest rows' ratio rules most out: not tried
+        # again for FIRST_RETRY blocks once it did not (the same figures either way).
+        every = count * PICKED_SHARE > rows
+        if count > PICKED_FIRST and (not every or judge.first_in_vain % FIRST_RETRY == 0):
             # Without a ratio as great as this block's yet, judge its likeliest rows first
             # (and again with the rest: the greatest ratio is then among those judged).
             first = ceiling.nan_to_num(nan=-1.0).topk(PICKED_FIRST).indices.sort().values
@@ -229,6 +241,10 @@ class AllowancesOnDemand:
                 picked = pick(part[0][1])
                 picked[first] = True
                 count = int(picked.sum())
+            if every:
+                judge.first_in_vain = 1 if count * PICKED_SHARE > rows else 0
+        elif every:
+            judge.first_in_vain += 1
         if count * PICKED_SHARE > rows:
             return None
         if count:

@@ -121,8 +121,6 @@ class BlockWork:
     def measure(self, start: int, stop: int) -> Measured | None:
         """The figures of rows ``start:stop`` (None when a value is NaN or inf)."""
 
-        import torch
-
         from maskln_cli.verify.budget import RowBudget
 
         streaming, problem = self.streaming, self.problem
@@ -162,7 +160,7 @@ class BlockWork:
                 actual, reference = leave_out(actual, reference, keep)
                 guess, _ = leave_out(guess, reference, keep)
             # |yardstick - truth|: for the budget and the comparison alike, computed once.
-            error = torch.sub(guess, reference).abs_()  # float64: the truth's dtype
+            error = _minus(guess, reference).abs_()  # float64: the truth's dtype
             inputs = (x64, valid, reference, guess, error)
             if name == "grad_x":
                 inputs += (dy64,)  # type: ignore[assignment]
@@ -181,10 +179,12 @@ class BlockWork:
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
                 allowance_of=allowance_of, lower=lower, floors=floors,
+                keep_error=name in self.fits and self.fitted(start),
             )  # fmt: skip
             if measured is None:
                 return None
             figures[name] = measured
+            signed, measured.error = measured.error, None  # the fit's, not the chunk's to hold
             if name in self.fits and self.fitted(start):
                 assert rstd is not None
                 if offset is None:  # each row's A (as RowBudget's), for out's fit and grad_x's
@@ -192,6 +192,7 @@ class BlockWork:
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
+                    measured.row_norms, signed,
                 )  # fmt: skip
         sums = None
         if dy64 is not None:
@@ -227,12 +228,16 @@ class BlockWork:
         first_row: int = 0,
         offset: torch.Tensor | None = None,
         deviations: torch.Tensor | None = None,
+        row_norms: torch.Tensor | None = None,
+        error: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
         on ``xhat * scale``, grad_x's on the true grad_x (given the upstream ``dy64``).
         ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), and ``deviations``, x
-        minus its row's mean (RowBudget's, read on valid rows), when the caller has them."""
+        minus its row's mean (RowBudget's, read on valid rows), and ``row_norms``, each
+        row's sum of the truth's squares (the comparison's), and ``error``, ``actual -
+        reference`` in float64 (the comparison's, flat), when the caller has them."""
         import math
 
         import torch
@@ -242,12 +247,17 @@ class BlockWork:
         if gradient and (problem.channels < GRAD_X_CHANNELS or dy64 is None):
             return FitSums()
         rows = valid if keep is None else valid & keep
-        error = torch.sub(actual, reference)  # in float64 (the truth's), as one pass
+        if error is None or error.numel() != reference.numel():
+            error = _minus(actual, reference)  # in float64 (the truth's)
+        else:
+            error = error.view(reference.shape)
         if offset is None:
             offset = x64.abs().mean(dim=1).mul_(rstd)  # A, as RowBudget's
-        # Each row's rms of the truth, and its rows' sums of squares (grad_x's, below).
-        squares = reference.square()
-        rms = squares.mean(dim=1).sqrt_()
+        # Each row's sum of the truth's squares (grad_x's, below), and its rms: torch's mean
+        # is the sum divided by C, the same bits.
+        if row_norms is None or len(row_norms) != len(reference):
+            row_norms = reference.square().sum(dim=1)
+        rms = row_norms.div(problem.channels).sqrt_()
         terms = z_squares = None
         if gradient:
             assert dy64 is not None
@@ -255,7 +265,7 @@ class BlockWork:
             terms, wdy_squares = self._terms(
                 error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations
             )
-            z_squares = squares.sum(dim=1)
+            z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
         if not bool(rows.any()):
             return FitSums(terms=terms)
@@ -302,7 +312,8 @@ class BlockWork:
         and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
         ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
         its x minus its mean (all three read on ``rows`` only);
-        also returned, the squares of ``scale * dy64`` (to be read on ``rows`` only)."""
+        also returned, each row's sum of the squares of ``scale * dy64`` (read on ``rows``
+        only)."""
         import math
 
         import torch
@@ -318,8 +329,8 @@ class BlockWork:
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
         info = torch.finfo(p.dtype)
-        wdy_squares = wdy.square()
-        terms = wdy_squares.mean(dim=1).sqrt_().mul_(rstd)
+        wdy_squares = wdy.square().sum(dim=1)  # [R]; their mean is this over C (torch's)
+        terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
         rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
         rounding += info.tiny * info.eps / 2
         return fit_terms(error, truth, xhat, wdy, rstd, rows, rounding), wdy_squares
@@ -348,9 +359,9 @@ def _grad_x_resolved(
     energy: torch.Tensor, wdy_squares: torch.Tensor, rstd: torch.Tensor
 ) -> torch.Tensor:
     """The rows whose true grad_x is not the near-cancellation of its terms (see
-    :data:`CANCELLED`), from each row's sum of the true grad_x's squares ``[R]`` and the
-    squares of ``scale * grad_out`` ``[R, C]`` (the rows' own wherever they are read)."""
-    terms = wdy_squares.sum(dim=1).mul_(rstd.square())
+    :data:`CANCELLED`), from each row's sum of the true grad_x's squares ``[R]`` and of the
+    squares of ``scale * grad_out`` ``[R]``."""
+    terms = wdy_squares.mul(rstd.square())
     return energy >= terms.mul_(CANCELLED)
 
 
@@ -397,3 +408,14 @@ def _rms_truth(
         dy = torch.where(valid.unsqueeze(1) & dy64.isfinite(), dy64, 0.0)
         truth["grad_bias"] = dy.sum(dim=0)
     return truth, rstd
+
+
+def _minus(values: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """``values - truth`` in float64 (``truth``'s dtype), a new tensor: float32 or half values
+    converted in one pass and subtracted in place, the same bits as the promotion in a mixed
+    subtraction, which converts element by element (slower)."""
+    import torch
+
+    if values.dtype == torch.float64:
+        return torch.sub(values, truth)
+    return values.to(torch.float64).sub_(truth)

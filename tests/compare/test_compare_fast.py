@@ -5,6 +5,7 @@ budget units and invalid rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -260,3 +261,41 @@ def _verify_blocked_and_whole(
     assert blocked.exit_code == whole.exit_code and blocked.exit_code in (0, 1)
     assert blocked.stdout == whole.stdout
     return bool(merged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_a_block_kept_error_is_the_float64_difference_and_changes_no_figure(
+    dtype: torch.dtype,
+) -> None:
+    """``keep_error``: the block's figures hold ``actual - expected`` in float64, bit for bit
+    the difference of the values promoted (however it is computed), and every other figure is
+    that of the block measured without it."""
+    generator = torch.Generator().manual_seed(3)
+    expected = torch.randn(64, 32, generator=generator, dtype=torch.float64) * 7
+    actual = (expected + 1e-3 * torch.randn(64, 32, generator=generator, dtype=torch.float64)).to(
+        dtype
+    )
+    invalid = torch.zeros(64, dtype=torch.bool)
+    measured = {}
+    for keep in (False, True):
+        comparison = Comparison("out", [64, 32], str(dtype)[6:], [64, 32], "float64")
+        measured[keep] = comparison.measure(actual, expected, invalid, keep_error=keep)
+    assert measured[False] is not None and measured[True] is not None
+    assert measured[False].error is None
+    error = measured[True].error
+    assert error is not None and error.dtype == torch.float64
+    truth = torch.tensor(
+        [
+            float(a) - float(e)
+            for a, e in zip(actual.reshape(-1).tolist(), expected.reshape(-1).tolist(), strict=True)
+        ],
+        dtype=torch.float64,
+    )  # Python floats: each element's promoted difference, independently
+    assert torch.equal(error, truth)
+    measured[True].error = None
+    for item in dataclasses.fields(measured[False]):
+        plain, kept = getattr(measured[False], item.name), getattr(measured[True], item.name)
+        if isinstance(plain, torch.Tensor):
+            assert torch.equal(plain, kept), item.name
+        else:
+            assert repr(plain) == repr(kept), item.name

@@ -1,0 +1,133 @@
+"""Work ``maskln verify`` takes from one step of a block into another, or skips once it has
+been seen to spare nothing: each must leave every figure the same bits as doing it afresh."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from maskln_cli.compare import comparison as comparison_module
+from maskln_cli.compare import judging
+from maskln_cli.testing import verify
+from maskln_cli.verify import blockwork
+from tests import kernels
+
+KERNELS = {
+    "torch": kernels.torch_layer_norm,
+    "written": kernels.written(),
+    "unbiased": kernels.unbiased,
+    "no_xhat_term": kernels.written("no_xhat_term"),
+    "half_sums": kernels.accumulate_in(torch.float16),
+}
+
+
+CORRECT = ("torch", "written")
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal to the last bit, all the way down (NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and bool(torch.equal(a.isnan(), b.isnan()))
+            and bool(torch.equal(a.nan_to_num(nan=0.0), b.nan_to_num(nan=0.0)))
+        )  # fmt: skip
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(
+            _same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(p, q) for p, q in zip(a, b, strict=True))  # type: ignore[arg-type]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+def _report(data: dict, result: dict) -> str:
+    extra = {k: result[k] for k in ("grad_x", "grad_scale", "grad_bias")}
+    report = verify(
+        result["out"], data["x"], data["valid"], data["scale"], data["bias"], kernels.EPS,
+        grad_out=data["grad_out"], **extra,
+    )  # fmt: skip
+    return json.dumps(report.to_dict(), sort_keys=True)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_fits_from_the_comparisons_row_norms_are_those_made_afresh(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """out's and grad_x's fits take each row's sum of the truth's squares from the comparison:
+    every sum of the fit the same bits as with those made from the truth again."""
+    data = kernels.offset_batch(3.0, 2, (8, 96, 64))
+    result = kernels.zero_padding(kernels.run(KERNELS[name], data), data["valid"])
+    fit = blockwork.BlockWork.fit
+    compared: list[tuple[str, bool]] = []
+
+    def both(self: blockwork.BlockWork, *args: object, **kwargs: object):
+        given = fit(self, *args, **kwargs)  # type: ignore[arg-type]
+        assert kwargs.get("row_norms") is not None or len(args) >= 12
+        fresh = fit(self, *args[:11], **{**kwargs, "row_norms": None})  # type: ignore[arg-type]
+        compared.append((args[6].name, _same(given, fresh)))  # type: ignore[attr-defined]
+        return given
+
+    monkeypatch.setattr(blockwork.BlockWork, "fit", both)
+    _report(data, result)
+    assert {n for n, _ in compared} == {"out", "grad_x"}, compared
+    assert all(same for _, same in compared), compared
+
+
+def test_fits_from_wrong_row_norms_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above can fail: row norms one ulp off change a fit's sums."""
+    data = kernels.offset_batch(3.0, 2, (8, 96, 64))
+    result = kernels.zero_padding(kernels.run(kernels.unbiased, data), data["valid"])
+    fit = blockwork.BlockWork.fit
+    compared: list[bool] = []
+
+    def both(self: blockwork.BlockWork, *args: object, **kwargs: object):
+        given = fit(self, *args, **kwargs)  # type: ignore[arg-type]
+        norms = args[11] if len(args) >= 12 else kwargs["row_norms"]
+        off = torch.nextafter(norms, torch.tensor(math.inf, dtype=norms.dtype))  # type: ignore[arg-type]
+        wrong = fit(self, *args[:11], **{**kwargs, "row_norms": off})  # type: ignore[arg-type]
+        compared.append(_same(given, wrong))
+        return given
+
+    monkeypatch.setattr(blockwork.BlockWork, "fit", both)
+    _report(data, result)
+    assert compared and not any(compared), compared
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_likeliest_rows_first_skipped_after_sparing_nothing_changes_no_figure(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """With many blocks (small ones here) grad_x's likeliest rows are not judged first again
+    for FIRST_RETRY blocks once that spared a block nothing: the report is the same, to the
+    last figure, as when they are tried on every block (FIRST_RETRY 1); for a correct kernel
+    fewer were tried."""
+    monkeypatch.setattr(comparison_module, "BLOCK_ELEMENTS", 1 << 14)  # blocks of 32 rows
+    data = kernels.offset_batch(0.0, 4, (2, 256, 512))
+    result = kernels.zero_padding(kernels.run(KERNELS[name], data), data["valid"])
+    judged = judging.AllowancesOnDemand._judge_picked
+    tried: list[int] = []
+
+    def counted(self: judging.AllowancesOnDemand, picked: torch.Tensor):
+        if picked.numel() == judging.PICKED_FIRST:
+            tried.append(1)
+        return judged(self, picked)
+
+    monkeypatch.setattr(judging.AllowancesOnDemand, "_judge_picked", counted)
+    skipping = _report(data, result)
+    skipped = len(tried)
+    tried.clear()
+    monkeypatch.setattr(judging, "FIRST_RETRY", 1)
+    every_time = _report(data, result)
+    assert skipping == every_time
+    assert skipped <= len(tried), (skipped, len(tried))
+    if name in CORRECT:  # a correct kernel's grad_x has every row judged: skipped there
+        assert skipped < len(tried), (skipped, len(tried))
