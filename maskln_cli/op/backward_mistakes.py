@@ -106,8 +106,8 @@ BACKWARD_MISTAKES: dict[str, Mistake] = {
         ),
         Mistake(
             "padding_in_parameter_gradients",
-            "grad_scale and grad_bias sum the padding's grad_out too: the backward's sums over"
-            " rows are not masked",
+            "a parameter gradient (grad_scale or grad_bias) sums the padding's grad_out too:"
+            " the backward's sums over rows are not masked",
             "sum grad_out * xhat and grad_out over the valid rows only:"
             " torch.where(valid[..., None], grad_out, 0) first",
             _correct,
