@@ -60,10 +60,7 @@ class BlockMeasurer:
         # promotes no float8 type: those are converted first.
         if a.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             a = a.double()
-        # float32 and half values converted in one pass, then subtracted in place: the same
-        # bits as the promotion in a mixed subtraction, which converts element by element
-        # (slower).
-        error = torch.sub(a, e64) if a.dtype == torch.float64 else a.to(torch.float64).sub_(e64)
+        error = float64_minus(a, e64)
         # The signed error kept when asked (keep_error), else its buffer is the differences.
         diff = torch.abs(error) if keep_error else error.abs_()
         # The greatest difference and its first index, row by row: a third of the time of
@@ -125,6 +122,17 @@ class BlockMeasurer:
             if bool(invalid.any()):
                 block.padding = padding_of(a.view(rows, length)[invalid].double())
         return block
+
+
+def float64_minus(values: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """``values - truth`` in float64 (``truth``'s dtype), a new tensor: float32 or half values
+    converted in one pass and subtracted in place, the same bits as the promotion in a mixed
+    subtraction, which converts element by element (slower)."""
+    import torch
+
+    if values.dtype == torch.float64:
+        return torch.sub(values, truth)
+    return values.to(torch.float64).sub_(truth)
 
 
 def merge_blocks(

@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from maskln_cli.compare.blocks import float64_minus
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.verify.options import ROW_TENSORS
 from maskln_cli.verify.systematic import FitSums, fit_rows
@@ -160,7 +161,7 @@ class BlockWork:
                 actual, reference = leave_out(actual, reference, keep)
                 guess, _ = leave_out(guess, reference, keep)
             # |yardstick - truth|: for the budget and the comparison alike, computed once.
-            error = _minus(guess, reference).abs_()  # float64: the truth's dtype
+            error = float64_minus(guess, reference).abs_()  # float64: the truth's dtype
             inputs = (x64, valid, reference, guess, error)
             if name == "grad_x":
                 inputs += (dy64,)  # type: ignore[assignment]
@@ -176,16 +177,16 @@ class BlockWork:
                 streaming.allowance.floors, comparison, reference,
                 dy64 if name == "grad_x" else None, budget,
             )  # fmt: skip
+            fitting = name in self.fits and self.fitted(start)
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
-                allowance_of=allowance_of, lower=lower, floors=floors,
-                keep_error=name in self.fits and self.fitted(start),
+                allowance_of=allowance_of, lower=lower, floors=floors, keep_error=fitting,
             )  # fmt: skip
             if measured is None:
                 return None
             figures[name] = measured
             signed, measured.error = measured.error, None  # the fit's, not the chunk's to hold
-            if name in self.fits and self.fitted(start):
+            if fitting:
                 assert rstd is not None
                 if offset is None:  # each row's A (as RowBudget's), for out's fit and grad_x's
                     offset = _offset(x64, rstd.reshape(-1), budget)
@@ -248,7 +249,7 @@ class BlockWork:
             return FitSums()
         rows = valid if keep is None else valid & keep
         if error is None or error.numel() != reference.numel():
-            error = _minus(actual, reference)  # in float64 (the truth's)
+            error = float64_minus(actual, reference)  # in float64 (the truth's)
         else:
             error = error.view(reference.shape)
         if offset is None:
@@ -408,14 +409,3 @@ def _rms_truth(
         dy = torch.where(valid.unsqueeze(1) & dy64.isfinite(), dy64, 0.0)
         truth["grad_bias"] = dy.sum(dim=0)
     return truth, rstd
-
-
-def _minus(values: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
-    """``values - truth`` in float64 (``truth``'s dtype), a new tensor: float32 or half values
-    converted in one pass and subtracted in place, the same bits as the promotion in a mixed
-    subtraction, which converts element by element (slower)."""
-    import torch
-
-    if values.dtype == torch.float64:
-        return torch.sub(values, truth)
-    return values.to(torch.float64).sub_(truth)
