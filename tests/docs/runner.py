@@ -17,11 +17,12 @@ A page's blocks run in order, in a fresh folder of their own (``sample_data``, `
   followed by a remark in parentheses) stands for any number of lines, and ``...`` inside a line
 for any text (a version number, say).
 
-Pages are made and checked in a process whose torch, MKL and oneDNN compute alike on every
-x86-64 CPU (``NUMERIC_ENV``): run otherwise, the runner starts itself again so.
+Pages are made and checked in a process whose torch, MKL and oneDNN compute alike on most
+x86-64 CPUs (``NUMERIC_ENV``): run otherwise, the runner starts itself again so.
 
 Before comparing, both sides are normalized alike: timings (``0.05 s``, ``"seconds": 0.265``,
 ``in 3.21s``) become ``<t>``, the folder's own path is dropped, trailing spaces are ignored.
+Figures are compared as figures.py says: never to their last digits, which vary by machine.
 
 Regenerate every console block's output from real runs::
 
@@ -50,6 +51,8 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.docs.figures import same_figures
 
 ROOT = Path(__file__).resolve().parents[2]
 LINKED = ("sample_data", "examples", "scripts")
@@ -85,9 +88,10 @@ NUMERIC_ENV = {
 """The figures a page shows are rounding: the last digits of a float32 kernel's error depend on
 the order its sums run in, which torch, MKL and oneDNN choose by the CPU's instruction set (and
 by the thread count). Pages are made and checked in a process with this environment, set before
-torch is imported, so that what they show is what every x86-64 CPU prints, bit for bit (on
-AVX-512, on AVX2 only, on the portable path), and a comparison can stay exact: a real change of
-output still fails. maskln's own kernels give the same bits on every instruction set."""
+torch is imported, so that most of what they show is what every x86-64 CPU prints, bit for bit.
+Not all of it: an AMD EPYC still printed a float32 kernel's error 20% off an Intel Xeon's, so
+figures are never compared to their last digits (figures.py). maskln's own kernels give the same
+bits on every instruction set."""
 
 
 def pinned(env: Mapping[str, str] = os.environ) -> bool:
@@ -263,9 +267,12 @@ def normalized(lines: list[str]) -> list[str]:
 
 
 def line_matches(shown: str, real: str) -> bool:
-    """Whether one real line is the shown one, ``...`` inside it standing for any text."""
-    if shown == real or "..." not in shown:
-        return shown == real
+    """Whether one real line is the shown one, ``...`` inside it standing for any text, and its
+    figures the shown ones within what varies by machine (figures.py)."""
+    if shown == real:
+        return True
+    if "..." not in shown:
+        return same_figures(shown, real)
     return re.fullmatch(".*".join(map(re.escape, shown.split("..."))), real) is not None
 
 
