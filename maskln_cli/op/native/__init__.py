@@ -82,7 +82,11 @@ HERE = Path(__file__).resolve().parent
 SOURCES = (
     "masked_layer_norm.cpp",  # tensors, checks, dispatcher ops, C++ autograd
     "bindings.cpp",  # the Python module (pybind11)
-    "kernels.cpp",  # the row kernels for three instruction sets, over threads
+    "kernels.cpp",  # the row kernels over threads, the instruction set picked at run time
+    "kernels_base.cpp",  # the row kernels for each instruction set, one unit each (compiled
+    "kernels_avx2.cpp",  # side by side: together they were the build's longest unit)
+    "kernels_avx512.cpp",
+    "kernel_variants.h",
     "kernels.h",
     "masked_layer_norm.h",
     "ops.h",

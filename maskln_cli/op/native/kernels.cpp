@@ -1,12 +1,12 @@
 // The row kernels of masked_layer_norm.h, for both norms (LayerNorm and RMSNorm), compiled for
 // three instruction sets and run over threads with at::parallel_for.
 //
-// Instruction sets: the kernels are compiled three times in this translation unit, for the
-// build's baseline (x86-64: SSE2, vectors of 2 float64), for AVX2 (4) and for AVX-512 (8),
-// through GCC's target attribute on thin wrappers that inline (flatten) the whole kernel; the
-// widest the CPU supports is picked once, at load (__builtin_cpu_supports), or by
-// MASKLN_NATIVE_ISA. No -march flag: the library runs on any x86-64; elsewhere (ARM) only the
-// baseline is built. With -ffp-contract=off and sums in a fixed order, all three give the
+// Instruction sets: the kernels are compiled three times, for the build's baseline (x86-64:
+// SSE2, vectors of 2 float64), for AVX2 (4) and for AVX-512 (8), one translation unit each
+// (kernel_variants.h), through GCC's target attribute on thin wrappers that inline (flatten) the
+// whole kernel; the widest the CPU supports is picked once, at load (__builtin_cpu_supports),
+// or by MASKLN_NATIVE_ISA. No -march flag: the library runs on any x86-64; elsewhere (ARM) only
+// the baseline is built. With -ffp-contract=off and sums in a fixed order, all three give the
 // same bits.
 //
 // Threads: a row's results never depend on how rows are split. dscale and dbias are sums of
@@ -22,89 +22,10 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kernel_variants.h"
 #include "masked_layer_norm.h"
 
 namespace maskln_native {
-
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define MASKLN_X86 1
-#define MASKLN_AVX2 __attribute__((target("avx2,fma,f16c"), flatten))
-#define MASKLN_AVX512 \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"), flatten))
-#endif
-#define MASKLN_BASE __attribute__((flatten))
-
-template <typename T>
-struct Kernels {
-  void (*forward)(const ForwardArgs<T>&, int64_t, int64_t);
-  void (*backward)(const BackwardArgs<T>&, int64_t, int64_t, double*, double*);
-  void (*backward_sums)(const BackwardArgs<T>&, int64_t, int64_t, double*, double*);
-  void (*backward_dx)(const BackwardArgs<T>&, int64_t, int64_t, double*, double*);
-  void (*backward_dbias)(const BackwardArgs<T>&, int64_t, int64_t, double*);
-};
-
-// Short rows of these lengths get kernels with the length known at compile time (the loops
-// over a row unroll); any other length, the general kernels. The bits are the same.
-#define MASKLN_BY_LENGTH(EXPRESSION)               \
-  switch (a.C) {                                   \
-    case 16: {                                     \
-      constexpr int64_t kC = 16;                   \
-      return EXPRESSION;                           \
-    }                                              \
-    case 32: {                                     \
-      constexpr int64_t kC = 32;                   \
-      return EXPRESSION;                           \
-    }                                              \
-    case 64: {                                     \
-      constexpr int64_t kC = 64;                   \
-      return EXPRESSION;                           \
-    }                                              \
-    default: {                                     \
-      constexpr int64_t kC = 0;                    \
-      return EXPRESSION;                           \
-    }                                              \
-  }
-
-#define MASKLN_VARIANT(NAME, ATTRIBUTES, W)                                                    \
-  template <typename T, bool kCentered>                                                       \
-  ATTRIBUTES void forward_##NAME(const ForwardArgs<T>& a, int64_t begin, int64_t end) {       \
-    MASKLN_BY_LENGTH((forward_rows<T, W, kCentered, kC>(a, begin, end)))                      \
-  }                                                                                           \
-  template <typename T, bool kCentered>                                                       \
-  ATTRIBUTES void backward_##NAME(                                                            \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    MASKLN_BY_LENGTH(                                                                         \
-        (backward_rows<T, W, kCentered, true, true, kC>(a, begin, end, dscale, dbias)))       \
-  }                                                                                           \
-  template <typename T, bool kCentered>                                                       \
-  ATTRIBUTES void backward_sums_##NAME(                                                       \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    MASKLN_BY_LENGTH(                                                                         \
-        (backward_rows<T, W, kCentered, false, true, kC>(a, begin, end, dscale, dbias)))      \
-  }                                                                                           \
-  template <typename T, bool kCentered>                                                       \
-  ATTRIBUTES void backward_dx_##NAME(                                                         \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dscale, double* dbias) {  \
-    MASKLN_BY_LENGTH(                                                                         \
-        (backward_rows<T, W, kCentered, true, false, kC>(a, begin, end, dscale, dbias)))      \
-  }                                                                                           \
-  template <typename T>                                                                       \
-  ATTRIBUTES void backward_dbias_##NAME(                                                      \
-      const BackwardArgs<T>& a, int64_t begin, int64_t end, double* dbias) {                  \
-    backward_rows_dbias<T, W>(a, begin, end, dbias);                                          \
-  }                                                                                           \
-  template <typename T, bool kCentered>                                                       \
-  Kernels<T> kernels_##NAME() {                                                               \
-    return {&forward_##NAME<T, kCentered>, &backward_##NAME<T, kCentered>,                    \
-            &backward_sums_##NAME<T, kCentered>, &backward_dx_##NAME<T, kCentered>,           \
-            &backward_dbias_##NAME<T>};                                                       \
-  }
-
-MASKLN_VARIANT(base, MASKLN_BASE, 2)
-#ifdef MASKLN_X86
-MASKLN_VARIANT(avx2, MASKLN_AVX2, 4)
-MASKLN_VARIANT(avx512, MASKLN_AVX512, 8)
-#endif
 
 // --- which instruction set ------------------------------------------------------------------
 

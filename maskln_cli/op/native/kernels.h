@@ -1,7 +1,7 @@
-// The interface between the two translation units: kernels.cpp (the row kernels, compiled for
-// three instruction sets, run over threads) and masked_layer_norm.cpp (tensors and bindings).
-// Two units so that ninja compiles them side by side: the bindings' headers alone take about as
-// long as the kernels.
+// The interface between the kernels (kernels.cpp: run over threads, the instruction set picked;
+// kernels_base/avx2/avx512.cpp: the row kernels compiled for each) and masked_layer_norm.cpp
+// (tensors and bindings). Separate units so that ninja compiles them side by side: the bindings'
+// headers alone take about as long as one instruction set's kernels.
 #pragma once
 
 #include <cstdint>
