@@ -76,7 +76,17 @@ class BlockMeasurer:
         if allowance_of is not None:
             invalid = None if invalid_rows is None else invalid_rows.reshape(-1)
             on_demand = AllowancesOnDemand(
-                self.judge, diff, row_max, a, e64, invalid, allowance_of, lower, rows, floors
+                self.judge,
+                diff,
+                row_max,
+                a,
+                e64,
+                invalid,
+                allowance_of,
+                lower,
+                rows,
+                floors,
+                e_abs=e_abs,
             )
             judged = on_demand.judged(i, known)
         else:

@@ -122,7 +122,9 @@ class AllowancesOnDemand:
     allowance_of: Allowances
     lower: float
     rows: int
-    floors: Callable[[], torch.Tensor | None] | None = None
+    floors: Callable[..., torch.Tensor | None] | None = None
+    # |e64|, every value finite, for ``floors(finite_abs=...)`` (None: floors() makes it).
+    e_abs: torch.Tensor | None = None
     # The floors made by _rows_to_judge (None: not made), taken as ``always`` when every row
     # is judged after all: the same bits, not made twice.
     made_floors: torch.Tensor | None = None
@@ -216,7 +218,10 @@ class AllowancesOnDemand:
 
         picked = pick(known)
         count = int(picked.sum())
-        floors = self.floors() if count * PICKED_SHARE > rows and self.floors else None
+        floors = None
+        if count * PICKED_SHARE > rows and self.floors:
+            # |expected|, all finite on the fast path (which stops at NaN or inf), not made again
+            floors = self.floors(finite_abs=self.e_abs) if self.e_abs is not None else self.floors()
         self.made_floors = floors
         if floors is not None:
             # Each element's ratio is at most its difference over its floor (the allowance is

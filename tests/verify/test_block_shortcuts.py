@@ -14,6 +14,8 @@ from maskln_cli.compare import comparison as comparison_module
 from maskln_cli.compare import judging
 from maskln_cli.testing import verify
 from maskln_cli.verify import blockwork
+from maskln_cli.verify.allowance import Allowance
+from maskln_cli.verify.budget import Precision, RowBudget
 from tests import kernels
 
 KERNELS = {
@@ -131,3 +133,68 @@ def test_likeliest_rows_first_skipped_after_sparing_nothing_changes_no_figure(
     assert skipped <= len(tried), (skipped, len(tried))
     if name in CORRECT:  # a correct kernel's grad_x has every row judged: skipped there
         assert skipped < len(tried), (skipped, len(tried))
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_floors_from_the_comparisons_magnitudes_are_those_made_afresh(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The floors of a block's rows take |truth| from the comparison (finite on its fast
+    path): the same bits as floors made from the truth again, for out and grad_x."""
+    data = kernels.offset_batch(3.0, 2, (8, 96, 64))
+    result = kernels.zero_padding(kernels.run(KERNELS[name], data), data["valid"])
+    floors = Allowance.floors
+    compared: list[bool] = []
+
+    def both(self: Allowance, *args: object, finite_abs: torch.Tensor | None = None):
+        fresh = floors(self, *args)  # type: ignore[arg-type]
+        assert finite_abs is not None and bool(finite_abs.isfinite().all())
+        given = floors(self, *args, finite_abs=finite_abs)  # type: ignore[arg-type]
+        compared.append(_same(given, fresh))
+        return given
+
+    monkeypatch.setattr(Allowance, "floors", both)
+    _report(data, result)
+    assert len(compared) >= 2 and all(compared), compared
+
+
+def test_padding_set_by_index_has_the_bits_of_a_broadcast_mask() -> None:
+    """RowBudget and the allowances set the padding by index (index_fill): the bits
+    torch.where and masked_fill of the row mask give, NaN and inf rows and -0.0 included."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 8, generator=generator, dtype=torch.float64)
+    x[3, 2], x[5, 1], x[6, 0] = math.nan, -math.inf, -0.0
+    valid = torch.rand(16, generator=generator) > 0.4
+    valid[3] = valid[6] = False
+    one = torch.ones(8, dtype=torch.float64)
+    budget = RowBudget(x.clone(), valid, one, one * 0, 1e-5, Precision.of(torch.float32))
+    keep = valid[:, None]
+    finite = x.clone()
+    finite[5, 1] = 7.0  # a valid row: upstream zeroes non-finite values there too
+    for upstream in (x, finite):
+        expected = torch.where(keep, upstream, 0.0)
+        if not math.isfinite(float(expected.sum())):
+            expected = torch.where(keep & upstream.isfinite(), upstream, 0.0)
+        assert _bits(budget.upstream(upstream)) == _bits(expected)
+    padded = torch.where(x.isfinite(), x, 1.0)  # finite: the padding is zeroed by index
+    precision = Precision.of(torch.float32)
+    mine = RowBudget(padded, valid, one, one * 0, 1e-5, precision)
+    zeroed = RowBudget(torch.where(keep, padded, 0.0), valid, one, one * 0, 1e-5, precision)
+    for name in ("xhat", "rstd", "offset"):
+        assert _bits(getattr(mine, name)) == _bits(getattr(zeroed, name)), name
+    model = torch.rand(16, 8, generator=generator, dtype=torch.float64)
+    truth = torch.randn(16, 8, generator=generator, dtype=torch.float64)
+    allowance = Allowance.__new__(Allowance)
+    allowance.factor, allowance.judge, allowance.scaled = 3.0, torch.float32, True
+    allowance.yardstick_raises = True
+    comparison = comparison_module.Comparison("out", [16, 8], "float32", [16, 8], "float64")
+    pieces = allowance.from_model(comparison, model, truth.float(), truth, keep, size=1.0)
+    assert _bits(pieces["allowance"]) == _bits(pieces["allowance"].masked_fill(~keep, 0.0))
+    assert bool((pieces["allowance"][~valid] == 0).all())
+    assert bool((pieces["always"][~valid] == math.inf).all())
+    assert bool((pieces["always"][valid] < math.inf).all())
+
+
+def _bits(tensor: torch.Tensor) -> list[int]:
+    """A float64 tensor's bits (NaN payloads and -0.0 told apart)."""
+    return tensor.contiguous().view(torch.int64).reshape(-1).tolist()
