@@ -24,8 +24,10 @@ from tests.docs.runner import EXECUTED, ROOT, blocks_of, pages, pinned, pinned_e
 RUN = [page for page in pages() if any(b.lang in EXECUTED for b in blocks_of(page.read_text()))]
 
 # Pages whose examples take long enough to be `make test-slow`'s (CI runs both): the grading
-# guide grades seven times, 35 s of one worker's time on two quiet cores, a fifth of `make test`.
-SLOW_PAGES = {"docs/guides/grading.md"}
+# guide grades seven times, 35 s of one worker's time on two quiet cores, a fifth of `make test`;
+# the models guide builds, captures and swaps transformers models, 23 s of CPU (measured loaded,
+# the longest test of `make test`, whose newcomer's run, native build included, was over 4 min).
+SLOW_PAGES = {"docs/guides/grading.md", "docs/guides/models.md"}
 
 
 def _page_param(page: Path) -> object:
