@@ -15,6 +15,18 @@ OpenMP for torch's threads) and returns the module::
 Tests: ``test_f32.py`` (accuracy against float64/mpmath, bits across threads and ISAs); times:
 ``bench_f32.py`` (against the compiled one-liner and maskln's op) and ``overhead.py`` (where a
 compiled call's time goes at [8, 16, 64]).
+
+Phase two, not merged: ``native_port.patch`` (five commits on c28b468: ``git switch -c f32
+c28b468 && git am prototypes/f32/native_port.patch``) makes these kernels the native op's
+float32 and half kernels (``kernels_f32.cpp``), rows float-float cannot represent falling back
+to the float64 row kernel, with ``tests/op/test_float32_kernels.py`` (within 1.5 ulps of mpmath
+at C = 1 to 2**20, bits across threads and ISAs) and ``test_float32_edges.py``. Green on AVX2
+and the portable kernels (AVX-512 unbuilt there), but slower than the float64-accumulating
+kernels it replaces: 1.67x forward and 2.24x forward + backward at [8192, 1024], 6.0x and 7.8x
+at [524288, 16] (one thread, AVX2, load about 2), and 99 s of build CPU against 69 s. Main's
+kernels fail 57 of its 215 tests: dx of rows with C = 1 or 2 and of constant, huge and outlier
+rows is far more than 1.5 ulps of its tiny true value (up to 6e8 ulps; the float-float kernel
+takes a closed form there).
 """
 
 from __future__ import annotations
