@@ -2,9 +2,10 @@
 what the page shows (see runner.py; ``make docs-examples`` regenerates the shown output).
 
 The pages show what a process with the runner's ``NUMERIC_ENV`` prints, the same bits on most
-x86-64 CPUs, and figures are compared to what varies by machine (figures.py). pytest's workers run without it (the rest of the suite tests torch as users run
-it), so a worker runs its pages in a process of its own that has it (``runner --serve``, one
-per worker), unless the worker has it already."""
+x86-64 CPUs, and figures are compared to what varies by machine (figures.py). pytest's workers
+run without it (the rest of the suite tests torch as users run it), so a worker runs its pages
+in a process of its own that has it (``runner --serve``, one per worker), unless the worker has
+it already."""
 
 from __future__ import annotations
 
