@@ -11,7 +11,7 @@ $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		--constraint constraints.txt --editable '.[test,docs]'
-	@# The native CPU kernels, compiled into the per-user cache (~30 s on two quiet cores), or
+	@# The native CPU kernels, compiled into the per-user cache (~36 s on two quiet cores), or
 	@# rebuilt when the cached build is damaged; without a C++ compiler the op falls back to the
 	@# raw-op kernels: a warning, not a failure.
 	$(BIN)/python -m maskln_cli.op.native || echo "maskln: native kernels not built; the op uses the raw-op kernels"
