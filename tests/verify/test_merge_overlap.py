@@ -89,3 +89,21 @@ def test_figures_do_not_depend_on_the_groups(grad, monkeypatch):
     whole = _report(grad)
     monkeypatch.setattr(measure, "GROUP_ELEMENTS", 2 * 512 * 64)
     assert _report(grad) == whole
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_poisoned_rows_are_those_with_nan_or_inf_in_x_or_grad_out(grad):
+    """The padding rows remembered for a NaN gradient's diagnosis: rows holding NaN or inf in
+    x, or (with gradients) in grad_out; not a row whose finite values' float32 sum overflows."""
+    from types import SimpleNamespace
+
+    x, grad_out = torch.randn(12, 8), torch.randn(12, 8)
+    valid = torch.tensor([True, False] * 6)
+    x[1, 3], x[5, 0] = torch.nan, -torch.inf
+    x[3] = 3e38  # finite, its sum inf
+    x[2, 2] = torch.nan  # a valid row: not looked at
+    grad_out[7, 7] = torch.inf
+    grad_out[9] = -3e38
+    state = SimpleNamespace(poisoned=[])
+    measure.StreamingPass._note_poison(state, 100, x, valid, grad_out if grad else None)
+    assert state.poisoned == ([101, 105, 107] if grad else [101, 105])
