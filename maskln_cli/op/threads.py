@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -231,34 +231,58 @@ def map_blocks(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
         >>> map_blocks(lambda n: n * n, [1, 2, 3])
         [1, 4, 9]
     """
-    import torch
+    return Blocks(work, items).results()
 
-    size = workers()
-    if size <= 1 or len(items) <= 1:
-        with one_thread():
-            return [work(item) for item in items]
-    # Grad and inference mode are per thread: the workers take the caller's.
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
-    def run(item: T) -> R:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return work(item)
+class Blocks(Generic[R]):
+    """:func:`map_blocks` started: the items are queued on the pool, and the caller goes on
+    (verify merges one group's figures while the next group's blocks are measured) until it
+    asks for :meth:`results`, or gives up with :meth:`cancel` (which it must, on an error of
+    its own, so that no work goes on after it). Items the pool does not take (one worker, one
+    item, a pool that no longer takes work) run in the calling thread when the results are
+    asked: in the order a plain loop would run them."""
 
-    futures: list[Future[R]] = []
-    try:
+    def __init__(self, work: Callable[[T], R], items: Sequence[T]) -> None:
+        import torch
+
+        self._work = work
+        self._futures: list[Future[R]] = []
+        self._here: Sequence[T] = items  # the items left to the calling thread
+        size = workers()
+        if size <= 1 or len(items) <= 1:
+            return
+        # Grad and inference mode are per thread: the workers take the caller's.
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def run(item: T) -> R:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return work(item)
+
         try:
             pool = _executor(size)
             for item in items:
-                futures.append(pool.submit(run, item))
+                self._futures.append(pool.submit(run, item))
         except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
             pass
-        rest = items[len(futures) :]
-        with one_thread():
-            done_here = [work(item) for item in rest]
-        wait(futures)
-    except BaseException:
-        for future in futures:
+        except BaseException:
+            self.cancel()
+            raise
+        self._here = items[len(self._futures) :]
+
+    def results(self) -> list[R]:
+        """The results, in order, once every item has finished (the first error raised then;
+        on an interruption, :meth:`cancel`)."""
+        try:
+            with one_thread():
+                done_here = [self._work(item) for item in self._here]
+            wait(self._futures)
+        except BaseException:
+            self.cancel()
+            raise
+        return [future.result() for future in self._futures] + done_here
+
+    def cancel(self) -> None:
+        """Items not started never run; those running are waited for."""
+        for future in self._futures:
             future.cancel()
-        wait(futures)
-        raise
-    return [future.result() for future in futures] + done_here
+        wait(self._futures)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from maskln_cli.compare.files import threads_for
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.files.problem import GRADIENT_KEYS, Progress
-from maskln_cli.op.threads import one_thread
+from maskln_cli.op.threads import Blocks, one_thread
 from maskln_cli.verify.allowance import Allowance
 from maskln_cli.verify.blockwork import Measured, SumShare, float64_truth
 from maskln_cli.verify.options import ROW_TENSORS
@@ -110,21 +110,27 @@ class StreamingPass:
             sums = _Sums(problem.channels, self._sum_dtypes(live), self.precisions)
         self.work = BlockWork(self, live, gradients)
         chunks = list(row_blocks(problem.rows, self.chunk_rows)) if live else []
-        done = 0
-        while done < len(chunks):
-            # The first chunk alone: its merged ratio spares later blocks work (see
-            # Comparison.measure); then several chunks' blocks to one pool of threads.
-            group = self._group(chunks, done) if done else chunks[done : done + 1]
-            measured = self._measure_chunks(group)
-            for (start, stop), blocks in zip(group, measured, strict=True):
-                if blocks is None:  # a block holds NaN or inf: the chunk compared whole
-                    with one_thread():
-                        self._chunk(start, stop, live, sums)
-                else:
-                    self._merge_chunk(start, stop, live, blocks, sums)
-                if progress:
-                    progress(stop, problem.rows)
-            done += len(group)
+        # Groups queued on the pool, not yet merged: a group's blocks are queued before the
+        # group before it is merged, so the workers measure them meanwhile instead of waiting
+        # for the merge (and, at each group's end, for its slowest block). Merged in the same
+        # order: the same figures.
+        done, pending = 0, []
+        try:
+            while done < len(chunks):
+                # The first chunk alone, merged before any other block starts: its ratio
+                # spares later blocks work (see Comparison.measure); then several chunks'
+                # blocks to one pool of threads.
+                group = self._group(chunks, done) if done else chunks[done : done + 1]
+                pending.append((group, self._start_chunks(group)))
+                first = done == 0
+                done += len(group)
+                while pending and (first or len(pending) > 1 or done == len(chunks)):
+                    self._merge_group(*pending[0], live, sums, progress)
+                    pending.pop(0)
+        except BaseException:
+            for _, started in pending:  # no block left running after the call
+                started.cancel()
+            raise
         if sums is not None:
             self._compare_sums(live, sums)
 
@@ -214,13 +220,11 @@ class StreamingPass:
             stop += 1
         return chunks[first:stop]
 
-    def _measure_chunks(self, chunks: list[tuple[int, int]]) -> list[list[Measured] | None]:
-        """Consecutive ``chunks``, their rows in cache-sized blocks measured on worker threads
-        (see :meth:`Comparison.measure`), for :meth:`_merge_chunk`. None for a chunk with a
-        block holding NaN or inf on either side: :meth:`_chunk` then compares it."""
+    def _start_chunks(self, chunks: list[tuple[int, int]]) -> Blocks[Measured | None]:
+        """Consecutive ``chunks``, their rows in cache-sized blocks queued for worker threads
+        (see :meth:`Comparison.measure`), for :meth:`_merge_group`."""
         from maskln_cli.compare.comparison import BLOCK_ELEMENTS
         from maskln_cli.op.blocked import row_blocks
-        from maskln_cli.op.threads import map_blocks
 
         block_rows = BLOCK_ELEMENTS // self.problem.channels
         blocks = [
@@ -228,13 +232,34 @@ class StreamingPass:
             for start, stop in chunks
             for a, b in row_blocks(stop - start, block_rows)
         ]
-        measured = map_blocks(lambda block: self.work.measure(*block), blocks)
-        by_chunk: list[list[Measured] | None] = []
+        return Blocks(lambda block: self.work.measure(*block), blocks)
+
+    def _merge_group(
+        self,
+        chunks: list[tuple[int, int]],
+        started: Blocks[Measured | None],
+        live: dict[str, Checked],
+        sums: _Sums | None,
+        progress: Progress | None,
+    ) -> None:
+        """Merge the blocks of ``chunks`` (:meth:`_start_chunks`) once measured, chunk by chunk:
+        a chunk with a block holding NaN or inf on either side is compared whole instead
+        (:meth:`_chunk`)."""
+        from maskln_cli.compare.comparison import BLOCK_ELEMENTS
+        from maskln_cli.op.blocked import row_blocks
+
+        block_rows = BLOCK_ELEMENTS // self.problem.channels
+        measured = started.results()
         for start, stop in chunks:
             count = len(list(row_blocks(stop - start, block_rows)))
             figures, measured = measured[:count], measured[count:]
-            by_chunk.append(None if any(f is None for f in figures) else figures)  # type: ignore[misc]
-        return by_chunk
+            if any(f is None for f in figures):
+                with one_thread():
+                    self._chunk(start, stop, live, sums)
+            else:
+                self._merge_chunk(start, stop, live, figures, sums)  # type: ignore[arg-type]
+            if progress:
+                progress(stop, self.problem.rows)
 
     def _merge_chunk(
         self,
@@ -244,7 +269,7 @@ class StreamingPass:
         measured: list[Measured],
         sums: _Sums | None,
     ) -> None:
-        """Merge the figures of the blocks of rows ``start:stop`` (see :meth:`_measure_chunks`),
+        """Merge the figures of the blocks of rows ``start:stop`` (see :meth:`_start_chunks`),
         and add their sums, in block order."""
         problem = self.problem
         valid = problem.valid[start:stop]
@@ -275,11 +300,13 @@ class StreamingPass:
         if len(self.poisoned) >= 64 or bool(valid.all()):
             return
         invalid = (~valid).nonzero().squeeze(1)  # only they are looked at
-        if grad_out is None:
-            # A row's sum is finite only if its every value is (NaN and inf carry into it):
-            # only rows whose sum is not are looked at value by value (isfinite is slow).
-            sums = x.sum(dim=1)[invalid]
-            invalid = invalid[~sums.isfinite()]
+        # A row's sum is finite only if its every value is (NaN and inf carry into it, and
+        # into the sum of x's and grad_out's): only rows whose sum is not are looked at
+        # value by value (gathering rows and isfinite are slow: 1 ms a chunk of [512, 1024]).
+        sums = x.sum(dim=1)[invalid]
+        if grad_out is not None:
+            sums = sums + grad_out.sum(dim=1)[invalid]
+        invalid = invalid[~sums.isfinite()]
         bad = ~x[invalid].isfinite().all(dim=1)
         if grad_out is not None:
             bad |= ~grad_out[invalid].isfinite().all(dim=1)

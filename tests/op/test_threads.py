@@ -15,7 +15,7 @@ import torch
 from maskln_cli import masked_layer_normalization
 from maskln_cli.op import blocked as core
 from maskln_cli.op import threads
-from maskln_cli.op.threads import map_blocks, one_thread, workers
+from maskln_cli.op.threads import Blocks, map_blocks, one_thread, workers
 
 
 def _has_thread_setter() -> bool:
@@ -88,6 +88,53 @@ def test_results_in_order_and_the_first_error_after_every_item_finished(two_thre
     with pytest.raises(ValueError, match="item 3"):
         map_blocks(work, range(8))
     assert sorted(finished) == [0, 1, 2, 4, 5, 6, 7]
+
+
+@openmp
+def test_started_blocks_run_while_the_caller_works(two_threads):
+    """Blocks(...) queues the items on the pool and returns: the caller works meanwhile (verify
+    merges the figures of one group of blocks while the next group's are measured), then
+    results() gives them in order."""
+    started = threading.Event()
+
+    def work(n: int) -> int:
+        started.set()
+        return n * n
+
+    blocks = Blocks(work, range(6))
+    assert started.wait(timeout=10)  # a worker ran an item before results() was called
+    assert blocks.results() == [n * n for n in range(6)]
+
+
+def test_started_blocks_on_one_worker_run_when_their_results_are_asked():
+    """With one worker (torch on one thread) the items run in the calling thread, in order,
+    when results() is called: work the caller does in between comes first, as it would in a
+    plain loop."""
+    seen: list[str] = []
+    with one_thread():
+        blocks = Blocks(lambda n: seen.append(f"item {n}"), range(3))
+        seen.append("caller")
+        blocks.results()
+    assert seen == ["caller", "item 0", "item 1", "item 2"]
+
+
+def test_cancelled_blocks_never_start_and_none_runs_after(two_threads):
+    """cancel() (the caller failed before asking for the results): items not started never
+    run, those running are waited for."""
+    import time
+
+    finished = []
+
+    def work(n: int) -> None:
+        time.sleep(0.02)
+        finished.append(n)
+
+    blocks = Blocks(work, range(40))
+    time.sleep(0.05)
+    blocks.cancel()
+    after_call = len(finished)
+    time.sleep(0.2)
+    assert len(finished) == after_call < 40
 
 
 def test_workers_take_the_callers_grad_and_inference_modes(two_threads):
