@@ -16,20 +16,7 @@ from maskln_cli import masked_layer_normalization
 from maskln_cli.op import blocked as core
 from maskln_cli.op import threads
 from maskln_cli.op.threads import Blocks, map_blocks, one_thread, workers
-
-
-def _has_thread_setter() -> bool:
-    """Whether the per-thread setter is found, checked with torch on 2 threads: on 1 (a
-    pytest-xdist worker's, see tests/conftest.py) nothing tells a working one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        return threads._thread_setter() is not None
-    finally:
-        torch.set_num_threads(before)
-
-
-openmp = pytest.mark.skipif(not _has_thread_setter(), reason="no per-thread OpenMP setter")
+from tests.threadtools import openmp
 
 
 @pytest.fixture(autouse=True)

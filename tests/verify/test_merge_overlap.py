@@ -12,18 +12,9 @@ import pytest
 import torch
 
 from maskln_cli import testing
-from maskln_cli.op import threads
 from maskln_cli.verify import blockwork, measure
 from tests import kernels
-
-
-def _has_thread_setter() -> bool:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        return threads._thread_setter() is not None
-    finally:
-        torch.set_num_threads(before)
+from tests.threadtools import openmp
 
 
 @pytest.fixture
@@ -52,7 +43,7 @@ def _report(grad: bool) -> dict:
     return report.to_dict()
 
 
-@pytest.mark.skipif(not _has_thread_setter(), reason="no per-thread OpenMP setter")
+@openmp
 def test_a_group_is_merged_while_the_next_groups_blocks_are_measured(two_threads, monkeypatch):
     """Groups of two chunks of two blocks: the merge of the second group's first chunk waits
     (up to 10 s) for a block of the third group to start; before, that block was only queued
