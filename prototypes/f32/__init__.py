@@ -16,16 +16,18 @@ Tests: ``test_f32.py`` (accuracy against float64/mpmath, bits across threads and
 ``bench_f32.py`` (against the compiled one-liner and maskln's op) and ``overhead.py`` (where a
 compiled call's time goes at [8, 16, 64]).
 
-Phase two, not merged: ``native_port.patch`` (eleven commits on c28b468: ``git switch -c f32
-c28b468 && git am prototypes/f32/native_port.patch``) makes these kernels the native op's
-float32 and half kernels (``kernels_f32.cpp``), rows float-float cannot represent falling back
-to the float64 row kernel, with ``tests/op/test_float32_kernels.py`` (within 1.5 ulps of mpmath
-at C = 1 to 2**20, bits across threads and ISAs) and ``test_float32_edges.py``. Green on AVX2
-and the portable kernels (AVX-512 compiled, never run: no such CPU here). Its time against the
-float64-accumulating kernels it would replace (one thread, AVX2, min of 5 interleaved rounds,
-load 0.4-1.4), before and after the code-generation fixes of its last five commits (16-lane
-vectors as two 8-lane halves, two_prod's error by one fused multiply-subtract again, the fold
-by vertical adds, the row sums returned alone; the same output bits):
+Phase two, not merged: ``native_port.patch`` (twelve commits made on main's 3eed48c; they apply
+to main as of 2026-12-06: ``git switch -c f32 && git am prototypes/f32/native_port.patch``)
+makes these kernels the native op's float32 and half kernels (``kernels_f32.cpp``, and one unit
+per instruction set, ``kernels_f32_{base,avx2,avx512}.cpp``, as main's float64 kernels have),
+rows float-float cannot represent falling back to the float64 row kernel, with
+``tests/op/test_float32_kernels.py`` (within 1.5 ulps of mpmath at C = 1 to 2**20, bits across
+threads and ISAs) and ``test_float32_edges.py``. Green on AVX2 and the portable kernels (AVX-512
+compiled, never run: no such CPU here). Its time against the float64-accumulating kernels it
+would replace (one thread, AVX2, min of 5 interleaved rounds, load 0.4-1.4, measured on its
+c28b468 base), before and after the code-generation fixes of its later commits (16-lane vectors
+as two 8-lane halves, two_prod's error by one fused multiply-subtract again, the fold by
+vertical adds, the row sums returned alone; the same output bits):
 
     [8192, 1024]   forward 1.84 -> 0.97   forward + backward 2.41 -> 1.15
     [524288, 16]   forward 5.93 -> 1.69   forward + backward 7.59 -> 2.23
