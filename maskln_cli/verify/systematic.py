@@ -175,6 +175,7 @@ def fit_rows(
     shifted: torch.Tensor | None = None,
     z_squares: torch.Tensor | None = None,
     rounding: torch.Tensor | None = None,
+    row_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -192,7 +193,8 @@ def fit_rows(
     noise: an offset row of 16 channels of a correct float32 kernel reached twice its bound
     without it). ``z_squares`` ``[R]``: each row's sum of ``z**2``, when the caller has it.
     ``rounding`` ``[R, C]``: the truth rounded to the stored dtype, minus the truth, whose
-    factors are pooled alike (:func:`rounding_is_noise`).
+    factors are pooled alike (:func:`rounding_is_noise`). ``row_sums``: each row's sums of
+    ``z``, ``error`` and ``z * error`` ``[R]``, when the caller has them.
 
     Example:
         >>> import torch
@@ -206,9 +208,11 @@ def fit_rows(
     channels = z.shape[-1]
     if channels < 2 or not len(z):
         return sums
-    sz = z.sum(dim=1)
     szz = z.square().sum(dim=1) if z_squares is None else z_squares
-    se, sze = error.sum(dim=1), (z * error).sum(dim=1)
+    if row_sums is None:
+        sz, se, sze = z.sum(dim=1), error.sum(dim=1), (z * error).sum(dim=1)
+    else:
+        sz, se, sze = row_sums
     det = szz * channels - sz.square()
     usable = (det > 1e-12 * szz * channels) & det.isfinite() & se.isfinite() & sze.isfinite()
     usable &= second_order.isfinite()
