@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from maskln_cli.verify.terms import TermFinding, TermSums, pooled_terms, term_gate
+from maskln_cli.verify.terms import TermFinding, TermSums, pooled_terms, sums_of, term_gate
 
 if TYPE_CHECKING:
     from maskln_cli.verify.budget import Precision
@@ -226,11 +226,14 @@ def fit_rows(
     w = det / channels  # sum of (z - mean z)**2: how well the row determines f
     v = det / szz  # C - (sum z)**2 / sum z**2: how well it determines g
     sums.rows = int(usable.sum())
-    sums.w, sums.wf, sums.wff = (float((w * f**k).sum()) for k in (0, 1, 2))
-    sums.w2, sums.w2f, sums.w2ff = (float((w.square() * f**k).sum()) for k in (0, 1, 2))
-    sums.v, sums.vg, sums.vgg = (float((v * g**k).sum()) for k in (0, 1, 2))
-    sums.v2, sums.v2g, sums.v2gg = (float((v.square() * g**k).sum()) for k in (0, 1, 2))
-    sums.we2 = float((w * second_order[usable]).sum())
+    f2, g2, w2, v2 = f.square(), g.square(), w.square(), v.square()
+    (
+        sums.w, sums.wf, sums.wff, sums.w2, sums.w2f, sums.w2ff,
+        sums.v, sums.vg, sums.vgg, sums.v2, sums.v2g, sums.v2gg, sums.we2,
+    ) = sums_of(
+        w, w * f, w * f2, w2, w2 * f, w2 * f2, v, v * g, v * g2, v2, v2 * g, v2 * g2,
+        w * second_order[usable],
+    )  # fmt: skip
     if rounding is not None:
         rounded = rounding[usable]
         fr = (rounded.mul(z[usable]).sum(dim=1) * channels - sz * rounded.sum(dim=1)) / det
