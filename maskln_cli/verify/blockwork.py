@@ -20,7 +20,7 @@ from maskln_cli.compare.blocks import float64_minus
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.verify.options import ROW_TENSORS
 from maskln_cli.verify.systematic import FitSums, fit_rows
-from maskln_cli.verify.terms import TermSums, fit_terms
+from maskln_cli.verify.terms import TermSums, fit_terms, stacked_products
 
 if TYPE_CHECKING:
     import torch
@@ -259,11 +259,11 @@ class BlockWork:
         if row_norms is None or len(row_norms) != len(reference):
             row_norms = reference.square().sum(dim=1)
         rms = row_norms.div(problem.channels).sqrt_()
-        terms = z_squares = None
+        terms = z_squares = row_sums = None
         if gradient:
             assert dy64 is not None
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
-            terms, wdy_squares = self._terms(
+            terms, wdy_squares, row_sums = self._terms(
                 error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations
             )
             z_squares = row_norms
@@ -288,7 +288,7 @@ class BlockWork:
             rounding = reference.to(precision.dtype).double().sub_(reference)
         sums = fit_rows(
             error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row, shifted,
-            z_squares, rounding,
+            z_squares, rounding, row_sums,
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
@@ -307,14 +307,15 @@ class BlockWork:
         offset: torch.Tensor,
         rms: torch.Tensor,
         deviations: torch.Tensor | None = None,
-    ) -> tuple[TermSums, torch.Tensor]:
+    ) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
         with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
         and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
         ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
         its x minus its mean (all three read on ``rows`` only);
-        also returned, each row's sum of the squares of ``scale * dy64`` (read on ``rows``
-        only)."""
+        also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
+        truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
+        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`."""
         import math
 
         import torch
@@ -324,17 +325,24 @@ class BlockWork:
         # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
         if deviations is None:
             deviations = x64 - x64.mean(dim=1, keepdim=True)
-        xhat = torch.mul(deviations, rstd.reshape(-1, 1))
-        wdy = dy64 * self.problem.scale
+        # The four rows the products are taken of, written where they are stacked (the same
+        # bits as made apart): truth, xhat, error and wdy = scale * dy.
+        stacked = torch.empty(len(truth), 4, channels, dtype=torch.float64)
+        stacked[:, 0] = truth
+        xhat = torch.mul(deviations, rstd.reshape(-1, 1), out=stacked[:, 1])
+        stacked[:, 2] = error
+        wdy = torch.mul(dy64, self.problem.scale, out=stacked[:, 3])
+        products, plain = stacked_products(stacked)
         p = precision
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
         info = torch.finfo(p.dtype)
-        wdy_squares = wdy.square().sum(dim=1)  # [R]; their mean is this over C (torch's)
+        wdy_squares = products[:, 3, 3]  # [R]
         terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
         rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
         rounding += info.tiny * info.eps / 2
-        return fit_terms(error, truth, xhat, wdy, rstd, rows, rounding), wdy_squares
+        sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain))
+        return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
 
 
 GRAD_X_CHANNELS = 4

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from maskln_cli.verify.terms import TermFinding, TermSums, pooled_terms, term_gate
+from maskln_cli.verify.terms import TermFinding, TermSums, pooled_terms, sums_of, term_gate
 
 if TYPE_CHECKING:
     from maskln_cli.verify.budget import Precision
@@ -175,6 +175,7 @@ def fit_rows(
     shifted: torch.Tensor | None = None,
     z_squares: torch.Tensor | None = None,
     rounding: torch.Tensor | None = None,
+    row_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -192,7 +193,8 @@ def fit_rows(
     noise: an offset row of 16 channels of a correct float32 kernel reached twice its bound
     without it). ``z_squares`` ``[R]``: each row's sum of ``z**2``, when the caller has it.
     ``rounding`` ``[R, C]``: the truth rounded to the stored dtype, minus the truth, whose
-    factors are pooled alike (:func:`rounding_is_noise`).
+    factors are pooled alike (:func:`rounding_is_noise`). ``row_sums``: each row's sums of
+    ``z``, ``error`` and ``z * error`` ``[R]``, when the caller has them.
 
     Example:
         >>> import torch
@@ -206,9 +208,11 @@ def fit_rows(
     channels = z.shape[-1]
     if channels < 2 or not len(z):
         return sums
-    sz = z.sum(dim=1)
     szz = z.square().sum(dim=1) if z_squares is None else z_squares
-    se, sze = error.sum(dim=1), (z * error).sum(dim=1)
+    if row_sums is None:
+        sz, se, sze = z.sum(dim=1), error.sum(dim=1), (z * error).sum(dim=1)
+    else:
+        sz, se, sze = row_sums
     det = szz * channels - sz.square()
     usable = (det > 1e-12 * szz * channels) & det.isfinite() & se.isfinite() & sze.isfinite()
     usable &= second_order.isfinite()
@@ -222,11 +226,14 @@ def fit_rows(
     w = det / channels  # sum of (z - mean z)**2: how well the row determines f
     v = det / szz  # C - (sum z)**2 / sum z**2: how well it determines g
     sums.rows = int(usable.sum())
-    sums.w, sums.wf, sums.wff = (float((w * f**k).sum()) for k in (0, 1, 2))
-    sums.w2, sums.w2f, sums.w2ff = (float((w.square() * f**k).sum()) for k in (0, 1, 2))
-    sums.v, sums.vg, sums.vgg = (float((v * g**k).sum()) for k in (0, 1, 2))
-    sums.v2, sums.v2g, sums.v2gg = (float((v.square() * g**k).sum()) for k in (0, 1, 2))
-    sums.we2 = float((w * second_order[usable]).sum())
+    f2, g2, w2, v2 = f.square(), g.square(), w.square(), v.square()
+    (
+        sums.w, sums.wf, sums.wff, sums.w2, sums.w2f, sums.w2ff,
+        sums.v, sums.vg, sums.vgg, sums.v2, sums.v2g, sums.v2gg, sums.we2,
+    ) = sums_of(
+        w, w * f, w * f2, w2, w2 * f, w2 * f2, v, v * g, v * g2, v2, v2 * g, v2 * g2,
+        w * second_order[usable],
+    )  # fmt: skip
     if rounding is not None:
         rounded = rounding[usable]
         fr = (rounded.mul(z[usable]).sum(dim=1) * channels - sz * rounded.sum(dim=1)) / det

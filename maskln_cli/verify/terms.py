@@ -52,6 +52,18 @@ MODEL_AGREEMENT = 0.05
 """A term is named missing when its coefficient is within this of 1 and the other's of 0."""
 
 
+def sums_of(*columns: torch.Tensor) -> list[float]:
+    """The sums of ``columns`` (``[R]`` each), in one reduction over their stack rather than
+    one call (and one float) each: the same bits at one thread (each is summed along its own
+    contiguous row, as alone); where torch splits a long sum between threads, as in rounding.
+
+    Example:
+        >>> sums_of(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]))
+        [3.0, 7.0]
+    """
+    return torch.stack(columns).sum(dim=1).tolist()
+
+
 @dataclass
 class Pool:
     """Running sums of one coefficient over rows: weights w, and w times the coefficient (and
@@ -72,8 +84,9 @@ class Pool:
 
     @classmethod
     def of(cls, a: torch.Tensor, w: torch.Tensor, noise: torch.Tensor) -> Pool:
-        sums = [float((w**p * a**k).sum()) for p in (1, 2) for k in (0, 1, 2)]
-        return cls(*sums, float((w * noise).sum()), float(len(a)))
+        a2, w2 = a.square(), w.square()
+        sums = sums_of(w, w * a, w * a2, w2, w2 * a, w2 * a2, w * noise)
+        return cls(*sums, float(len(a)))
 
     def noise(self) -> float:
         """The rows' modelled rounding noise of the coefficient, weighted as it is."""
@@ -149,13 +162,15 @@ def fit_terms(
     rstd: torch.Tensor,
     rows: torch.Tensor,
     rounding: torch.Tensor | None = None,
+    products: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TermSums:
     """The term regressions of rows ``[R, C]`` (float64): ``error`` is RESULT - truth,
     ``truth`` the true grad_x, ``xhat`` and ``wdy`` (``scale * grad_out``) the rows' own,
     ``rstd`` ``[R]``, ``rows`` ``[R]`` those to fit (rows whose figures are not finite are
     left out), ``rounding`` ``[R]`` the rms of a correct kernel's modelled rounding of each
     row (None: 0): a coefficient's noise is at most that row's rounding all along its term,
-    ``rounding * sqrt(C / information)``.
+    ``rounding * sqrt(C / information)``. ``products``: the rows' :func:`row_products` of
+    (truth, xhat, error, wdy), when the caller has them.
 
     Example:
         >>> import torch
@@ -174,14 +189,13 @@ def fit_terms(
     channels = truth.shape[-1]
     if channels < 4 or not len(truth):
         return sums
-    c1 = (xhat * wdy).mean(dim=1)
-    c2 = wdy.mean(dim=1)
     # The terms are the true grad_x, t_xhat = (rstd c1) xhat and t_mean = (rstd c2) 1: each
     # row's gram matrix and moments are its sums of truth, xhat and error (products and
-    # plain), times those factors, in one batched product over rows (not a basis [R, C, 3]).
-    rows_of = torch.stack((truth, xhat, error), dim=1)  # [R, 3, C]
-    products = rows_of @ rows_of.transpose(1, 2)  # [R, 3, 3]
-    plain = rows_of.sum(dim=2)  # [R, 3]
+    # plain), times those factors, from one batched product over rows (not a basis [R, C, 3]),
+    # which gives c1 = mean(xhat wdy) and c2 = mean(wdy) too.
+    all_products, all_plain = products or row_products(truth, xhat, error, wdy)
+    c1, c2 = all_products[:, 1, 3] / channels, all_plain[:, 3] / channels
+    products, plain = all_products[:, :3, :3], all_plain[:, :3]
     base = torch.empty_like(products)
     base[:, :2, :2] = products[:, :2, :2]
     base[:, :2, 2] = base[:, 2, :2] = plain[:, :2]
@@ -218,6 +232,29 @@ def fit_terms(
     spread = rstd[usable].square().reciprocal()
     sums.spreads = set(spread.unique()[: FEW_ROWS + 1].tolist())
     return sums
+
+
+def row_products(
+    truth: torch.Tensor, xhat: torch.Tensor, error: torch.Tensor, wdy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's sums of the products of its rows of ``truth``, ``xhat``, ``error`` and
+    ``wdy`` ``[R, C]`` (float64), pair by pair, ``[R, 4, 4]``, and of each alone, ``[R, 4]``:
+    in one batched product over rows, which reads each row once for all its pairs (their
+    sums ``(a * b).sum(dim=1)`` read both rows once a pair).
+
+    Example:
+        >>> ones = torch.ones(1, 2, dtype=torch.float64)
+        >>> products, plain = row_products(ones, 2 * ones, 3 * ones, 4 * ones)
+        >>> products[0, 1].tolist(), plain[0].tolist()
+        ([4.0, 8.0, 12.0, 16.0], [2.0, 4.0, 6.0, 8.0])
+    """
+    rows_of = torch.stack((truth, xhat, error, wdy), dim=1)  # [R, 4, C]
+    return stacked_products(rows_of)
+
+
+def stacked_products(rows_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_products` of rows already stacked ``[R, 4, C]``."""
+    return rows_of @ rows_of.transpose(1, 2), rows_of.sum(dim=2)
 
 
 @dataclass

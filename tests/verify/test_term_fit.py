@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from maskln_cli.verify.terms import Pool, fit_terms, pooled_error
+from maskln_cli.verify.terms import Pool, fit_terms, pooled_error, row_products
 
 
 def _rows(rows: int = 64, channels: int = 48, seed: int = 0):
@@ -81,3 +81,28 @@ def test_pooled_error_zeroes_only_what_the_sums_round_by():
     assert pooled_error(1.0, 1.0, 1.0, 1.0 + 0.9 * bound, 1.0, rows) == 0.0
     above = pooled_error(1.0, 1.0, 1.0, 1.0 + 4 * bound, 1.0, rows)
     assert above == pytest.approx(math.sqrt(4 * bound), rel=1e-6)
+
+
+def test_row_products_are_each_rows_sums_of_products_of_its_four_rows():
+    truth, xhat, wdy, _, _, _ = _rows()
+    error = 1e-3 * truth + 1e-4
+    products, plain = row_products(truth, xhat, error, wdy)
+    named = (truth, xhat, error, wdy)
+    for i, a in enumerate(named):
+        assert torch.allclose(plain[:, i], a.sum(dim=1), rtol=1e-12, atol=0)
+        for j, b in enumerate(named):
+            expected = (a * b).sum(dim=1)
+            assert torch.allclose(products[:, i, j], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_fit_terms_takes_the_row_products_it_is_given():
+    truth, xhat, wdy, rstd, t_xhat, _ = _rows()
+    error = 1e-3 * t_xhat + 1e-6 * truth
+    rows = torch.ones(len(truth), dtype=torch.bool)
+    given = fit_terms(error, truth, xhat, wdy, rstd, rows,
+                      products=row_products(truth, xhat, error, wdy))  # fmt: skip
+    own = fit_terms(error, truth, xhat, wdy, rstd, rows)
+    assert given.rows == own.rows == len(truth)
+    for name in ("xhat", "mean"):
+        assert given.pools[name].mean() == own.pools[name].mean()
+        assert given.pools[name].mean() == pytest.approx(1e-3 if name == "xhat" else 0, abs=1e-9)
