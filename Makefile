@@ -7,14 +7,22 @@ INSTALLED := $(VENV)/.installed
 
 .PHONY: demo test test-slow test-raw test-isa lint bench native docs docs-examples docs-serve sample-data checkpoint-example clean
 
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check \
+	--constraint constraints.txt
+NATIVE_LOG := $(VENV)/native-build.log
 $(INSTALLED): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		--constraint constraints.txt --editable '.[test,docs]'
-	@# The native CPU kernels, compiled into the per-user cache (~36 s on two quiet cores), or
-	@# rebuilt when the cached build is damaged; without a C++ compiler the op falls back to the
-	@# raw-op kernels: a warning, not a failure.
-	$(BIN)/python -m maskln_cli.op.native || echo "maskln: native kernels not built; the op uses the raw-op kernels"
+	@# What the native build needs comes first (torch, ninja, and numpy, which torch looks for
+	@# on import): the native CPU kernels then compile into the per-user cache (~36 s on two
+	@# quiet cores; at once when cached, rebuilt when the cached build is damaged) while pip
+	@# installs the rest, mostly waiting on indexes. Without a C++ compiler the op falls back
+	@# to the raw-op kernels: a warning, not a failure.
+	$(PIP_INSTALL) torch ninja numpy
+	$(BIN)/python -m maskln_cli.op.native > $(NATIVE_LOG) 2>&1 & native=$$!; \
+	$(PIP_INSTALL) --editable '.[test,docs]'; installed=$$?; \
+	wait $$native; built=$$?; cat $(NATIVE_LOG); \
+	test $$built -eq 0 || echo "maskln: native kernels not built; the op uses the raw-op kernels"; \
+	exit $$installed
 	touch $@
 
 # say: a line in bold green on a terminal (plain when piped, or with NO_COLOR set).
