@@ -1,0 +1,95 @@
+"""Passes over a block that ``maskln verify`` makes fewer of (a product kept, a bound's rows
+told apart by their least value, a constant added once, a buffer written in place): each
+figure the same bits as the passes it replaces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from maskln_cli.compare.judging import BlockJudge
+
+ROWS, LENGTH = 12, 16
+
+
+def _bits(tensor: torch.Tensor) -> list[int]:
+    """A float64 tensor's bits (NaN payloads and -0.0 told apart)."""
+    return tensor.double().contiguous().view(torch.int64).reshape(-1).tolist()
+
+
+def _same_judged(a: tuple | None, b: tuple | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, tuple) or isinstance(y, tuple):
+            if not _same_judged(x, y):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is None or y is None or x.dtype != y.dtype or _bits(x) != _bits(y):
+                return False
+        elif not (x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))):
+            return False
+    return True
+
+
+def _block(seed: int) -> dict[str, torch.Tensor]:
+    """A block's differences, bounds and pieces, with rows of every kind a bound of 0 or less
+    comes in: padding that is 0 (bound 0), padding that is not, a valid row with some bounds
+    of 0, one with a NaN bound, and an element beyond its bound."""
+    g = torch.Generator().manual_seed(seed)
+    diff = torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64) * 1e-6
+    bound = torch.rand(ROWS, LENGTH, generator=g, dtype=torch.float64) * 1e-5 + 1e-6
+    always = bound / 4
+    unit = bound / 3
+    bound[2] = 0.0  # padding, all 0
+    diff[2] = 0.0
+    always[2] = math.inf
+    bound[5] = 0.0  # padding that is not 0
+    diff[5, 3] = 1e-7
+    always[5] = math.inf
+    bound[7, ::3] = 0.0  # a valid row with some bounds of 0 (and a difference there)
+    bound[9, 4] = math.nan
+    actual = torch.randn(ROWS, LENGTH, generator=g).reshape(-1)
+    e64 = torch.randn(ROWS, LENGTH, generator=g, dtype=torch.float64).reshape(-1)
+    return {
+        "diff": diff.reshape(-1), "bound": bound.reshape(-1), "always": always.reshape(-1),
+        "unit": unit.reshape(-1), "actual": actual, "e64": e64,
+    }  # fmt: skip
+
+
+def _judge(block: dict[str, torch.Tensor], positive: bool | None, rank_by_ratio: bool, **kw):
+    judge = BlockJudge(LENGTH, rank_by_ratio)
+    return judge.judge(
+        block["diff"].clone(), block["bound"], positive, block["actual"], block["e64"], ROWS,
+        block["unit"], block["always"], **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("rank_by_ratio", [True, False])
+@pytest.mark.parametrize("case", ["mixed", "zero_padding", "beyond", "all_positive", "nan_row"])
+def test_ratio_by_rows_is_the_whole_blocks(case: str, rank_by_ratio: bool) -> None:
+    """``positive=None`` (the rows allowed more than 0 found by each row's least bound, their
+    greatest ratios taken row by row) gives every figure of the whole block's masked pass:
+    counts, greatest ratio, factor and worst elements, with or without each row's greatest
+    difference given."""
+    block = _block(3)
+    rows = block["diff"].view(ROWS, LENGTH)
+    if case == "zero_padding":  # only padding that is 0: nothing beyond, no ratio of 1
+        block["bound"].view(ROWS, LENGTH)[5] = 1e-6
+        block["bound"].view(ROWS, LENGTH)[7] = 1e-6
+        block["bound"].view(ROWS, LENGTH)[9] = 1e-6
+    elif case == "beyond":  # a valid element beyond its bound
+        rows[4, 6] = 1.0
+    elif case == "all_positive":
+        block["bound"].view(ROWS, LENGTH)[[2, 5, 7, 9]] = 1e-6
+    elif case == "nan_row":
+        block["bound"].view(ROWS, LENGTH)[[2, 5, 7]] = 1e-6
+    whole = block["bound"].amin() > 0
+    expected = _judge(block, bool(whole), rank_by_ratio)
+    assert _same_judged(_judge(block, None, rank_by_ratio), expected)
+    row_max = rows.amax(dim=1)
+    assert _same_judged(_judge(block, None, rank_by_ratio, row_max=row_max), expected)
+    if case == "beyond":
+        assert expected is not None and expected[0] is not None and expected[1] >= 1
