@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from maskln_cli.compare.judging import BlockJudge
+from maskln_cli.verify.budget import Precision, RowBudget, SumBudget
 
 ROWS, LENGTH = 12, 16
 
@@ -93,3 +94,44 @@ def test_ratio_by_rows_is_the_whole_blocks(case: str, rank_by_ratio: bool) -> No
     assert _same_judged(_judge(block, None, rank_by_ratio, row_max=row_max), expected)
     if case == "beyond":
         assert expected is not None and expected[0] is not None and expected[1] >= 1
+
+
+def _rows_budget(precision: Precision, seed: int = 4) -> tuple[RowBudget, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(10, 64, generator=g, dtype=torch.float64) * 0.5 + 3.0
+    valid = torch.ones(10, dtype=torch.bool)
+    valid[[1, 6]] = False
+    x[1, 0] = math.nan  # padding may hold anything
+    dy = torch.randn(10, 64, generator=g, dtype=torch.float64)
+    scale = torch.rand(64, generator=g, dtype=torch.float64) - 0.3
+    bias = torch.randn(64, generator=g, dtype=torch.float64)
+    rows = RowBudget(x, valid, scale, bias, 1e-5, precision, keep_deviations=True)
+    return rows, dy
+
+
+def test_grad_x_model_and_sums_from_kept_products_are_those_made_afresh() -> None:
+    """grad_x's model takes ``scale * upstream`` from wdy_rms (made for its size first, as
+    a block does) and |xhat| kept for the sums: the bits of a budget that made them afresh,
+    in its own dtype and in another one sharing its statistics (which must find them
+    unwritten)."""
+    f32, bf16 = Precision.of(torch.float32), Precision.of(torch.bfloat16, x_dtype=torch.float32)
+    fresh32, dy = _rows_budget(f32)
+    fresh16 = _rows_budget(bf16)[0]
+    expected = {
+        "f32": fresh32.grad_x(dy), "bf16": fresh16.grad_x(dy),
+        "size": fresh32.grad_x_size(dy), "sums": _sums(fresh32, dy),
+    }  # fmt: skip
+    rows, _ = _rows_budget(f32)
+    size = rows.grad_x_size(dy)  # makes wdy, kept
+    other = rows.judged_in(bf16)
+    got = {"f32": rows.grad_x(dy), "bf16": other.grad_x(dy), "size": size, "sums": _sums(rows, dy)}
+    for name in ("f32", "bf16", "size"):
+        assert _bits(got[name]) == _bits(expected[name]), name
+    assert got["sums"] == expected["sums"]
+    assert _bits(rows.grad_x(dy)) == _bits(expected["f32"])  # again: nothing written
+
+
+def _sums(rows: RowBudget, dy: torch.Tensor) -> list:
+    share: SumBudget = rows.share_of_sums(dy)
+    tensors = (share.scale_squares, share.bias_squares, share.moved_squares)
+    return [_bits(t) for t in tensors] + [share.second_order_sum, share.energy, share.rows]
