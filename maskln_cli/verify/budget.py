@@ -459,10 +459,16 @@ class SumBudget:
         )
 
 
-def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Tensor:
+def unit(
+    model: torch.Tensor, yardstick_error: torch.Tensor | None, in_place: bool = False
+) -> torch.Tensor:
     """The budget before ``--factor``: the model, raised where the yardstick errs more (a
-    non-finite model or yardstick error, from NaN or inf in the data, raises nothing)."""
-    budget = model.nan_to_num(nan=0.0, posinf=0.0)
+    non-finite model or yardstick error, from NaN or inf in the data, raises nothing);
+    ``in_place``: made in ``model`` itself (the same bits, a buffer fewer)."""
+    if in_place:
+        budget = model.nan_to_num_(nan=0.0, posinf=0.0)
+    else:
+        budget = model.nan_to_num(nan=0.0, posinf=0.0)
     if yardstick_error is not None:
         raised = yardstick_error.nan_to_num(nan=0.0, posinf=0.0)
         torch.maximum(budget, raised, out=budget)  # in place: a buffer fewer
@@ -490,6 +496,11 @@ def floor(
         always = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
     subnormal = ULPS * info.tiny * info.eps
     if isinstance(atol, torch.Tensor):
+        # One pass, as with a float atol, where adding the subnormal first rounds alike: an
+        # atol of 0 (then both add the subnormal alone), or one so far above it that neither
+        # sum moves (2**54 times it: below a quarter of the atol's ulp).
+        if bool(((atol == 0) | (atol >= subnormal * 2.0**54)).all()):
+            return always.add_(atol + subnormal)
         return always.add_(atol).add_(subnormal)
     return always.add_(atol + subnormal)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from maskln_cli.compare.judging import BlockJudge
+from maskln_cli.verify import budget as budgets
 from maskln_cli.verify.budget import Precision, RowBudget, SumBudget
 
 ROWS, LENGTH = 12, 16
@@ -94,6 +95,45 @@ def test_ratio_by_rows_is_the_whole_blocks(case: str, rank_by_ratio: bool) -> No
     assert _same_judged(_judge(block, None, rank_by_ratio, row_max=row_max), expected)
     if case == "beyond":
         assert expected is not None and expected[0] is not None and expected[1] >= 1
+
+
+@pytest.mark.parametrize("atol", [0.0, 1e-5, 3e-29, 1e-300, "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_floor_of_a_tensor_atol_is_the_two_additions_bits(
+    atol: float | str, dtype: torch.dtype
+) -> None:
+    """A per-row atol and the subnormal added in one pass where that rounds alike (atols of 0
+    or far above the subnormal), in two elsewhere: the bits of adding them one after the
+    other, truths of 0 and subnormal included."""
+    g = torch.Generator().manual_seed(1)
+    truth = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    truth[0] = 0.0
+    truth[1, :3] = torch.tensor([1e-320, -5e-310, 2.0**-1074], dtype=torch.float64)
+    if atol == "mixed":
+        size = torch.tensor([[0.0], [1e-5], [1e-40], [1.0], [3e-12], [0.0]], dtype=torch.float64)
+    else:
+        size = torch.full((6, 1), float(atol), dtype=torch.float64)
+    info = torch.finfo(dtype)
+    relative = max(1.3e-6, budgets.ULPS * info.eps)
+    subnormal = budgets.ULPS * info.tiny * info.eps
+    expected = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
+    expected = expected.add_(size).add_(subnormal)
+    assert _bits(budgets.floor(truth, dtype, 1.3e-6, size)) == _bits(expected)
+    assert _bits(budgets.floor(truth, dtype, 1.3e-6, size, truth.abs())) == _bits(expected)
+
+
+def test_unit_in_place_is_the_same_bits() -> None:
+    """``unit(in_place=True)`` writes the budget into the model: the bits of a new one."""
+    g = torch.Generator().manual_seed(2)
+    model = torch.rand(4, 8, generator=g, dtype=torch.float64)
+    model[0, 0], model[1, 1] = math.nan, math.inf
+    error = torch.rand(4, 8, generator=g, dtype=torch.float64)
+    error[2, 2], error[3, 3] = math.inf, math.nan
+    expected = budgets.unit(model, error)
+    written = model.clone()
+    got = budgets.unit(written, error, in_place=True)
+    assert got.data_ptr() == written.data_ptr()
+    assert _bits(got) == _bits(expected)
 
 
 def _rows_budget(precision: Precision, seed: int = 4) -> tuple[RowBudget, torch.Tensor]:
