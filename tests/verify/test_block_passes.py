@@ -175,3 +175,19 @@ def _sums(rows: RowBudget, dy: torch.Tensor) -> list:
     share: SumBudget = rows.share_of_sums(dy)
     tensors = (share.scale_squares, share.bias_squares, share.moved_squares)
     return [_bits(t) for t in tensors] + [share.second_order_sum, share.energy, share.rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_padding_in_its_own_dtype_is_that_of_float64(dtype: torch.dtype) -> None:
+    """Padding read in its own dtype (no float64 copy of the rows): the same zeros and count
+    of -0.0 as converted to float64, NaN of either sign and infinities included."""
+    from maskln_cli.compare.figures import padding_of
+
+    values = [0.0, -0.0, -0.0, 1e-3, -2.0, math.nan, -math.nan, math.inf, -math.inf]
+    g = torch.Generator().manual_seed(5)
+    for size in (2, 5, 9):
+        rows = torch.tensor(values, dtype=torch.float64)[torch.randperm(9, generator=g)[:size]]
+        padded = rows.to(dtype).reshape(1, -1)
+        assert padding_of(padded) == padding_of(padded.double())
+    zeros = torch.tensor([[0.0, -0.0, -0.0]], dtype=dtype)
+    assert padding_of(zeros) == padding_of(zeros.double()) == (True, 2)
