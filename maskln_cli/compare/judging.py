@@ -56,6 +56,8 @@ class BlockJudge:
         # allowances, a ratio being known (see AllowancesOnDemand._rows_to_judge): likewise
         # tried again only every FIRST_RETRY blocks once it did not.
         self.finer_in_vain = 0
+        # Likewise the likeliest rows first where only some rows are to be judged.
+        self.some_first_in_vain = 0
 
     def judge(
         self,
@@ -293,10 +295,14 @@ class AllowancesOnDemand:
             judge.finer_in_vain += 1
         # Every row is judged unless the likeliest rows' ratio rules most out: not tried
         # again for FIRST_RETRY blocks once it did not (the same figures either way).
+        # Where only some rows are to be judged, likewise once the likeliest rows spared fewer
+        # rows than they are (the ratio merged from earlier chunks already as great: out's).
         every = count * PICKED_SHARE > rows
-        if count > PICKED_FIRST and (not every or judge.first_in_vain % FIRST_RETRY == 0):
+        in_vain = judge.first_in_vain if every else judge.some_first_in_vain
+        if count > PICKED_FIRST and in_vain % FIRST_RETRY == 0:
             # Without a ratio as great as this block's yet, judge its likeliest rows first
             # (and again with the rest: the greatest ratio is then among those judged).
+            before = count
             first = ceiling.nan_to_num(nan=-1.0).topk(PICKED_FIRST).indices.sort().values
             part = self._judge_picked(first)
             if part is not None and part[0][1] > known:
@@ -305,8 +311,12 @@ class AllowancesOnDemand:
                 count = int(picked.sum())
             if every:
                 judge.first_in_vain = 1 if count * PICKED_SHARE > rows else 0
+            else:
+                judge.some_first_in_vain = 1 if before - count < PICKED_FIRST else 0
         elif every:
             judge.first_in_vain += 1
+        elif count > PICKED_FIRST:
+            judge.some_first_in_vain += 1
         if count * PICKED_SHARE > rows:
             return None
         if count:
