@@ -130,7 +130,9 @@ class BlockMeasurer:
         if invalid_rows is not None:
             invalid = invalid_rows.reshape(-1)
             if bool(invalid.any()):
-                block.padding = padding_of(a.view(rows, length)[invalid].double())
+                # In their own dtype (float64, float32 or a half one here): the same zeros
+                # and signs as converted, without a float64 copy of the rows.
+                block.padding = padding_of(a.view(rows, length)[invalid])
         return block
 
 

@@ -229,7 +229,8 @@ def padding_of(padded: torch.Tensor) -> tuple[bool, int]:
     0, and how many of them are -0.0.
 
     In float64, exact for every dtype: float8 has no signbit, and e8m0 has no 0 (its byte 0 is
-    2**-127), nor fnuz types a -0 (their 0x80 is NaN).
+    2**-127), nor fnuz types a -0 (their 0x80 is NaN). float32, float16 and bfloat16 values
+    may be given as they are: their zeros and signs are those of their float64 conversion.
     """
     zeros = padded == 0
     return bool(zeros.all()), int((zeros & padded.signbit()).sum())

@@ -52,29 +52,47 @@ class BlockJudge:
         # rows are judged when depends on it (blocks on several threads share it), never a
         # figure.
         self.first_in_vain = 0
+        # Blocks since a finer ceiling (from the floors) last spared a block most of its rows'
+        # allowances, a ratio being known (see AllowancesOnDemand._rows_to_judge): likewise
+        # tried again only every FIRST_RETRY blocks once it did not.
+        self.finer_in_vain = 0
+        # Likewise the likeliest rows first where only some rows are to be judged.
+        self.some_first_in_vain = 0
 
     def judge(
         self,
         diff: torch.Tensor,
         bound: torch.Tensor,
-        positive: bool,
+        positive: bool | None,
         actual: torch.Tensor,
         e64: torch.Tensor,
         rows: int,
         budget_unit: torch.Tensor | None,
         always: torch.Tensor | None,
+        row_max: torch.Tensor | None = None,
     ) -> Judged | None:
         """The figures of a block that depend on each element's allowance ``bound``: elements
         beyond it per row (None: none), the greatest ratio, the factor needed, and the worst
-        element of each row with one beyond (indices into the block). None on a NaN factor."""
+        element of each row with one beyond (indices into the block). None on a NaN factor.
+        ``positive``: whether every bound is above 0 (None: not known, found row by row);
+        ``row_max``: each row's greatest difference, when the caller has it."""
         import torch
 
         length = self.row_length
+        zero_rows = None
+        if positive is None:
+            # Each row's least bound: one pass, as a test of the whole block's would be, which
+            # tells the rows allowed more than 0 everywhere, where no ratio is 0/0.
+            row_least = bound.view(rows, length).amin(dim=1)
+            zero_rows = (~(row_least > 0)).nonzero().squeeze(1)
+            positive = not zero_rows.numel()
         ratio = torch.div(diff, bound)
         if positive:  # no 0/0: the ratio has no NaN to mask
             max_ratio = float(ratio.max())
             # diff > bound > 0 makes the ratio 1 or more, even rounded.
             bad = diff > bound if max_ratio >= 1 else None
+        elif zero_rows is not None:
+            max_ratio, bad = self._ratio_by_rows(diff, bound, ratio, rows, zero_rows, row_max)
         else:
             ratio.nan_to_num_(nan=0.0, posinf=math.inf)
             max_ratio = float(torch.where(bound > 0, ratio, 0.0).max())
@@ -98,6 +116,40 @@ class BlockJudge:
             flat = bad_rows * length + channel
             worst = (bad_rows, score, flat, actual[flat].double(), e64[flat], bound[flat])
         return counts, max_ratio, factor, worst
+
+    def _ratio_by_rows(
+        self,
+        diff: torch.Tensor,
+        bound: torch.Tensor,
+        ratio: torch.Tensor,
+        rows: int,
+        zero_rows: torch.Tensor,
+        row_max: torch.Tensor | None,
+    ) -> tuple[float, torch.Tensor | None]:
+        """The greatest ratio over the elements allowed more than 0 (as ``torch.where(bound >
+        0, ratio, 0).max()`` with NaN as 0, the same value), and the elements beyond their
+        bound (None: none), when only rows ``zero_rows`` have a bound of 0 or less: each other
+        row's ratios have no NaN, and their greatest is taken row by row. A row of
+        ``zero_rows`` without a difference has ratios of 0 or NaN only (0 either way); the
+        others (padding that is not 0) are taken element by element. An element beyond its
+        bound is either in those, or has a ratio of 1 or more (diff > bound > 0, even
+        rounded)."""
+        import torch
+
+        length = self.row_length
+        by_row = ratio.view(rows, length).amax(dim=1)
+        if row_max is None:
+            row_max = diff.view(rows, length).amax(dim=1)
+        differing = zero_rows[row_max.index_select(0, zero_rows) > 0]
+        by_row.index_fill_(0, zero_rows, 0.0)
+        if differing.numel():
+            some = ratio.view(rows, length).index_select(0, differing)
+            allowed = bound.view(rows, length).index_select(0, differing) > 0
+            some = torch.where(allowed, some.nan_to_num_(nan=0.0, posinf=math.inf), 0.0)
+            by_row.index_copy_(0, differing, some.amax(dim=1))
+        max_ratio = float(by_row.max())
+        bad = diff > bound if max_ratio >= 1 or differing.numel() else None
+        return max_ratio, bad
 
 
 @dataclass(eq=False)  # tensors inside: compared by identity, as before
@@ -145,8 +197,8 @@ class AllowancesOnDemand:
             pieces = {k: v.reshape(-1).double() for k, v in made.items()}
             bound = pieces["allowance"]
             judged = self.judge.judge(
-                diff, bound, bool(bound.amin() > 0), actual, e64, rows,
-                pieces.get("budget_unit"), pieces.get("always"),
+                diff, bound, None, actual, e64, rows, pieces.get("budget_unit"),
+                pieces.get("always"), self.row_max,
             )  # fmt: skip
             return None if judged is None else (*judged, float(bound[top]), None)
         if not picked.numel():
@@ -223,23 +275,34 @@ class AllowancesOnDemand:
             # |expected|, all finite on the fast path (which stops at NaN or inf), not made again
             floors = self.floors(finite_abs=self.e_abs) if self.e_abs is not None else self.floors()
         self.made_floors = floors
-        if floors is not None:
+        judge = self.judge
+        # Not tried again for FIRST_RETRY blocks once it spared a block nothing (a tensor
+        # whose allowances are far above its floors, grad_x's): the floors are kept all the
+        # same, to be each element's ``always`` (the same figures either way).
+        if floors is not None and judge.finer_in_vain % FIRST_RETRY == 0:
             # Each element's ratio is at most its difference over its floor (the allowance is
             # the floor or more, and rounding is monotonic): a few passes over the block that
             # spare most rows their allowances (a correct kernel's differences are mostly far
             # below the floor). Invalid rows keep theirs (allowed nothing).
-            length = self.judge.row_length
+            length = judge.row_length
             finer = torch.div(self.diff, floors.reshape(-1)).view(rows, length).amax(dim=1)
             ceiling = torch.where(invalid, ceiling, finer) if invalid is not None else finer
             picked = pick(known)
             count = int(picked.sum())
-        judge = self.judge
+            if known > 0:  # in vain only once a ratio is known (before, every row may hold it)
+                judge.finer_in_vain = 1 if count * PICKED_SHARE > rows else 0
+        elif floors is not None:
+            judge.finer_in_vain += 1
         # Every row is judged unless the likeliest rows' ratio rules most out: not tried
         # again for FIRST_RETRY blocks once it did not (the same figures either way).
+        # Where only some rows are to be judged, likewise once the likeliest rows spared fewer
+        # rows than they are (the ratio merged from earlier chunks already as great: out's).
         every = count * PICKED_SHARE > rows
-        if count > PICKED_FIRST and (not every or judge.first_in_vain % FIRST_RETRY == 0):
+        in_vain = judge.first_in_vain if every else judge.some_first_in_vain
+        if count > PICKED_FIRST and in_vain % FIRST_RETRY == 0:
             # Without a ratio as great as this block's yet, judge its likeliest rows first
             # (and again with the rest: the greatest ratio is then among those judged).
+            before = count
             first = ceiling.nan_to_num(nan=-1.0).topk(PICKED_FIRST).indices.sort().values
             part = self._judge_picked(first)
             if part is not None and part[0][1] > known:
@@ -248,8 +311,12 @@ class AllowancesOnDemand:
                 count = int(picked.sum())
             if every:
                 judge.first_in_vain = 1 if count * PICKED_SHARE > rows else 0
+            else:
+                judge.some_first_in_vain = 1 if before - count < PICKED_FIRST else 0
         elif every:
             judge.first_in_vain += 1
+        elif count > PICKED_FIRST:
+            judge.some_first_in_vain += 1
         if count * PICKED_SHARE > rows:
             return None
         if count:

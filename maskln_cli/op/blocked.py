@@ -90,6 +90,30 @@ def row_blocks(rows: int, block_rows: int) -> Iterator[tuple[int, int]]:
         start = stop
 
 
+def forward_keeping_xhat(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    xhat: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+    """LayerNorm's :func:`forward` keeping the normalized rows in ``xhat`` (a buffer like x),
+    for :func:`backward_in_place` to take instead of making them again (the same bits): returns
+    ``(y, mean, rstd, kept)``, ``kept`` False when ``xhat`` does not hold them (a lone row, a
+    layout that cannot be viewed as rows, a row redone scaled). Its invalid rows hold anything.
+
+    Example:
+        >>> x, valid = torch.tensor([[1.0, 3.0], [2.0, 2.0]]), torch.tensor([True, True])
+        >>> xhat = torch.empty_like(x)
+        >>> y, mean, rstd, kept = forward_keeping_xhat(x, valid, torch.ones(2), torch.zeros(2),
+        ...                                            3.0, xhat)
+        >>> kept, torch.equal(y, forward(x, valid, torch.ones(2), torch.zeros(2), 3.0)[0])
+        (True, True)
+    """
+    return _forward(x, valid, scale, bias, eps, xhat=xhat)
+
+
 def forward(
     x: torch.Tensor,
     valid: torch.Tensor,
@@ -114,6 +138,22 @@ def forward(
         >>> y, mean, rstd
         (tensor([[-0.5000,  0.5000]]), tensor([[2.]]), tensor([[0.5000]]))
     """
+    y, mean, rstd, _ = _forward(x, valid, scale, bias, eps, keep_statistics, norm, offset)
+    return y, mean, rstd
+
+
+def _forward(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    keep_statistics: bool = True,
+    norm: Norm = LAYER,
+    offset: float = 0.0,
+    xhat: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+    """:func:`forward`, and with ``xhat`` :func:`forward_keeping_xhat`."""
     with torch.no_grad():
         if x.numel() and x.numel() == x.shape[-1]:  # one row: computed as two, see below
             y_pair, *statistics = forward(
@@ -122,26 +162,29 @@ def forward(
             )  # fmt: skip
             y = torch.empty_like(x).copy_(y_pair[0].view(x.shape))
             shape = (*x.shape[:-1], 1)
-            return y, *(None if s is None else s[:1].view(shape) for s in statistics)
+            mean, rstd = (None if s is None else s[:1].view(shape) for s in statistics)
+            return y, mean, rstd, False
         y = torch.empty_like(x, memory_format=torch.preserve_format)
         mean = rstd = None
         if keep_statistics:
             rstd = x.new_zeros((*x.shape[:-1], 1))
             mean = torch.zeros_like(rstd) if norm.centered else None
         if y.numel() == 0:
-            return y, mean, rstd
+            return y, mean, rstd, False
         x_rows, y_rows = _rows(x), _rows(y)
+        xhat_rows = None if xhat is None or not norm.centered else _rows(xhat)
         if x_rows is None or y_rows is None:  # a layout that cannot be viewed as rows
             y_contiguous, mean, rstd = forward(
                 x.contiguous(), valid, scale, bias, eps, keep_statistics, norm, offset
             )
-            return y.copy_(y_contiguous), mean, rstd
+            return y.copy_(y_contiguous), mean, rstd, False
         valid_rows = valid.reshape(-1)
         blocks = list(row_blocks(len(x_rows), _block_rows(x, _block_bytes(x, BLOCK_BYTES))))
         invalid_by_block = _invalid_rows_by_block(valid_rows, blocks)
         gain = None if norm.centered else scale + offset
 
-        def block(index: int) -> None:
+        def block(index: int) -> bool:
+            """Whether the block's rows are all normalized in xhat_rows (if given)."""
             start, stop = blocks[index]
             if rstd is None:  # statistics needed only inside the block
                 mean_rows, rstd_rows = x.new_empty(stop - start, 1), x.new_empty(stop - start, 1)
@@ -154,14 +197,14 @@ def forward(
                     *rows, scale, gain, eps, offset, rstd_rows, invalid_by_block[index],
                     keep_statistics,
                 )  # fmt: skip
-                return
-            _forward_rows(
+                return False
+            return _forward_rows(
                 *rows, scale, bias, eps, mean_rows, rstd_rows, invalid_by_block[index],
-                keep_statistics,
+                keep_statistics, None if xhat_rows is None else xhat_rows[start:stop],
             )  # fmt: skip
 
-        map_blocks(block, range(len(blocks)))
-        return y, mean, rstd
+        kept = all(map_blocks(block, range(len(blocks))))
+        return y, mean, rstd, kept and xhat_rows is not None
 
 
 def _invalid_rows_by_block(
@@ -208,9 +251,12 @@ def _forward_rows(
     rstd: torch.Tensor,
     invalid: torch.Tensor | None,
     keep_statistics: bool = True,
-) -> None:
+    xhat: torch.Tensor | None = None,
+) -> bool:
     """A block of rows [R, C] of the forward pass, in place in y; fills mean and rstd [R, 1].
     ``invalid`` holds the indices of the block's invalid rows (None: there are none).
+    ``xhat`` (or None): where the normalized rows are made and kept (else in y); returns
+    whether every row of it was (none redone scaled).
 
     Every op here streams over contiguous rows with at most one per-row factor, which torch
     vectorizes; a broadcast mask (where, masked_fill) would not be. No op mixes rows, so an
@@ -219,7 +265,7 @@ def _forward_rows(
     """
     channels = x.shape[-1]
     torch.mean(x, dim=-1, keepdim=True, out=mean)
-    xc = torch.sub(x, mean, out=y)
+    xc = torch.sub(x, mean, out=y if xhat is None else xhat)
     # Corrected two-pass (Chan, Golub & LeVeque): xc is exact, but mean was rounded; the mean
     # of xc is that rounding error, and removing it keeps offset data accurate.
     shift = xc.mean(dim=-1, keepdim=True)
@@ -243,6 +289,8 @@ def _forward_rows(
         if rescued.any():
             rows = rescued.nonzero().squeeze(1)
             _forward_rows_rescued(y, x, rows, scale, bias, eps, mean, rstd)
+            return False
+    return True
 
 
 def _forward_rows_rms(
@@ -410,11 +458,14 @@ def backward_in_place(
     need_dbias: bool = True,
     norm: Norm = LAYER,
     offset: float = 0.0,
+    xhat: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The gradients of :func:`maskln_cli.op.functional.gradients`, without autograd, from the
     forward's ``mean`` and ``rstd``: in place on block-sized buffers, a block of rows at a time.
     This is the first-order backward pass; dx is +0.0 on invalid rows. RMSNorm's (``norm``)
-    takes no mean and gives no dbias.
+    takes no mean and gives no dbias. ``xhat``: LayerNorm's normalized rows as
+    :func:`forward_keeping_xhat` kept them (written: its invalid rows set to 0), taken instead
+    of being made again (the same bits), but where rows are redone scaled.
 
     Example:
         >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
@@ -459,6 +510,9 @@ def backward_in_place(
         # scaled in their block; found once here, as the invalid rows are.
         too_small = rstd_rows.squeeze(1) < _SMALLEST_EXACT_RSTD[x.dtype]
         small_rows = bool((too_small & valid_rows).any())
+        kept = None
+        if xhat is not None and not small_rows and norm.centered:
+            kept = _rows(xhat)
 
         def block(index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             """The block's dx, and its own sums for dscale and dbias (added up in order below,
@@ -480,7 +534,7 @@ def backward_in_place(
             _backward_rows(
                 dy_rows[rows], x_rows[rows], valid_rows[rows], weight[rows], scale,
                 mean_rows[rows], rstd_rows[rows], eps, block_dx, workspace[:2], *sums, need_dx,
-                invalid_by_block[index], small,
+                invalid_by_block[index], small, None if kept is None else kept[rows],
             )  # fmt: skip
             return sums[0], sums[1]
 
@@ -509,11 +563,13 @@ def _backward_rows(
     need_dx: bool,
     invalid: torch.Tensor | None,
     too_small: torch.Tensor | None,
+    kept: torch.Tensor | None = None,
 ) -> None:
     """A block of rows [R, C] of :func:`backward_in_place`: writes dx (used as workspace when
     not needed) and adds to dscale and dbias; ``workspace`` is [2, R, C]. ``invalid`` holds
     the indices of the block's invalid rows, ``too_small`` flags rows whose rstd is too small
-    to be exact (None: there are none).
+    to be exact (None: there are none). ``kept``: the rows' xhat as the forward made them
+    (its invalid rows set to 0 here), when there are no such rows.
 
     Only row reductions and sums over rows, no matrix products: a row's result must not depend
     on how many rows share its block (BLAS kernels treat row counts differently), and BLAS sums
@@ -537,6 +593,13 @@ def _backward_rows(
         dbias += masked.sum(dim=0)
     if dscale is None and not need_dx:
         return
+    if kept is not None and too_small is None:
+        # The forward's: its valid rows the bits made below (the forward found their
+        # statistics finite, so x - mean is, and so its mean), its invalid rows anything.
+        if invalid is not None:
+            kept.index_fill_(0, invalid, 0.0)
+        _backward_sums(dy, kept, wdy, scratch, rstd, c2, dscale, need_dx, invalid)
+        return
     # xhat, recomputed as in the forward pass (mean and rstd are 0 on invalid rows).
     xc = torch.sub(x, mean, out=xhat_buffer)
     shift = xc.mean(dim=-1, keepdim=True)
@@ -553,6 +616,24 @@ def _backward_rows(
     xhat = _normalize(xc, shift, rstd)  # 0 on rescued rows
     if invalid is not None:  # (xc - shift) * 0 is NaN where xc - shift overflowed
         xhat.index_fill_(0, invalid, 0.0)
+    _backward_sums(dy, xhat, wdy, scratch, rstd, c2, dscale, need_dx, invalid)
+    if rescued is not None and rescued.any():
+        _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
+
+
+def _backward_sums(
+    dy: torch.Tensor,
+    xhat: torch.Tensor,
+    wdy: torch.Tensor,
+    scratch: torch.Tensor,
+    rstd: torch.Tensor,
+    c2: torch.Tensor,
+    dscale: torch.Tensor | None,
+    need_dx: bool,
+    invalid: torch.Tensor | None,
+) -> None:
+    """:func:`_backward_rows` from xhat (0 on invalid rows) on: dscale's share, and dx in
+    place in wdy."""
     if dscale is not None:
         dscale += torch.mul(xhat, dy, out=scratch).sum(dim=0)
     if need_dx:
@@ -563,8 +644,6 @@ def _backward_rows(
         wdy.addcmul_(xhat, c1, value=-1.0).sub_(c2).mul_(rstd)
         if invalid is not None:
             wdy.index_fill_(0, invalid, 0.0)
-    if rescued is not None and rescued.any():
-        _backward_rows_rescued(dy, x, rescued.nonzero().squeeze(1), scale, eps, dx, dscale, need_dx)
 
 
 def _backward_rows_rms(

@@ -172,11 +172,12 @@ class Allowance:
         always: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each element's budget (0 on invalid rows, ``valid`` being one flag per row) and the
-        pieces it is made of, as :meth:`Comparison.update` takes them. ``error`` is the
-        yardstick's, ``|guess - reference|``, when the caller has it; ``size`` the tensor's
-        own magnitude (per row, per channel), which the default atol is in units of;
-        ``always`` what is always allowed (:meth:`floors`), when the caller made it (not
-        written)."""
+        pieces it is made of, as :meth:`Comparison.update` takes them. ``model`` is taken
+        over (written: it becomes ``budget_unit``). ``error`` is the yardstick's, ``|guess -
+        reference|``, when the caller has it; ``size`` the tensor's own magnitude (per row,
+        per channel), which the default atol is in units of; ``always`` what is always allowed
+        (:meth:`floors`), when the caller made it: taken over likewise (set to inf on invalid
+        rows)."""
         import torch
 
         from maskln_cli.verify import budget
@@ -184,7 +185,7 @@ class Allowance:
         dtype = _torch_dtype(comparison.dtype) or self.judge
         if error is None and self.yardstick_raises:
             error = (guess.double() - reference).abs_()
-        unit = budget.unit(model, error if self.yardstick_raises else None)
+        unit = budget.unit(model, error if self.yardstick_raises else None, in_place=True)
         if always is None:
             atol = budget.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
             always = budget.floor(reference, dtype, comparison.rtol, atol)
@@ -195,7 +196,7 @@ class Allowance:
             invalid = (~valid).reshape(-1).nonzero().squeeze(1)
             rows = valid.shape[0]
             allowed.view(rows, -1).index_fill_(0, invalid, 0.0)
-            always = always.reshape(rows, -1).index_fill(0, invalid, math.inf).view(always.shape)
+            always.view(rows, -1).index_fill_(0, invalid, math.inf)
         return {"allowance": allowed, "budget_unit": unit, "always": always}
 
 

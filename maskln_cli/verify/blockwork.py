@@ -382,16 +382,24 @@ def float64_truth(
     whichever backend the op runs on: a verdict's figures never depend on the backend."""
     import torch
 
-    from maskln_cli.op.blocked import backward_in_place, forward
+    from maskln_cli.op.blocked import backward_in_place, forward, forward_keeping_xhat
 
     with torch.no_grad():
         if not problem.norm.centered:  # RMSNorm (scale its whole gain: see job._as_rms_view)
             return _rms_truth(problem, x64, valid, dy64)
-        out, mean, rstd = forward(x64, valid, problem.scale, problem.bias, problem.eps)
+        params = (problem.scale, problem.bias, problem.eps)
+        if dy64 is None:
+            out, mean, rstd = forward(x64, valid, *params)
+        else:  # the backward takes the forward's xhat (the same bits) rather than make it
+            xhat = torch.empty_like(x64)
+            out, mean, rstd, kept = forward_keeping_xhat(x64, valid, *params, xhat)
         truth = {"out": out}
         if dy64 is not None:
             assert mean is not None and rstd is not None
-            grads = backward_in_place(dy64, x64, valid, problem.scale, mean, rstd, problem.eps)
+            grads = backward_in_place(
+                dy64, x64, valid, problem.scale, mean, rstd, problem.eps,
+                xhat=xhat if kept else None,
+            )  # fmt: skip
             truth.update(zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True))
     return truth, rstd
 

@@ -175,6 +175,10 @@ class RowBudget:
         # grad_out last given: the models of grad_x and the sums all start from them.
         self._upstream: tuple[torch.Tensor, torch.Tensor] | None = None
         self._wdy_rms: tuple[torch.Tensor, torch.Tensor] | None = None
+        # ``scale * upstream`` as wdy_rms made it, for grad_x's model (never written), and
+        # |xhat|, which grad_x's model and the sums' both take: each made once.
+        self._wdy: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._xhat_abs: torch.Tensor | None = None
         self._judged_in(precision)
 
     def _judged_in(self, precision: Precision) -> None:
@@ -206,7 +210,8 @@ class RowBudget:
         for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
             setattr(some, name, getattr(self, name).index_select(0, index))
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
-        some._upstream = some._wdy_rms = some.deviations = some._invalid = None
+        some._upstream = some._wdy_rms = some._wdy = some.deviations = some._invalid = None
+        some._xhat_abs = None
         return some
 
     def invalid_rows(self) -> torch.Tensor:
@@ -237,9 +242,24 @@ class RowBudget:
             return self._wdy_rms[1]
         if wdy is None:
             wdy = self.upstream(grad_out) * self.scale
+            self._wdy = (grad_out, wdy)
         rms = wdy.square().mean(dim=-1, keepdim=True).sqrt_()
         self._wdy_rms = (grad_out, rms)
         return rms
+
+    def _scaled_upstream(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``scale * upstream(grad_out)``, and whether it is this budget's own (to be
+        written): :meth:`wdy_rms`'s when it made it for the same ``grad_out`` (shared with
+        copies of this budget in other dtypes: not to be written)."""
+        if self._wdy is not None and self._wdy[0] is grad_out:
+            return self._wdy[1], False
+        return self.upstream(grad_out) * self.scale, True
+
+    def xhat_abs(self) -> torch.Tensor:
+        """``|xhat|``, made once (not to be written)."""
+        if self._xhat_abs is None:
+            self._xhat_abs = self.xhat.abs()
+        return self._xhat_abs
 
     def out(self, truth: torch.Tensor | None = None) -> torch.Tensor:
         """The model of ``out``'s error: ``A |scale| e0 + |xhat scale| (e0 + e2 + u_reduce +
@@ -265,7 +285,7 @@ class RowBudget:
         made as that one combination (a few passes over the rows, not a few per term)."""
         p = self.precision
         e1 = self.e0 + p.store
-        wdy = self.upstream(grad_out) * self.scale
+        wdy, own = self._scaled_upstream(grad_out)
         c1, c2, n1, n2 = self._backward_sums(grad_out, wdy)
         rstd_e1 = self.rstd * e1
         rstd_ed = self.rstd * self._ed()
@@ -276,8 +296,9 @@ class RowBudget:
         constant = (moved * (n2 + n1)).add_(rstd_ed * n2).mul_(self.growth)
         on_dx = (self.rstd * (self.e2 + (e1 + p.store))).mul_(self.growth)
         dx = torch.addcmul(wdy, self.xhat, c1, value=-1).sub_(c2).abs_()
-        model = torch.addcmul(constant, self.xhat.abs(), on_xhat)
-        model.addcmul_(wdy.abs_(), rstd_ed * self.growth)  # wdy is done with: in place
+        model = torch.addcmul(constant, self.xhat_abs(), on_xhat)
+        wdy_abs = wdy.abs_() if own else wdy.abs()  # wdy is done with: in place if ours
+        model.addcmul_(wdy_abs, rstd_ed * self.growth)
         model.addcmul_(dx, on_dx)
         if not bool(self.valid.all()):
             model.index_fill_(0, self.invalid_rows(), 0.0)  # masked_fill_'s bits
@@ -365,7 +386,7 @@ class RowBudget:
         sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
         dy_abs = torch.abs(dy, out=term)  # the buffer again
-        moved = self.xhat.abs().add_(self.offset).mul_(dy_abs).mul_(self.growth)
+        moved = torch.add(self.xhat_abs(), self.offset).mul_(dy_abs).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
 
 
@@ -438,10 +459,16 @@ class SumBudget:
         )
 
 
-def unit(model: torch.Tensor, yardstick_error: torch.Tensor | None) -> torch.Tensor:
+def unit(
+    model: torch.Tensor, yardstick_error: torch.Tensor | None, in_place: bool = False
+) -> torch.Tensor:
     """The budget before ``--factor``: the model, raised where the yardstick errs more (a
-    non-finite model or yardstick error, from NaN or inf in the data, raises nothing)."""
-    budget = model.nan_to_num(nan=0.0, posinf=0.0)
+    non-finite model or yardstick error, from NaN or inf in the data, raises nothing);
+    ``in_place``: made in ``model`` itself (the same bits, a buffer fewer)."""
+    if in_place:
+        budget = model.nan_to_num_(nan=0.0, posinf=0.0)
+    else:
+        budget = model.nan_to_num(nan=0.0, posinf=0.0)
     if yardstick_error is not None:
         raised = yardstick_error.nan_to_num(nan=0.0, posinf=0.0)
         torch.maximum(budget, raised, out=budget)  # in place: a buffer fewer
@@ -469,6 +496,11 @@ def floor(
         always = truth.abs().nan_to_num_(nan=0.0, posinf=0.0).mul_(relative)
     subnormal = ULPS * info.tiny * info.eps
     if isinstance(atol, torch.Tensor):
+        # One pass, as with a float atol, where adding the subnormal first rounds alike: an
+        # atol of 0 (then both add the subnormal alone), or one so far above it that neither
+        # sum moves (2**54 times it: below a quarter of the atol's ulp).
+        if bool(((atol == 0) | (atol >= subnormal * 2.0**54)).all()):
+            return always.add_(atol + subnormal)
         return always.add_(atol).add_(subnormal)
     return always.add_(atol + subnormal)
 

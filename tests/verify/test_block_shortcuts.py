@@ -198,3 +198,34 @@ def test_padding_set_by_index_has_the_bits_of_a_broadcast_mask() -> None:
 def _bits(tensor: torch.Tensor) -> list[int]:
     """A float64 tensor's bits (NaN payloads and -0.0 told apart)."""
     return tensor.contiguous().view(torch.int64).reshape(-1).tolist()
+
+
+def test_likeliest_rows_first_skipped_where_some_rows_are_judged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """out alone, of a correct kernel, over many blocks: once the ratio merged from earlier
+    chunks is as great as a block's, its likeliest rows judged first spare no row of the rest,
+    and they are tried again only every FIRST_RETRY blocks; the report is the same, to the last
+    figure, as when they are tried on every block."""
+    monkeypatch.setattr(comparison_module, "BLOCK_ELEMENTS", 1 << 16)  # blocks of 128 rows
+    data = kernels.offset_batch(0.0, 4, (4, 1024, 512))
+    result = kernels.zero_padding(kernels.run(KERNELS["torch"], data), data["valid"])
+    judged = judging.AllowancesOnDemand._judge_picked
+    calls: list[int] = []
+
+    def counted(self: judging.AllowancesOnDemand, picked: torch.Tensor):
+        calls.append(picked.numel())
+        return judged(self, picked)
+
+    def report() -> str:
+        made = verify(result["out"], data["x"], data["valid"], data["scale"], data["bias"],
+                      kernels.EPS)  # fmt: skip
+        return json.dumps(made.to_dict(), sort_keys=True)
+
+    monkeypatch.setattr(judging.AllowancesOnDemand, "_judge_picked", counted)
+    skipping, tried = report(), calls.count(judging.PICKED_FIRST)
+    calls.clear()
+    monkeypatch.setattr(judging, "FIRST_RETRY", 1)
+    every_time, every_tried = report(), calls.count(judging.PICKED_FIRST)
+    assert skipping == every_time
+    assert tried < every_tried, (tried, every_tried)
