@@ -60,11 +60,11 @@ every clause's cases; the half-precision ones the slowest), and a machine under 
 alike."""
 LOOP_FACTOR = 25.0
 """How many times a plain Python loop over the rows (:func:`row_loop_seconds`) a call may take.
-The op's time, under a millisecond, hardly sees a loaded machine (it runs within one time
-slice), while a loop over 4,000 rows, a second or more, is slowed by the whole load: at a load
-of 8 a correct beginner's loop took 20,000 times the op's time. The loop's own timing sees the
-load; a beginner's loop does up to 3 times its work; 25 leaves that a load of 4 or more the
-timing did not see. A hang is still stopped within a clause's minute."""
+The op's time is its thread's CPU time, which a loaded machine hardly lengthens, while a loop
+over 4,000 rows, a second or more, is slowed by the whole load: at a load of 8 a correct
+beginner's loop took 20,000 times the op's time. The loop's own timing sees the load; a
+beginner's loop does up to 3 times its work; 25 leaves that a load of 4 or more the timing did
+not see. A hang is still stopped within a clause's minute."""
 LOOP_MIN_ROWS = 64
 """Cases with fewer rows are not timed as a loop: 64 rows take a few tens of milliseconds, far
 below :data:`FLOOR_SECONDS` / :data:`LOOP_FACTOR`."""
@@ -372,6 +372,11 @@ class CallLimits:
 
         from maskln_cli.op.api import masked_layer_normalization
 
+        # On the CPU, the thread's own CPU time: a call's window leaves out what it waited for
+        # a CPU, and so must its reference. A millisecond's op preempted once on a loaded
+        # machine reads as a round of the scheduler, tens of milliseconds, and 10,000 times
+        # that is past a clause's minute: a hang in a call then ran to the clause's limit.
+        clock = time.thread_time if device == "cpu" else time.perf_counter
         best = None
         key = (tuple(case.x.shape), str(case.x.dtype))
         for _ in range(2):
@@ -380,14 +385,14 @@ class CallLimits:
                 key = (tuple(t["x"].shape), str(t["x"].dtype))
                 leaves = [t[k].requires_grad_() for k in ("x", "scale", "bias")
                           if t[k].is_floating_point()]  # fmt: skip
-                started = time.perf_counter()
+                started = clock()
                 out = masked_layer_normalization(t["x"], t["valid"], t["scale"], t["bias"],
                                                  case.eps)  # fmt: skip
                 if leaves:
                     upstream = t.get("grad_out")
                     weights = upstream if upstream is not None else torch.ones_like(out)
                     torch.autograd.grad((out * weights).sum(), leaves)
-                seconds = time.perf_counter() - started
+                seconds = clock() - started
             except Exception:  # a case the op refuses on purpose (a wrong dtype): not timed
                 break
             best = seconds if best is None else min(best, seconds)
