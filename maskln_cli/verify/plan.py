@@ -181,20 +181,25 @@ class Plan:
             )  # fmt: skip
             return checked
         rtol, atol = self._floor(info.dtype)
-        checked.judge = self._own_judge(info.dtype)
+        checked.judge = self._own_judge(info.dtype, name)
         checked.comparison = Comparison(
             name, info.shape, info.dtype, shape, "float64", rtol, atol,
             rank_by_ratio=True, same_dtype=False,
         )  # fmt: skip
         return checked
 
-    def _own_judge(self, stored: str) -> torch.dtype:
-        """The dtype a tensor stored as ``stored`` is judged in: --dtype's, else its own."""
+    def _own_judge(self, stored: str, name: str) -> torch.dtype:
+        """The dtype a tensor ``name`` stored as ``stored`` is judged in: --dtype's, else its
+        own; a gradient of scale or bias, the coarser of its own and x's: PyTorch's own
+        mixed-precision LayerNorm (half x, float32 weights) rounds them to x's dtype."""
         import torch
 
         if self.verify.dtype != "auto":
             return self.judge
-        return getattr(torch, stored)
+        own, x_dtype = getattr(torch, stored), self.problem.x.dtype
+        if name not in ROW_TENSORS and torch.finfo(x_dtype).eps > torch.finfo(own).eps:
+            return x_dtype
+        return own
 
     def _floor(self, dtype: str) -> tuple[float, float]:
         """The fixed tolerance (always enough to pass) for a RESULT tensor of ``dtype``."""
