@@ -68,7 +68,7 @@ def take_sample(
     elif len(problem.shape) == 2 and problem.rows <= budget:
         index, leading = torch.arange(problem.rows), (problem.rows,)
     else:
-        index = torch.tensor(list(rows)[:budget], dtype=torch.long)
+        index = torch.tensor(_with_context(problem.valid, rows, budget), dtype=torch.long)
         leading = (len(index),)
     shape = (*leading, problem.channels)
     actual = result.tensor(key).reshape(-1, problem.channels)[index]
@@ -84,6 +84,28 @@ def take_sample(
         problem, actual.reshape(shape), problem.x[index].reshape(shape), valid.reshape(leading),
         grad_out,
     )  # fmt: skip
+
+
+CONTEXT_ROWS = 4
+"""Rows RESULT got right, of each kind (valid, invalid), that a sample of failing rows alone
+also holds: a formula must give them too. Without them, one valid row zeroed at C = 4,096
+matched "the mask read the other way round" (which zeroes the valid rows, and which the
+right invalid rows refute), and one padding row normalized "invalid rows return bias"."""
+
+
+def _with_context(valid: torch.Tensor, rows: Sequence[int], budget: int) -> list[int]:
+    """The failing ``rows`` (flat row indices, at most ``budget`` in all), and up to
+    :data:`CONTEXT_ROWS` other rows of each kind (``valid``: over the flat rows), in order."""
+    import torch
+
+    failing = list(dict.fromkeys(rows))
+    context: list[int] = []
+    taken = set(failing[:budget])
+    for kind in (valid, ~valid):
+        candidates = torch.nonzero(kind.reshape(-1)).reshape(-1)[: len(taken) + CONTEXT_ROWS]
+        context += [r for r in candidates.tolist() if r not in taken][:CONTEXT_ROWS]
+    kept = failing[: max(1, budget - len(context))]
+    return sorted(kept + context[: max(0, budget - len(kept))])
 
 
 def diagnose_rows(

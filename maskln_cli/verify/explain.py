@@ -238,7 +238,14 @@ class Explainer:
             assert comparison is not None
             valid = self.problem.valid
             rows = [r for r in comparison.failing_rows if not bool(valid[r])]
-            if findings.plain_padding(self.problem, self.result, checked.key, rows):
+            # A model's own nn.LayerNorm normalizes every padding row and leaves the valid
+            # ones right: a few rows normalized (a length off by one) are not its output.
+            every_invalid_row = outcome.mismatched_invalid_rows == valid.numel() - int(valid.sum())
+            if (
+                every_invalid_row
+                and not self._beyond(checked)
+                and findings.plain_padding(self.problem, self.result, checked.key, rows)
+            ):
                 specific.append(
                     "the invalid rows hold a plain LayerNorm of x (a model's own"
                     " nn.LayerNorm output?): --plain-layer-norm compares the valid rows only"

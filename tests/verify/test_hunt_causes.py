@@ -1,0 +1,109 @@
+"""Wrong causes a hunt of fresh wrong kernels found (none of them in the catalogue): each must
+fail with no cause named, or its true one, never another. A cause is named only when its model
+explains the evidence: the rows RESULT got right included, and within its own formula's
+rounding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from maskln_cli.testing import verify
+from maskln_cli.testing.text import failure_message
+
+
+def _inputs(shape, offset=0.0, std=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (offset + std * torch.randn(*shape, generator=g, dtype=torch.float64)).float()
+    C = shape[-1]
+    scale, bias = 1 + 0.1 * torch.randn(C, generator=g), 0.1 * torch.randn(C, generator=g)
+    return x, scale, bias
+
+
+def _plain(x, scale, bias, keep):
+    return F.layer_norm(x, (x.shape[-1],), scale, bias, 1e-5).masked_fill(~keep[..., None], 0.0)
+
+
+def _failed_with(report) -> tuple[list[str], set[str], str]:
+    failing = [t for t in report.tensors if not t.passed]
+    mistakes = {d["mistake"] for t in failing for d in t.to_dict()["diagnosis"]}
+    return [t.name for t in failing], mistakes, failure_message(report).splitlines()[0]
+
+
+def test_one_valid_row_zeroed_at_a_long_row_is_not_the_mask_read_the_other_way_round():
+    """At C = 4,096 a diagnosis sample of the failing row alone matched the inverted mask,
+    which zeroes valid rows: the right invalid rows refute it."""
+    x, scale, bias = _inputs((2, 48, 4096))  # a sequence is more than the sample's 32 rows
+    valid = torch.ones(2, 48, dtype=torch.bool)
+    valid[:, 36:] = False
+    keep = valid.clone()
+    keep[0, 0] = False  # the kernel's own mistake: one valid row zeroed
+    report = verify(_plain(x, scale, bias, keep), x, valid, scale, bias, 1e-5)
+    failing, mistakes, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert "mask_inverted" not in mistakes and "other way round" not in line, line
+
+
+def test_one_padding_row_of_zeros_normalized_is_not_every_padding_row_returning_bias():
+    """A length off by one at a sequence longer than the sample (512 rows of 768): the one
+    padding row normalized is bias (x is zero there), but the other padding rows are zero."""
+    x, scale, bias = _inputs((2, 512, 768))
+    lengths = torch.tensor([384, 341])
+    valid = torch.arange(512)[None, :] < lengths[:, None]
+    x[~valid] = 0.0
+    keep = torch.arange(512)[None, :] <= lengths[:, None]
+    report = verify(_plain(x, scale, bias, keep), x, valid, scale, bias, 1e-5)
+    failing, mistakes, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert not mistakes, line
+    assert "padding not zeroed" in line and "return bias" not in line, line
+
+
+def test_a_few_padding_rows_normalized_are_not_a_models_own_layer_norm():
+    """2 of 37 invalid rows normalized and 2 valid rows zeroed: not a plain LayerNorm of
+    every row (a model's own output, which leaves no valid row wrong)."""
+    x, scale, bias = _inputs((2, 64, 64))
+    lengths = torch.tensor([48, 42])
+    valid = torch.arange(64)[None, :] < lengths[:, None]
+    keep = (torch.arange(64)[None, :] < lengths[:, None] - 1) | (
+        torch.arange(64)[None, :] == lengths[:, None]
+    )
+    report = verify(_plain(x, scale, bias, keep), x, valid, scale, bias, 1e-5)
+    failing, _, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert "plain LayerNorm" not in line, line
+
+
+def test_a_model_output_of_plain_layer_norm_is_still_named():
+    """Every padding row a plain LayerNorm of x and every valid row right: still said."""
+    x, scale, bias = _inputs((2, 64, 64))
+    valid = torch.arange(64)[None, :] < torch.tensor([48, 42])[:, None]
+    out = F.layer_norm(x, (64,), scale, bias, 1e-5)
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    _, _, line = _failed_with(report)
+    assert "plain LayerNorm of x" in line, line
+
+
+def test_a_mean_over_c_plus_1_on_offset_rows_is_not_rms_normalization():
+    """Rows 1e4 + N(0, 0.1): subtracting 64/65 of the mean leaves rows about 1 + dev/154,
+    6.4e-4 from RMS normalization's 1 + dev/1e4, within three times a correct float32
+    kernel's error there (centering loses digits) but far beyond RMS normalization's own
+    float32 rounding: not named."""
+    x, scale, bias = _inputs((4, 64, 64), offset=1e4, std=0.1)
+    valid = torch.ones(4, 64, dtype=torch.bool)
+    mean = x.sum(-1, keepdim=True) / 65
+    var = (x - mean).square().mean(-1, keepdim=True)
+    out = (x - mean) / torch.sqrt(var + 1e-5) * scale + bias
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    failing, mistakes, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert "rms_normalization" not in mistakes and "RMS" not in line, (mistakes, line)
+
+
+def test_rms_normalization_on_offset_rows_is_still_named():
+    x, scale, bias = _inputs((4, 64, 64), offset=1e4, std=0.1)
+    valid = torch.ones(4, 64, dtype=torch.bool)
+    out = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-5) * scale + bias
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    _, mistakes, line = _failed_with(report)
+    assert "RMS" in line, (mistakes, line)
