@@ -144,8 +144,9 @@ MISTAKES: dict[str, Mistake] = {
         ),
         Mistake(
             "eps_missing",
-            "eps missing: (x - mean) / sqrt(var)",
-            "add eps inside the square root: (x - mean) / sqrt(var + eps)",
+            # An eps far below the rows' variance (BERT's 1e-12) gives the same rows.
+            "eps missing (or far smaller than the reference's): (x - mean) / sqrt(var)",
+            "add the reference's eps inside the square root: (x - mean) / sqrt(var + eps)",
             _with_xhat(lambda x, mean, var, eps: (x - mean) / torch.sqrt(var)),
         ),
         Mistake(

@@ -213,7 +213,7 @@ class Explainer:
             coarser = findings.exact_in_coarser_dtype(
                 self.result.tensor(checked.key), outcome.dtype
             )
-            if coarser is not None:
+            if coarser is not None and _rounded_alike(outcome, coarser):
                 specific.append(
                     f"every value is exactly a {coarser}, stored as {outcome.dtype}: a"
                     f" {coarser} kernel judged by {outcome.dtype}'s budget; --dtype {coarser}"
@@ -255,6 +255,25 @@ class Explainer:
     def _eps_origin(self) -> str:
         source = self.problem.eps_source
         return "the default" if source == "default" else f"from {source}"
+
+
+COARSER_FIT = 16.0
+"""A tensor whose values all lie on a coarser dtype's grid is called that dtype's kernel only
+when its rows err by at most this many of that dtype's unit roundoff on average: cancellation
+noise (grad_x of two channels, nearly 0) has few significant bits, on every grid, and errs by
+its whole size."""
+
+
+def _rounded_alike(outcome: TensorComparison, coarser: str) -> bool:
+    """Whether ``outcome``'s rows err as a ``coarser`` kernel's would (True when its rows'
+    errors were not measured: a gradient of scale or bias)."""
+    import torch
+
+    errors = outcome.row_rel_error
+    if errors is None or not errors.rows:
+        return True
+    unit = torch.finfo(getattr(torch, coarser)).eps / 2
+    return errors.mean <= COARSER_FIT * unit
 
 
 def words_of(

@@ -107,3 +107,62 @@ def test_rms_normalization_on_offset_rows_is_still_named():
     report = verify(out, x, valid, scale, bias, 1e-5)
     _, mistakes, line = _failed_with(report)
     assert "RMS" in line, (mistakes, line)
+
+
+def _with_gradients(kernel, x, valid, scale, bias, grad_out):
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    out = kernel(leaves[0], valid, leaves[1], leaves[2])
+    grads = torch.autograd.grad(out, leaves, grad_out.masked_fill(~valid[..., None], 0.0))
+    names = ("out", "grad_x", "grad_scale", "grad_bias")
+    return dict(zip(names, (out.detach(), *grads), strict=True))
+
+
+def test_cancellation_noise_on_a_bfloat16_grid_is_not_a_bfloat16_kernel():
+    """A float32 kernel with eps squared at C = 2: its grad_x is nearly 0 (the bracket
+    cancels), noise of few significant bits that all lie on bfloat16's grid."""
+    x, scale, bias = _inputs((8, 64, 2))
+    valid = torch.rand(8, 64, generator=torch.Generator().manual_seed(1)) < 0.7
+    grad_out = torch.randn(8, 64, 2, generator=torch.Generator().manual_seed(2))
+
+    def eps_squared(x, valid, scale, bias):
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).square().mean(-1, keepdim=True)
+        out = (x - mean) / torch.sqrt(var + 1e-10) * scale + bias
+        return out.masked_fill(~valid[..., None], 0.0)
+
+    t = _with_gradients(eps_squared, x, valid, scale, bias, grad_out)
+    grads = {k: t[k] for k in ("grad_x", "grad_scale", "grad_bias")}
+    report = verify(t["out"], x, valid, scale, bias, 1e-5, grad_out=grad_out, **grads)
+    failing, _, line = _failed_with(report)
+    assert "grad_x" in failing, line
+    assert "exactly a bfloat16" not in line and "exactly a float16" not in line, line
+
+
+def test_a_variance_far_too_large_is_not_an_eps():
+    """A Welford kernel that sums d * d (not d * (x - the new mean)) adds about x[0]**2 / C to
+    every row's variance: on rows 1e4 + N(0, 0.1) that is 1.6e6 on each, which fitted
+    'RESULT's eps ≈ 1.6e+06: give --eps 1.6e+06', a hundred million times the rows' variance:
+    no eps, and no fix."""
+    x, scale, bias = _inputs((4, 64, 64), offset=1e4, std=0.1)
+    valid = torch.ones(4, 64, dtype=torch.bool)
+    mean = x.double().mean(-1, keepdim=True)
+    var = (x.double() - mean).square().mean(-1, keepdim=True)
+    out = ((x.double() - mean) / torch.sqrt(var + 1.6e6) * scale + bias).float()
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    failing, _, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert "eps ≈" not in line and "--eps" not in line, line
+
+
+def test_an_eps_of_1e_minus_12_is_said_as_possibly_too_small_not_only_missing():
+    """BERT's eps against the reference's 1e-5 at C = 3 (rows of few channels, whose
+    variances spread widely): the rows are those of no eps at all, the catalogue's 'eps
+    missing', and the words say the kernel's eps may be one far smaller too (it has one)."""
+    x, scale, bias = _inputs((8, 64, 3))
+    valid = torch.ones(8, 64, dtype=torch.bool)
+    out = F.layer_norm(x, (3,), scale, bias, 1e-12)
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    _, _, line = _failed_with(report)
+    assert "eps" in line, line
+    if "eps missing" in line:
+        assert "or far smaller than the reference's" in line, line
