@@ -207,6 +207,23 @@ def test_dtypes_suggests_a_lower_precision_only_for_float32_sized_errors(wrong, 
     assert fragment in detail and "precision," not in detail, detail
 
 
+def test_float64_rounded_to_bfloat16_on_the_way_is_not_told_it_is_no_precisions_rounding():
+    """xhat rounded to bfloat16 in a float64 kernel: a relative error of about 1e-3, a half
+    precision's rounding, which the detail once denied ('not a precision's rounding')."""
+
+    def xhat_in_bfloat16(x, valid, scale, bias, eps=1e-5):
+        keep = valid.unsqueeze(-1)
+        clean = torch.where(keep, x, torch.zeros((), dtype=x.dtype))
+        mean = clean.mean(-1, keepdim=True)
+        var = (clean - mean).square().mean(-1, keepdim=True)
+        xhat = ((clean - mean) / torch.sqrt(var + eps)).bfloat16().to(x.dtype)
+        return torch.where(keep, xhat * scale + bias, torch.zeros((), dtype=x.dtype))
+
+    detail = clause(grade(xhat_in_bfloat16, only=["dtypes"]), "dtypes").detail
+    assert "not a precision's rounding" not in detail, detail
+    assert "as much as a half precision's, or wrong values" in detail, detail
+
+
 def test_writing_into_x_fails_no_mutation():
     result = grade(broken.sanitizes_x_in_place, only=["no_mutation"])
     assert "x's values changed in the no-grad forward" in clause(result, "no_mutation").detail
