@@ -444,6 +444,44 @@ def mean_over_c_minus_1(x, valid, scale, bias):
     return _normalized(x, valid, scale, bias, xhat)
 
 
+def mean_over_c_plus_1(x, valid, scale, bias):
+    """WRONG: the mean divided by C + 1 (64/65 of it subtracted: on offset rows close to RMS
+    normalization, which it is not)."""
+    channels = x.shape[-1]
+
+    def xhat(rows, mean, var):
+        wrong = rows.sum(-1, keepdim=True) / (channels + 1)
+        spread = (rows - wrong).square().mean(-1, keepdim=True)
+        return (rows - wrong) * torch.rsqrt(spread + EPS)
+
+    return _normalized(x, valid, scale, bias, xhat)
+
+
+def welford_squares_of_d(x, valid, scale, bias):
+    """WRONG: Welford's M2 summing d * d (d = x - the old mean) for d * (x - the new mean):
+    the first element's square, x[0]**2 / C, joins every row's variance."""
+
+    def xhat(rows, mean, var):
+        running = torch.zeros_like(rows[..., :1])
+        m2 = torch.zeros_like(running)
+        for i in range(rows.shape[-1]):
+            d = rows[..., i : i + 1] - running
+            running = running + d / (i + 1)
+            m2 = m2 + d * d
+        return (rows - running) * torch.rsqrt(m2 / rows.shape[-1] + EPS)
+
+    return _normalized(x, valid, scale, bias, xhat)
+
+
+def first_valid_row_zeroed(x, valid, scale, bias):
+    """WRONG on one row: the first valid row zeroed (a loop starting at 1), the rest right."""
+    right = torch_layer_norm(x, valid, scale, bias)
+    flat = valid.reshape(-1).clone()
+    first = torch.zeros_like(flat)
+    first[int(flat.nonzero().min())] = True
+    return right.masked_fill(first.reshape(valid.shape)[..., None], 0.0)
+
+
 def scale_plus_one(x, valid, scale, bias):
     """WRONG: scale applied as 1 + scale (a Gemma-style parametrization where it is not one)."""
     return _normalized(
@@ -570,6 +608,12 @@ CATALOGUE: dict[str, Wrong] = {
     "padding returns bias": _wrong(padding_returns_bias, "padding_returns_bias"),
     "NaN-leaking one-liner": _wrong(nan_leak, "nan_from_padding"),
     "mean over C - 1": _wrong(mean_over_c_minus_1),
+    # a hunt's wrong causes (issue 37): 'RMS normalization', 'RESULT's eps ≈ 1.6e+06', 'the
+    # mask read the other way round'; eps squared (1e-10) is eps missing where var >> 1e-10
+    "mean over C + 1": _wrong(mean_over_c_plus_1),
+    "Welford summing d * d": _wrong(welford_squares_of_d),
+    "first valid row zeroed": _wrong(first_valid_row_zeroed),
+    "eps squared": _wrong(with_eps(1e-10), "eps_mismatch", "eps_missing"),
     "scale applied as 1 + scale": _wrong(scale_plus_one),
     "out x (1 + 1e-5)": _wrong(scaled_output),
     "last channel wrong": _wrong(channel_tail_wrong),
