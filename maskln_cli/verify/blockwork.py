@@ -135,12 +135,16 @@ class BlockWork:
         # With gradients the block's rows' budget statistics are needed for the sums anyway:
         # made once, and taken by the allowances of out and grad_x too (else made from x
         # for just the rows that need them).
+        # x64 is this block's own copy (unless x is float64 itself): the budget zeroes its
+        # padding there. Nothing reads x64's invalid rows after the truth (the fits and the
+        # allowances read valid rows, or take the budget's statistics).
+        own_x = x64 is not x
         budget = None
         if dy64 is not None and streaming.mode == "budget":
             precision = streaming.precisions[streaming.judge]
             budget = RowBudget(
                 x64, valid, problem.scale, problem.bias, problem.eps, precision,
-                problem.norm.centered, keep_deviations=True,
+                problem.norm.centered, keep_deviations=True, own_x=own_x,
             )  # fmt: skip
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
@@ -206,7 +210,7 @@ class BlockWork:
                     if budget is None:
                         budget = RowBudget(
                             x64, valid, problem.scale, problem.bias, problem.eps,
-                            streaming.precisions[dtype], problem.norm.centered,
+                            streaming.precisions[dtype], problem.norm.centered, own_x=own_x,
                         )  # fmt: skip
                     rows = budget.judged_in(streaming.precisions[dtype])
                     sums.budgets[dtype] = rows.share_of_sums(dy64)

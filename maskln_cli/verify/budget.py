@@ -121,8 +121,9 @@ class Precision:
 class RowBudget:
     """The modelled rounding error of a correct kernel on a chunk of rows.
 
-    ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed), ``scale``
-    and ``bias`` ``[C]`` in float64. The models are float64 ``[R, C]``, 0 on invalid rows.
+    ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed, in ``x``
+    itself when it is the caller's to give, ``own_x``), ``scale`` and ``bias`` ``[C]`` in
+    float64. The models are float64 ``[R, C]``, 0 on invalid rows.
 
     ``centered=False`` models RMSNorm (``scale`` its whole gain, offset included; ``bias``
     zeros): nothing is subtracted, so there is no mean to round (A is 0: no shift, no second
@@ -146,6 +147,7 @@ class RowBudget:
         precision: Precision,
         centered: bool = True,
         keep_deviations: bool = False,
+        own_x: bool = False,
     ) -> None:
         self.valid = valid.unsqueeze(1)
         self._invalid: torch.Tensor | None = None  # the invalid rows' indices, once found
@@ -154,8 +156,9 @@ class RowBudget:
         # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
         if not math.isfinite(float(x.sum())):
             x = torch.where(self.valid & x.isfinite(), x, 0.0)
-        elif not bool(self.valid.all()):
-            x = x.index_fill(0, self.invalid_rows(), 0.0)  # torch.where's bits, faster
+        elif not bool(self.valid.all()):  # torch.where's bits, faster; in x itself if ours
+            invalid = self.invalid_rows()
+            x = x.index_fill_(0, invalid, 0.0) if own_x else x.index_fill(0, invalid, 0.0)
         self.channels = x.shape[-1]
         rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
@@ -464,7 +467,15 @@ def unit(
 ) -> torch.Tensor:
     """The budget before ``--factor``: the model, raised where the yardstick errs more (a
     non-finite model or yardstick error, from NaN or inf in the data, raises nothing);
-    ``in_place``: made in ``model`` itself (the same bits, a buffer fewer)."""
+    ``in_place``: ``model`` is the caller's to give, made in itself (the same bits, a buffer
+    fewer) or dropped."""
+    if in_place and yardstick_error is not None:
+        # Where every value is finite (a finite sum: NaN and inf carry into it) nan_to_num
+        # changes nothing: the greater of the two alone, in a buffer of its own (two passes
+        # fewer; the model is the caller's to drop).
+        raised = torch.maximum(model, yardstick_error)
+        if math.isfinite(float(raised.sum())):
+            return raised
     if in_place:
         budget = model.nan_to_num_(nan=0.0, posinf=0.0)
     else:
