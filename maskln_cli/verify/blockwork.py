@@ -142,16 +142,18 @@ class BlockWork:
         # With gradients the block's rows' budget statistics are needed for the sums anyway:
         # made once, and taken by the allowances of out and grad_x too (else made from x
         # for just the rows that need them).
-        # x64 is this block's own copy (unless x is float64 itself): the budget zeroes its
-        # padding there. Nothing reads x64's invalid rows after the truth (the fits and the
-        # allowances read valid rows, or take the budget's statistics).
+        # x64 and dy64 are this block's own copies (unless x or grad_out is float64 itself):
+        # the budget zeroes their padding there. Nothing reads their invalid rows after the
+        # truth (the fits and the allowances read valid rows, or take the budget's figures).
         own_x = x64 is not x
+        own_grad_out = dy64 is not None and dy64 is not grad_out
         budget = None
         if dy64 is not None and streaming.mode == "budget":
             precision = streaming.precisions[streaming.judge]
             budget = RowBudget(
                 x64, valid, problem.scale, problem.bias, problem.eps, precision,
                 problem.norm.centered, keep_deviations=True, own_x=own_x,
+                own_grad_out=own_grad_out,
             )  # fmt: skip
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
@@ -221,6 +223,7 @@ class BlockWork:
                         budget = RowBudget(
                             x64, valid, problem.scale, problem.bias, problem.eps,
                             streaming.precisions[dtype], problem.norm.centered, own_x=own_x,
+                            own_grad_out=own_grad_out,
                         )  # fmt: skip
                     rows = budget.judged_in(streaming.precisions[dtype])
                     sums.budgets[dtype] = rows.share_of_sums(dy64)

@@ -123,7 +123,8 @@ class RowBudget:
 
     ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed, in ``x``
     itself when it is the caller's to give, ``own_x``), ``scale`` and ``bias`` ``[C]`` in
-    float64. The models are float64 ``[R, C]``, 0 on invalid rows.
+    float64. The models are float64 ``[R, C]``, 0 on invalid rows. ``own_grad_out``: the upstream
+    gradients given are the caller's to give too (:meth:`upstream`).
 
     ``centered=False`` models RMSNorm (``scale`` its whole gain, offset included; ``bias``
     zeros): nothing is subtracted, so there is no mean to round (A is 0: no shift, no second
@@ -148,9 +149,11 @@ class RowBudget:
         centered: bool = True,
         keep_deviations: bool = False,
         own_x: bool = False,
+        own_grad_out: bool = False,
     ) -> None:
         self.valid = valid.unsqueeze(1)
         self._invalid: torch.Tensor | None = None  # the invalid rows' indices, once found
+        self.own_grad_out = own_grad_out  # see upstream()
         self.centered = centered
         self.scale, self.bias = scale, bias
         # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
@@ -215,6 +218,7 @@ class RowBudget:
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
         some._upstream = some._wdy_rms = some._wdy = some.deviations = some._invalid = None
         some._xhat_abs = None
+        some.own_grad_out = False  # the rows' gradients are gathered by whoever gives them
         return some
 
     def invalid_rows(self) -> torch.Tensor:
@@ -227,10 +231,15 @@ class RowBudget:
 
     def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
         """``grad_out`` (float64) with 0 on invalid rows and for NaN and inf: made once for
-        the same ``grad_out``, and not to be written."""
+        the same ``grad_out``, and not to be written; in ``grad_out`` itself when it is the
+        caller's to give (``own_grad_out``: its invalid rows zeroed, its valid rows as they are)."""
         if self._upstream is not None and self._upstream[0] is grad_out:
             return self._upstream[1]
-        dy = grad_out.index_fill(0, self.invalid_rows(), 0.0)  # torch.where(valid, ...)'s
+        invalid = self.invalid_rows()
+        if self.own_grad_out:  # torch.where(valid, ...)'s bits
+            dy = grad_out.index_fill_(0, invalid, 0.0)
+        else:
+            dy = grad_out.index_fill(0, invalid, 0.0)
         # A finite float64 sum means every value is finite (float32 and half values cannot
         # overflow it): then isfinite, a pass over the rows, is not needed.
         if not math.isfinite(float(dy.sum())):
