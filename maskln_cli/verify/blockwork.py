@@ -155,6 +155,8 @@ class BlockWork:
                 problem.norm.centered, keep_deviations=True, own_x=own_x,
                 own_grad_out=own_grad_out,
             )  # fmt: skip
+            if planes is not None:  # wdy made where the term fit takes it
+                budget.wdy_into = planes[3]
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
         figures: dict[str, BlockFigures] = {}
@@ -210,6 +212,7 @@ class BlockWork:
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
                     measured.row_norms, signed, planes,
+                    None if budget is None or dy64 is None else budget.scaled_upstream_made(dy64),
                 )  # fmt: skip
         sums = None
         if dy64 is not None:
@@ -249,6 +252,7 @@ class BlockWork:
         row_norms: torch.Tensor | None = None,
         error: torch.Tensor | None = None,
         planes: torch.Tensor | None = None,
+        wdy_made: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
@@ -257,7 +261,8 @@ class BlockWork:
         minus its row's mean (RowBudget's, read on valid rows), and ``row_norms``, each
         row's sum of the truth's squares (the comparison's), and ``error``, ``actual -
         reference`` in float64 (the comparison's, flat), when the caller has them; ``planes``,
-        the term fit's buffer (see :meth:`_terms`)."""
+        the term fit's buffer, and ``wdy_made``, ``scale * dy64`` as the block's budget made
+        it (see :meth:`_terms`)."""
         import math
 
         import torch
@@ -284,7 +289,7 @@ class BlockWork:
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
             terms, wdy_squares, row_sums = self._terms(
                 error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations,
-                planes,
+                planes, wdy_made,
             )  # fmt: skip
             z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
@@ -328,6 +333,7 @@ class BlockWork:
         rms: torch.Tensor,
         deviations: torch.Tensor | None = None,
         planes: torch.Tensor | None = None,
+        wdy_made: torch.Tensor | None = None,
     ) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
         with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
@@ -336,7 +342,10 @@ class BlockWork:
         its x minus its mean (all three read on ``rows`` only);
         also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
         truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
-        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`."""
+        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`. ``planes``
+        (or None): the buffer [4, R, C] they are taken from, truth and error already in it when
+        made there; ``wdy_made``: ``scale * dy64`` as the budget made it (in ``planes[3]``, if
+        there: not made again)."""
         import math
 
         import torch
@@ -355,7 +364,11 @@ class BlockWork:
             if made.data_ptr() != planes[k].data_ptr():
                 planes[k].copy_(made)
         xhat = torch.mul(deviations, rstd.reshape(-1, 1), out=planes[1])
-        wdy = torch.mul(dy64, self.problem.scale, out=planes[3])
+        # wdy as the budget made it there (``wdy_made``: its bits on valid rows), or made here.
+        if wdy_made is not None and wdy_made.data_ptr() == planes[3].data_ptr():
+            wdy = wdy_made
+        else:
+            wdy = torch.mul(dy64, self.problem.scale, out=planes[3])
         # [R, 4, C] as the products take it: the same bits as rows stacked so.
         products, plain = stacked_products(planes.permute(1, 0, 2))
         p = precision

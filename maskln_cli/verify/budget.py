@@ -184,6 +184,8 @@ class RowBudget:
         # ``scale * upstream`` as wdy_rms made it, for grad_x's model (never written), and
         # |xhat|, which grad_x's model and the sums' both take: each made once.
         self._wdy: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Where wdy_rms makes that product, when the caller gives a buffer (x's shape).
+        self.wdy_into: torch.Tensor | None = None
         self._xhat_abs: torch.Tensor | None = None
         self._judged_in(precision)
 
@@ -217,6 +219,7 @@ class RowBudget:
             setattr(some, name, getattr(self, name).index_select(0, index))
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
         some._upstream = some._wdy_rms = some._wdy = some.deviations = some._invalid = None
+        some.wdy_into = None
         some._xhat_abs = None
         some.own_grad_out = False  # the rows' gradients are gathered by whoever gives them
         return some
@@ -252,12 +255,17 @@ class RowBudget:
         the caller has it), made once for the same ``grad_out``."""
         if self._wdy_rms is not None and self._wdy_rms[0] is grad_out:
             return self._wdy_rms[1]
-        if wdy is None:
-            wdy = self.upstream(grad_out) * self.scale
+        if wdy is None:  # in the caller's buffer if it gave one (wdy_into)
+            wdy = torch.mul(self.upstream(grad_out), self.scale, out=self.wdy_into)
             self._wdy = (grad_out, wdy)
         rms = wdy.square().mean(dim=-1, keepdim=True).sqrt_()
         self._wdy_rms = (grad_out, rms)
         return rms
+
+    def scaled_upstream_made(self, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """``scale * upstream(grad_out)`` as :meth:`wdy_rms` made it (None: not made), not to
+        be written."""
+        return self._wdy[1] if self._wdy is not None and self._wdy[0] is grad_out else None
 
     def _scaled_upstream(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``scale * upstream(grad_out)``, and whether it is this budget's own (to be
