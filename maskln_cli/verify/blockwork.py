@@ -355,22 +355,10 @@ class BlockWork:
         # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
         if deviations is None:
             deviations = x64 - x64.mean(dim=1, keepdim=True)
-        # The four rows the products are taken of, in the planes of one buffer [4, R, C] (the
-        # same bits as made apart): truth, xhat, error and wdy = scale * dy; truth and error
-        # are copied in unless they were made there (``planes``, the caller's).
-        if planes is None:
-            planes = torch.empty(4, len(truth), channels, dtype=torch.float64)
-        for k, made in ((0, truth), (2, error)):
-            if made.data_ptr() != planes[k].data_ptr():
-                planes[k].copy_(made)
-        xhat = torch.mul(deviations, rstd.reshape(-1, 1), out=planes[1])
-        # wdy as the budget made it there (``wdy_made``: its bits on valid rows), or made here.
-        if wdy_made is not None and wdy_made.data_ptr() == planes[3].data_ptr():
-            wdy = wdy_made
-        else:
-            wdy = torch.mul(dy64, self.problem.scale, out=planes[3])
-        # [R, 4, C] as the products take it: the same bits as rows stacked so.
-        products, plain = stacked_products(planes.permute(1, 0, 2))
+        made = (truth, error, wdy_made)
+        xhat, wdy, products, plain = _term_products(
+            planes, made, deviations, rstd, dy64, self.problem.scale
+        )
         p = precision
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
@@ -381,6 +369,36 @@ class BlockWork:
         rounding += info.tiny * info.eps / 2
         sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain))
         return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
+
+
+def _term_products(
+    planes: torch.Tensor | None,
+    made: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    deviations: torch.Tensor,
+    rstd: torch.Tensor,
+    dy64: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xhat and wdy as written in the planes of one buffer [4, R, C] (``planes``, the caller's,
+    or a new one), and the :func:`~maskln_cli.verify.terms.stacked_products` of the four rows
+    there: truth, xhat, error and wdy (the same bits as made apart). truth and error
+    (``made``) are copied in unless they were made there; xhat is ``deviations * rstd``; wdy
+    is the budget's (``made[2]``) where it made it there (its bits on the valid rows read),
+    else ``scale * dy64`` made there."""
+    import torch
+
+    truth, error, wdy = made
+    if planes is None:
+        planes = torch.empty(4, *truth.shape, dtype=torch.float64)
+    for k, row in ((0, truth), (2, error)):
+        if row.data_ptr() != planes[k].data_ptr():
+            planes[k].copy_(row)
+    xhat = torch.mul(deviations, rstd.reshape(-1, 1), out=planes[1])
+    if wdy is None or wdy.data_ptr() != planes[3].data_ptr():
+        wdy = torch.mul(dy64, scale, out=planes[3])
+    # [R, 4, C] as the products take it: the same bits as rows stacked so.
+    products, plain = stacked_products(planes.permute(1, 0, 2))
+    return xhat, wdy, products, plain
 
 
 GRAD_X_CHANNELS = 4
