@@ -45,7 +45,7 @@ class BlockMeasurer:
         lower: float,
         known: float,
         floors: Callable[[], torch.Tensor | None] | None = None,
-        keep_error: bool = False,
+        keep_error: bool | torch.Tensor = False,
     ) -> BlockFigures | None:
         """:meth:`Comparison.measure`, ``known`` being the greatest ratio merged so far."""
         import torch
@@ -60,7 +60,9 @@ class BlockMeasurer:
         # promotes no float8 type: those are converted first.
         if a.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             a = a.double()
-        error = float64_minus(a, e64)
+        into = keep_error.view(-1) if not isinstance(keep_error, bool) else None
+        keep_error = keep_error is not False
+        error = float64_minus(a, e64, into)
         # The signed error kept when asked (keep_error), else its buffer is the differences.
         diff = torch.abs(error) if keep_error else error.abs_()
         # The greatest difference and its first index, row by row: a third of the time of
@@ -104,8 +106,12 @@ class BlockMeasurer:
         counts, max_ratio, factor, worst, allowed, allowed_later = judged
         max_abs = (float(value), i, float(a[i]), float(e64[i]), allowed)
         relative = torch.div(diff, e_abs, out=e_abs).nan_to_num_(nan=0.0, posinf=math.inf)
-        value, index = relative.max(dim=0)
-        max_rel = (float(value), int(index))
+        # The greatest and its first index row by row, as the greatest difference's above:
+        # what relative.max(dim=0) finds, at a third of its time.
+        rel_rows = relative.view(rows, length)
+        value, rel_row = rel_rows.amax(dim=1).max(dim=0)
+        rel_row = int(rel_row)
+        max_rel = (float(value), rel_row * length + int(rel_rows[rel_row].max(dim=0).indices))
         # The squares in place: the differences are no longer needed, nor the buffer.
         row_squares = diff.square_().view(rows, length).sum(dim=1)
         # Finite differences may still square to inf: the general path then counts them.
@@ -132,16 +138,23 @@ class BlockMeasurer:
             if bool(invalid.any()):
                 # In their own dtype (float64, float32 or a half one here): the same zeros
                 # and signs as converted, without a float64 copy of the rows.
-                block.padding = padding_of(a.view(rows, length)[invalid])
+                # Gathered by index (the same rows as by the mask, at a third of the cost).
+                padded = a.view(rows, length).index_select(0, invalid.nonzero().squeeze(1))
+                block.padding = padding_of(padded)
         return block
 
 
-def float64_minus(values: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
-    """``values - truth`` in float64 (``truth``'s dtype), a new tensor: float32 or half values
-    converted in one pass and subtracted in place, the same bits as the promotion in a mixed
-    subtraction, which converts element by element (slower)."""
+def float64_minus(
+    values: torch.Tensor, truth: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``values - truth`` in float64 (``truth``'s dtype), a new tensor (or ``out``, float64 of
+    the same shape): float32 or half values converted in one pass and subtracted in place, the
+    same bits as the promotion in a mixed subtraction, which converts element by element
+    (slower)."""
     import torch
 
+    if out is not None:
+        return out.copy_(values).sub_(truth)
     if values.dtype == torch.float64:
         return torch.sub(values, truth)
     return values.to(torch.float64).sub_(truth)

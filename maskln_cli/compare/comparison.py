@@ -193,7 +193,7 @@ class Comparison(RunningFigures):
         allowance_of: Allowances | None = None,
         lower: float = 0.0,
         floors: Callable[[], torch.Tensor | None] | None = None,
-        keep_error: bool = False,
+        keep_error: bool | torch.Tensor = False,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
@@ -213,7 +213,8 @@ class Comparison(RunningFigures):
         allowances: see :class:`~maskln_cli.compare.judging.AllowancesOnDemand`. ``floors``
         (with ``allowance_of``) makes each element's ``always`` on valid rows, for finer
         bounds than ``lower``'s. ``keep_error``: the figures hold ``actual - expected`` in
-        float64 too (:attr:`BlockFigures.error`).
+        float64 too (:attr:`BlockFigures.error`), made in ``keep_error`` itself when it is a
+        tensor (float64, contiguous, of ``actual``'s size).
         """
         per_element = PerElement(allowance, yardstick, budget_unit, always)
         return self._blocks.measure(

@@ -459,13 +459,15 @@ def backward_in_place(
     norm: Norm = LAYER,
     offset: float = 0.0,
     xhat: torch.Tensor | None = None,
+    dx_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The gradients of :func:`maskln_cli.op.functional.gradients`, without autograd, from the
     forward's ``mean`` and ``rstd``: in place on block-sized buffers, a block of rows at a time.
     This is the first-order backward pass; dx is +0.0 on invalid rows. RMSNorm's (``norm``)
     takes no mean and gives no dbias. ``xhat``: LayerNorm's normalized rows as
     :func:`forward_keeping_xhat` kept them (written: its invalid rows set to 0), taken instead
-    of being made again (the same bits), but where rows are redone scaled.
+    of being made again (the same bits), but where rows are redone scaled. ``dx_out``: where
+    dx is made (contiguous, x's shape and dtype; the same bits), instead of a new tensor.
 
     Example:
         >>> x, valid = torch.tensor([[1.0, 3.0]]), torch.tensor([True])
@@ -483,6 +485,8 @@ def backward_in_place(
                 need_dx, need_dscale, need_dbias, norm, offset,
             )  # fmt: skip
             dx = None if dx_pair is None else dx_pair[0].reshape(x.shape).clone()
+            if dx is not None and dx_out is not None:
+                dx = dx_out.copy_(dx)
             # each gradient sum counted the row twice: halving is exact
             halves = (None if g is None else g / 2 for g in (dscale_pair, dbias_pair))
             return dx, *halves
@@ -490,7 +494,7 @@ def backward_in_place(
         dscale = x.new_zeros(channels, dtype=torch.float64) if need_dscale else None
         dbias = x.new_zeros(channels, dtype=torch.float64) if need_dbias and norm.centered else None
         if x.numel() == 0:
-            dx = torch.zeros_like(x) if need_dx else None
+            dx = (torch.zeros_like(x) if dx_out is None else dx_out.zero_()) if need_dx else None
             return dx, *(None if g is None else g.to(x.dtype) for g in (dscale, dbias))
         x_rows = _rows(x)
         x_rows = x.contiguous().view(-1, channels) if x_rows is None else x_rows
@@ -505,7 +509,9 @@ def backward_in_place(
             row_blocks(len(x_rows), _block_rows(x, _block_bytes(x, BACKWARD_BLOCK_BYTES)))
         )
         invalid_by_block = _invalid_rows_by_block(valid_rows, blocks)
-        dx = torch.empty_like(x_rows) if need_dx else None
+        dx = None
+        if need_dx:
+            dx = torch.empty_like(x_rows) if dx_out is None else dx_out.view(-1, channels)
         # Valid rows whose rstd is too small to be exact (|x| near the dtype's limit) are redone
         # scaled in their block; found once here, as the invalid rows are.
         too_small = rstd_rows.squeeze(1) < _SMALLEST_EXACT_RSTD[x.dtype]

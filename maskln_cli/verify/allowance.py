@@ -65,7 +65,10 @@ class Allowance:
             return self.pieces(comparison, *inputs, budget=budget, always=always)
         if budget is not None:
             budget = budget.rows(rows)
-        some = [t.index_select(0, rows) for t in inputs]
+        # x (the first input) only makes a budget: not gathered when the rows have theirs.
+        some: list[torch.Tensor | None] = [
+            t.index_select(0, rows) if k or budget is None else None for k, t in enumerate(inputs)
+        ]
         if later:
             return functools.partial(self.pieces, comparison, *some, budget=budget)
         return self.pieces(comparison, *some, budget=budget)
@@ -73,7 +76,7 @@ class Allowance:
     def pieces(
         self,
         comparison: Comparison,
-        x64: torch.Tensor,
+        x64: torch.Tensor | None,
         valid: torch.Tensor,
         truth: torch.Tensor,
         guess: torch.Tensor,
@@ -92,6 +95,7 @@ class Allowance:
         if self.mode == "budget":
             precision = self.precisions[self.judges.get(comparison.name, self.judge)]
             if budget is None:
+                assert x64 is not None
                 budget = RowBudget(
                     x64, valid, problem.scale, problem.bias, problem.eps, precision,
                     problem.norm.centered,

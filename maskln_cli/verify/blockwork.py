@@ -130,18 +130,33 @@ class BlockWork:
         x64 = x.double()
         grad_out = problem.grad_out[start:stop] if self.gradients else None  # type: ignore[index]
         dy64 = grad_out.double() if grad_out is not None else None
-        truth, rstd = float64_truth(problem, x64, valid, dy64)
+        # grad_x's term fit takes the products of four rows (truth, xhat, error, wdy) from one
+        # buffer: its truth and its error are made there, not copied in (see _terms).
+        planes = None
+        terms = problem.channels >= GRAD_X_CHANNELS and problem.norm.centered
+        if dy64 is not None and terms and "grad_x" in self.fits and self.fitted(start):
+            planes = x64.new_empty(4, *x64.shape)
+        grad_x_out = planes[0] if planes is not None else None
+        truth, rstd = float64_truth(problem, x64, valid, dy64, grad_x_out)
         sticks = self.yardsticks(x, valid, grad_out)
         # With gradients the block's rows' budget statistics are needed for the sums anyway:
         # made once, and taken by the allowances of out and grad_x too (else made from x
         # for just the rows that need them).
+        # x64 and dy64 are this block's own copies (unless x or grad_out is float64 itself):
+        # the budget zeroes their padding there. Nothing reads their invalid rows after the
+        # truth (the fits and the allowances read valid rows, or take the budget's figures).
+        own_x = x64 is not x
+        own_grad_out = dy64 is not None and dy64 is not grad_out
         budget = None
         if dy64 is not None and streaming.mode == "budget":
             precision = streaming.precisions[streaming.judge]
             budget = RowBudget(
                 x64, valid, problem.scale, problem.bias, problem.eps, precision,
-                problem.norm.centered, keep_deviations=True,
+                problem.norm.centered, keep_deviations=True, own_x=own_x,
+                own_grad_out=own_grad_out,
             )  # fmt: skip
+            if planes is not None:  # wdy made where the term fit takes it
+                budget.wdy_into = planes[3]
         keep = streaming.mask.keep[start:stop] if streaming.mask is not None else None
         invalid = ~valid if keep is None else ~valid & keep
         figures: dict[str, BlockFigures] = {}
@@ -178,9 +193,12 @@ class BlockWork:
                 dy64 if name == "grad_x" else None, budget,
             )  # fmt: skip
             fitting = name in self.fits and self.fitted(start)
+            keep_error: bool | torch.Tensor = fitting
+            if fitting and name == "grad_x" and planes is not None:
+                keep_error = planes[2]  # made where the term fit takes it
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error,
-                allowance_of=allowance_of, lower=lower, floors=floors, keep_error=fitting,
+                allowance_of=allowance_of, lower=lower, floors=floors, keep_error=keep_error,
             )  # fmt: skip
             if measured is None:
                 return None
@@ -193,7 +211,8 @@ class BlockWork:
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
-                    measured.row_norms, signed,
+                    measured.row_norms, signed, planes,
+                    None if budget is None or dy64 is None else budget.scaled_upstream_made(dy64),
                 )  # fmt: skip
         sums = None
         if dy64 is not None:
@@ -206,7 +225,8 @@ class BlockWork:
                     if budget is None:
                         budget = RowBudget(
                             x64, valid, problem.scale, problem.bias, problem.eps,
-                            streaming.precisions[dtype], problem.norm.centered,
+                            streaming.precisions[dtype], problem.norm.centered, own_x=own_x,
+                            own_grad_out=own_grad_out,
                         )  # fmt: skip
                     rows = budget.judged_in(streaming.precisions[dtype])
                     sums.budgets[dtype] = rows.share_of_sums(dy64)
@@ -231,6 +251,8 @@ class BlockWork:
         deviations: torch.Tensor | None = None,
         row_norms: torch.Tensor | None = None,
         error: torch.Tensor | None = None,
+        planes: torch.Tensor | None = None,
+        wdy_made: torch.Tensor | None = None,
     ) -> FitSums:
         """The systematic-error regressions of out or grad_x (``checked``) on rows that are
         valid (and kept by ``--valid``), from their truth's rstd and x (float64): out's error
@@ -238,7 +260,9 @@ class BlockWork:
         ``offset``: each row's ``mean |x| * rstd`` (RowBudget's A), and ``deviations``, x
         minus its row's mean (RowBudget's, read on valid rows), and ``row_norms``, each
         row's sum of the truth's squares (the comparison's), and ``error``, ``actual -
-        reference`` in float64 (the comparison's, flat), when the caller has them."""
+        reference`` in float64 (the comparison's, flat), when the caller has them; ``planes``,
+        the term fit's buffer, and ``wdy_made``, ``scale * dy64`` as the block's budget made
+        it (see :meth:`_terms`)."""
         import math
 
         import torch
@@ -264,8 +288,9 @@ class BlockWork:
             assert dy64 is not None
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
             terms, wdy_squares, row_sums = self._terms(
-                error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations
-            )
+                error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations,
+                planes, wdy_made,
+            )  # fmt: skip
             z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
         if not bool(rows.any()):
@@ -307,6 +332,8 @@ class BlockWork:
         offset: torch.Tensor,
         rms: torch.Tensor,
         deviations: torch.Tensor | None = None,
+        planes: torch.Tensor | None = None,
+        wdy_made: torch.Tensor | None = None,
     ) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
         with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
@@ -315,7 +342,10 @@ class BlockWork:
         its x minus its mean (all three read on ``rows`` only);
         also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
         truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
-        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`."""
+        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`. ``planes``
+        (or None): the buffer [4, R, C] they are taken from, truth and error already in it when
+        made there; ``wdy_made``: ``scale * dy64`` as the budget made it (in ``planes[3]``, if
+        there: not made again)."""
         import math
 
         import torch
@@ -325,14 +355,10 @@ class BlockWork:
         # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
         if deviations is None:
             deviations = x64 - x64.mean(dim=1, keepdim=True)
-        # The four rows the products are taken of, written where they are stacked (the same
-        # bits as made apart): truth, xhat, error and wdy = scale * dy.
-        stacked = torch.empty(len(truth), 4, channels, dtype=torch.float64)
-        stacked[:, 0] = truth
-        xhat = torch.mul(deviations, rstd.reshape(-1, 1), out=stacked[:, 1])
-        stacked[:, 2] = error
-        wdy = torch.mul(dy64, self.problem.scale, out=stacked[:, 3])
-        products, plain = stacked_products(stacked)
+        made = (truth, error, wdy_made)
+        xhat, wdy, products, plain = _term_products(
+            planes, made, deviations, rstd, dy64, self.problem.scale
+        )
         p = precision
         e1 = math.sqrt(channels) * p.reduce + p.x + p.store
         ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
@@ -343,6 +369,36 @@ class BlockWork:
         rounding += info.tiny * info.eps / 2
         sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain))
         return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
+
+
+def _term_products(
+    planes: torch.Tensor | None,
+    made: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    deviations: torch.Tensor,
+    rstd: torch.Tensor,
+    dy64: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xhat and wdy as written in the planes of one buffer [4, R, C] (``planes``, the caller's,
+    or a new one), and the :func:`~maskln_cli.verify.terms.stacked_products` of the four rows
+    there: truth, xhat, error and wdy (the same bits as made apart). truth and error
+    (``made``) are copied in unless they were made there; xhat is ``deviations * rstd``; wdy
+    is the budget's (``made[2]``) where it made it there (its bits on the valid rows read),
+    else ``scale * dy64`` made there."""
+    import torch
+
+    truth, error, wdy = made
+    if planes is None:
+        planes = torch.empty(4, *truth.shape, dtype=torch.float64)
+    for k, row in ((0, truth), (2, error)):
+        if row.data_ptr() != planes[k].data_ptr():
+            planes[k].copy_(row)
+    xhat = torch.mul(deviations, rstd.reshape(-1, 1), out=planes[1])
+    if wdy is None or wdy.data_ptr() != planes[3].data_ptr():
+        wdy = torch.mul(dy64, scale, out=planes[3])
+    # [R, 4, C] as the products take it: the same bits as rows stacked so.
+    products, plain = stacked_products(planes.permute(1, 0, 2))
+    return xhat, wdy, products, plain
 
 
 GRAD_X_CHANNELS = 4
@@ -375,11 +431,16 @@ def _grad_x_resolved(
 
 
 def float64_truth(
-    problem: Problem, x64: torch.Tensor, valid: torch.Tensor, dy64: torch.Tensor | None
+    problem: Problem,
+    x64: torch.Tensor,
+    valid: torch.Tensor,
+    dy64: torch.Tensor | None,
+    grad_x_out: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The truth of some rows (``out``, and the gradients given ``dy64``) and their rstd, by the
     op's raw-op kernels in float64, without autograd. Every path of verify takes it from here,
-    whichever backend the op runs on: a verdict's figures never depend on the backend."""
+    whichever backend the op runs on: a verdict's figures never depend on the backend.
+    ``grad_x_out``: where LayerNorm's grad_x is made (contiguous, x's shape; the same bits)."""
     import torch
 
     from maskln_cli.op.blocked import backward_in_place, forward, forward_keeping_xhat
@@ -398,7 +459,7 @@ def float64_truth(
             assert mean is not None and rstd is not None
             grads = backward_in_place(
                 dy64, x64, valid, problem.scale, mean, rstd, problem.eps,
-                xhat=xhat if kept else None,
+                xhat=xhat if kept else None, dx_out=grad_x_out,
             )  # fmt: skip
             truth.update(zip(("grad_x", "grad_scale", "grad_bias"), grads, strict=True))
     return truth, rstd

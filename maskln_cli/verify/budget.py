@@ -121,8 +121,10 @@ class Precision:
 class RowBudget:
     """The modelled rounding error of a correct kernel on a chunk of rows.
 
-    ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed), ``scale``
-    and ``bias`` ``[C]`` in float64. The models are float64 ``[R, C]``, 0 on invalid rows.
+    ``x`` is ``[R, C]`` in float64 (invalid rows may hold anything: they are zeroed, in ``x``
+    itself when it is the caller's to give, ``own_x``), ``scale`` and ``bias`` ``[C]`` in
+    float64. The models are float64 ``[R, C]``, 0 on invalid rows. ``own_grad_out``: the upstream
+    gradients given are the caller's to give too (:meth:`upstream`).
 
     ``centered=False`` models RMSNorm (``scale`` its whole gain, offset included; ``bias``
     zeros): nothing is subtracted, so there is no mean to round (A is 0: no shift, no second
@@ -146,16 +148,20 @@ class RowBudget:
         precision: Precision,
         centered: bool = True,
         keep_deviations: bool = False,
+        own_x: bool = False,
+        own_grad_out: bool = False,
     ) -> None:
         self.valid = valid.unsqueeze(1)
         self._invalid: torch.Tensor | None = None  # the invalid rows' indices, once found
+        self.own_grad_out = own_grad_out  # see upstream()
         self.centered = centered
         self.scale, self.bias = scale, bias
         # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
         if not math.isfinite(float(x.sum())):
             x = torch.where(self.valid & x.isfinite(), x, 0.0)
-        elif not bool(self.valid.all()):
-            x = x.index_fill(0, self.invalid_rows(), 0.0)  # torch.where's bits, faster
+        elif not bool(self.valid.all()):  # torch.where's bits, faster; in x itself if ours
+            invalid = self.invalid_rows()
+            x = x.index_fill_(0, invalid, 0.0) if own_x else x.index_fill(0, invalid, 0.0)
         self.channels = x.shape[-1]
         rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
@@ -178,6 +184,8 @@ class RowBudget:
         # ``scale * upstream`` as wdy_rms made it, for grad_x's model (never written), and
         # |xhat|, which grad_x's model and the sums' both take: each made once.
         self._wdy: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Where wdy_rms makes that product, when the caller gives a buffer (x's shape).
+        self.wdy_into: torch.Tensor | None = None
         self._xhat_abs: torch.Tensor | None = None
         self._judged_in(precision)
 
@@ -211,7 +219,9 @@ class RowBudget:
             setattr(some, name, getattr(self, name).index_select(0, index))
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
         some._upstream = some._wdy_rms = some._wdy = some.deviations = some._invalid = None
+        some.wdy_into = None
         some._xhat_abs = None
+        some.own_grad_out = False  # the rows' gradients are gathered by whoever gives them
         return some
 
     def invalid_rows(self) -> torch.Tensor:
@@ -224,10 +234,15 @@ class RowBudget:
 
     def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
         """``grad_out`` (float64) with 0 on invalid rows and for NaN and inf: made once for
-        the same ``grad_out``, and not to be written."""
+        the same ``grad_out``, and not to be written; in ``grad_out`` itself when it is the
+        caller's to give (``own_grad_out``: its invalid rows zeroed, its valid rows as they are)."""
         if self._upstream is not None and self._upstream[0] is grad_out:
             return self._upstream[1]
-        dy = grad_out.index_fill(0, self.invalid_rows(), 0.0)  # torch.where(valid, ...)'s
+        invalid = self.invalid_rows()
+        if self.own_grad_out:  # torch.where(valid, ...)'s bits
+            dy = grad_out.index_fill_(0, invalid, 0.0)
+        else:
+            dy = grad_out.index_fill(0, invalid, 0.0)
         # A finite float64 sum means every value is finite (float32 and half values cannot
         # overflow it): then isfinite, a pass over the rows, is not needed.
         if not math.isfinite(float(dy.sum())):
@@ -240,12 +255,17 @@ class RowBudget:
         the caller has it), made once for the same ``grad_out``."""
         if self._wdy_rms is not None and self._wdy_rms[0] is grad_out:
             return self._wdy_rms[1]
-        if wdy is None:
-            wdy = self.upstream(grad_out) * self.scale
+        if wdy is None:  # in the caller's buffer if it gave one (wdy_into)
+            wdy = torch.mul(self.upstream(grad_out), self.scale, out=self.wdy_into)
             self._wdy = (grad_out, wdy)
         rms = wdy.square().mean(dim=-1, keepdim=True).sqrt_()
         self._wdy_rms = (grad_out, rms)
         return rms
+
+    def scaled_upstream_made(self, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """``scale * upstream(grad_out)`` as :meth:`wdy_rms` made it (None: not made), not to
+        be written."""
+        return self._wdy[1] if self._wdy is not None and self._wdy[0] is grad_out else None
 
     def _scaled_upstream(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``scale * upstream(grad_out)``, and whether it is this budget's own (to be
@@ -464,7 +484,15 @@ def unit(
 ) -> torch.Tensor:
     """The budget before ``--factor``: the model, raised where the yardstick errs more (a
     non-finite model or yardstick error, from NaN or inf in the data, raises nothing);
-    ``in_place``: made in ``model`` itself (the same bits, a buffer fewer)."""
+    ``in_place``: ``model`` is the caller's to give, made in itself (the same bits, a buffer
+    fewer) or dropped."""
+    if in_place and yardstick_error is not None:
+        # Where every value is finite (a finite sum: NaN and inf carry into it) nan_to_num
+        # changes nothing: the greater of the two alone, in a buffer of its own (two passes
+        # fewer; the model is the caller's to drop).
+        raised = torch.maximum(model, yardstick_error)
+        if math.isfinite(float(raised.sum())):
+            return raised
     if in_place:
         budget = model.nan_to_num_(nan=0.0, posinf=0.0)
     else:

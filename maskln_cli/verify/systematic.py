@@ -214,53 +214,75 @@ def fit_rows(
     else:
         sz, se, sze = row_sums
     det = szz * channels - sz.square()
-    usable = (det > 1e-12 * szz * channels) & det.isfinite() & se.isfinite() & sze.isfinite()
-    usable &= second_order.isfinite()
+    # The rows' figures stacked: tested for NaN and inf at once, and the usable rows gathered
+    # at once (by index: a boolean mask's gather is several calls a tensor). Every value is
+    # computed as it would be apart, element by element.
+    figures = [sz, szz, se, sze, det, second_order]
+    if offset is not None:
+        figures.append(offset)
+        if shifted is not None:  # each row's sum of z * shifted
+            figures.append((z * shifted).sum(dim=1))
+    if stored is not None:
+        figures.append(stored)
+    table = torch.stack(figures)
+    usable = table[2:6].isfinite().all(dim=0) & (det > 1e-12 * szz * channels)
     if rows is not None:
         usable &= rows
-    if not bool(usable.any()):
+    kept = usable.nonzero().squeeze(1)
+    if not kept.numel():
         return sums
-    sz, szz, se, sze, det = (t[usable] for t in (sz, szz, se, sze, det))
+    sz, szz, se, sze, det, second, *more = table.index_select(1, kept).unbind(0)
     f = (sze * channels - sz * se) / det
     g = (szz * se - sz * sze) / det
     w = det / channels  # sum of (z - mean z)**2: how well the row determines f
     v = det / szz  # C - (sum z)**2 / sum z**2: how well it determines g
-    sums.rows = int(usable.sum())
+    sums.rows = kept.numel()
     f2, g2, w2, v2 = f.square(), g.square(), w.square(), v.square()
-    (
-        sums.w, sums.wf, sums.wff, sums.w2, sums.w2f, sums.w2ff,
-        sums.v, sums.vg, sums.vgg, sums.v2, sums.v2g, sums.v2gg, sums.we2,
-    ) = sums_of(
-        w, w * f, w * f2, w2, w2 * f, w2 * f2, v, v * g, v * g2, v2, v2 * g, v2 * g2,
-        w * second_order[usable],
-    )  # fmt: skip
+    columns = [w, w * f, w * f2, w2, w2 * f, w2 * f2, v, v * g, v * g2, v2, v2 * g, v2 * g2]
+    columns.append(w * second)
     if rounding is not None:
-        rounded = rounding[usable]
-        fr = (rounded.mul(z[usable]).sum(dim=1) * channels - sz * rounded.sum(dim=1)) / det
+        rounded = rounding.index_select(0, kept)
+        fr = (
+            rounded.mul(z.index_select(0, kept)).sum(dim=1) * channels - sz * rounded.sum(dim=1)
+        ) / det
         sums.rounding_rows = sums.rows
-        sums.rwf = float((w * fr).sum())
-        sums.rw2f, sums.rw2ff = (float((w.square() * fr**k).sum()) for k in (1, 2))
+        columns += [w * fr, w.square() * fr**1, w.square() * fr**2]
+    rstd_kept = rstd.index_select(0, kept)
     noise = torch.zeros_like(f)
     if offset is not None:
-        sums.va = float((v * offset[usable]).sum())
-        xhat_energy = (1 - eps * rstd[usable].square()).clamp_min(0) * channels
-        noise = offset[usable] * e0 / xhat_energy.sqrt()
+        offset_kept = more.pop(0)
+        columns.append(v * offset_kept)
+        xhat_energy = (1 - eps * rstd_kept.square()).clamp_min(0) * channels
+        noise = offset_kept * e0 / xhat_energy.sqrt()
         if shifted is not None:
-            zs, ss = (z * shifted).sum(dim=1)[usable], shifted.sum()
-            noise += offset[usable] * e0 * ((zs * channels - sz * ss) / det).abs()
+            zs, ss = more.pop(0), shifted.sum()
+            noise += offset_kept * e0 * ((zs * channels - sz * ss) / det).abs()
         if stored is not None:
-            noise += stored[usable] / w.sqrt()
-        sums.wn = float((w * noise).sum())
+            noise += more[0] / w.sqrt()
+        columns.append(w * noise)
     relative_stored = torch.zeros_like(f)
     if stored is not None:
         # Rounding to the stored dtype biases a row's factor by up to its stored rounding over
         # the size of its normalized part: a bias far larger than that part (var far below
         # eps) erases it, a factor of -1, whatever the kernel.
-        relative_stored = stored[usable] / (szz / channels).sqrt()
-        sums.ws = float((w * relative_stored).sum())
-    spread = rstd[usable].square().reciprocal()  # var + eps
-    index = usable.nonzero().squeeze(1).double() + first_row
-    columns = [f, spread, w, noise, relative_stored, second_order[usable], index]
+        relative_stored = more[0] / (szz / channels).sqrt()
+        columns.append(w * relative_stored)
+    # Every sum in one reduction (sums_of: each as alone), in the order of the columns.
+    found = sums_of(*columns)
+    (
+        sums.w, sums.wf, sums.wff, sums.w2, sums.w2f, sums.w2ff,
+        sums.v, sums.vg, sums.vgg, sums.v2, sums.v2g, sums.v2gg, sums.we2,
+    ) = found[:13]  # fmt: skip
+    found = found[13:]
+    if rounding is not None:
+        (sums.rwf, sums.rw2f, sums.rw2ff), found = found[:3], found[3:]
+    if offset is not None:
+        (sums.va, sums.wn), found = found[:2], found[2:]
+    if stored is not None:
+        sums.ws = found[0]
+    spread = rstd_kept.square().reciprocal()  # var + eps
+    index = kept.double() + first_row
+    columns = [f, spread, w, noise, relative_stored, second, index]
     sums.kept = [torch.stack(columns, dim=1)]
     sums.kept_rows = len(f)
     return sums

@@ -84,9 +84,14 @@ class Pool:
 
     @classmethod
     def of(cls, a: torch.Tensor, w: torch.Tensor, noise: torch.Tensor) -> Pool:
+        return cls(*sums_of(*cls.columns(a, w, noise)), float(len(a)))
+
+    @staticmethod
+    def columns(a: torch.Tensor, w: torch.Tensor, noise: torch.Tensor) -> list[torch.Tensor]:
+        """What :meth:`of` sums over rows (its fields but ``n``, in order), from each row's
+        coefficient ``a``, weight ``w`` and modelled noise ``[R]``."""
         a2, w2 = a.square(), w.square()
-        sums = sums_of(w, w * a, w * a2, w2, w2 * a, w2 * a2, w * noise)
-        return cls(*sums, float(len(a)))
+        return [w, w * a, w * a2, w2, w2 * a, w2 * a2, w * noise]
 
     def noise(self) -> float:
         """The rows' modelled rounding noise of the coefficient, weighted as it is."""
@@ -204,7 +209,8 @@ def fit_terms(
     gram = base.mul_(factors.unsqueeze(2)).mul_(factors.unsqueeze(1))  # [R, 3, 3]
     moment = torch.stack((products[:, 0, 2], products[:, 1, 2], plain[:, 2]), dim=1)
     moment.mul_(factors)  # [R, 3]
-    usable = rows & gram.isfinite().all(dim=(1, 2)) & moment.isfinite().all(dim=1)
+    figures = torch.cat((gram.reshape(-1, 9), moment), dim=1)  # tested for NaN and inf at once
+    usable = rows & figures.isfinite().all(dim=1)
     # A row determines a coefficient when its term is not (nearly) a combination of the other
     # two: the information 1 / (gram^-1)_kk, against the term's own energy.
     scale = gram.diagonal(dim1=1, dim2=2).clamp_min(1e-300)
@@ -212,24 +218,31 @@ def fit_terms(
     unit = gram / (norm.unsqueeze(2) * norm.unsqueeze(1))
     determinant = torch.linalg.det(torch.where(usable[:, None, None], unit, torch.eye(3)))
     usable &= determinant > 1e-9
-    if not bool(usable.any()):
+    kept = usable.nonzero().squeeze(1)  # gathered by index: a mask's gather is several calls
+    if not kept.numel():
         return sums
-    unit, moment, norm, scale = unit[usable], moment[usable], norm[usable], scale[usable]
+    unit, moment, norm, scale = (t.index_select(0, kept) for t in (unit, moment, norm, scale))
     inverse = torch.linalg.inv(unit)
     coefficients = (inverse @ (moment / norm).unsqueeze(2)).squeeze(2) / norm
     information = scale / inverse.diagonal(dim1=1, dim2=2)  # the weight of each coefficient
-    sums.rows = int(usable.sum())
+    sums.rows = kept.numel()
     spread_of_rounding = (
-        rounding[usable].reshape(-1, 1) * math.sqrt(channels) if rounding is not None else None
-    )
-    for k, name in enumerate(TERMS, start=1):
+        rounding.index_select(0, kept).reshape(-1, 1) * math.sqrt(channels)
+        if rounding is not None else None
+    )  # fmt: skip
+    columns: list[torch.Tensor] = []
+    for k in range(1, len(TERMS) + 1):
         info = information[:, k]
         noise = (
             spread_of_rounding[:, 0] / info.sqrt() if spread_of_rounding is not None
             else torch.zeros_like(info)
         )  # fmt: skip
-        sums.pools[name] = Pool.of(coefficients[:, k], info, noise)
-    spread = rstd[usable].square().reciprocal()
+        columns += Pool.columns(coefficients[:, k], info, noise)
+    # Both pools' sums in one reduction (sums_of: each as alone).
+    found = sums_of(*columns)
+    for k, name in enumerate(TERMS):
+        sums.pools[name] = Pool(*found[k * 7 : k * 7 + 7], float(sums.rows))
+    spread = rstd.index_select(0, kept).square().reciprocal()
     sums.spreads = set(spread.unique()[: FEW_ROWS + 1].tolist())
     return sums
 
