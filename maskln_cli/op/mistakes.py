@@ -439,13 +439,13 @@ def diagnose_output(
         with torch.no_grad():
             return mistake.formula(x64, valid, scale64, bias64, eps)
 
-    def own_noise(mistake: Mistake) -> float:
+    def own_noise(mistake: Mistake, exact: torch.Tensor) -> float:
         """How far the mistake's formula computed in float32 is from its float64 value: a
         kernel making it errs by about that, not by a correct kernel's ``noise`` (rows with
         a large offset: centering loses digits that RMS normalization does not)."""
         with torch.no_grad():
             rounded = mistake.formula(x.float(), valid, scale.float(), bias.float(), eps)
-        return _distance(rounded.double(), output(mistake))
+        return _distance(rounded.double(), exact)
 
     tried = catalogue.mistakes if mistakes is None else mistakes
     own = own_noise if dtype == torch.float32 else None
@@ -572,14 +572,15 @@ def _matching(
     result_of: Callable[[Mistake], torch.Tensor],
     dtype: torch.dtype,
     noise: float | None,
-    own_noise: Callable[[Mistake], float] | None = None,
+    own_noise: Callable[[Mistake, torch.Tensor], float] | None = None,
 ) -> list[Diagnosis]:
     """The mistakes ``result`` matches (unsorted), by the rule of :func:`diagnose_output`:
     ``result_of(mistake)`` is what that mistake gives (an output, or a gradient), and
     ``truth`` the correct one. A mistake that gives the truth here (bias missing where bias
     is 0; a backward term dropped, for grad_scale) cannot be told from it, nor one within
     ``closer`` times the dtype's rounding (or ``noise``) of it: it is not tried. With
-    ``own_noise``, a mistake matches within ten times its own formula's rounding at most."""
+    ``own_noise(mistake, its float64 value)``, a mistake matches within ten times its own
+    formula's rounding at most."""
     limit, closer = _limit(dtype, noise)
     to_truth = _distance(result, truth)
     finite_noise = noise if noise is not None and noise < float("inf") else 0.0
@@ -591,7 +592,7 @@ def _matching(
         told = _distance(value, truth) > resolution  # the mistake is not the truth here
         fits = distance <= limit and distance * closer <= to_truth and told
         if fits and own_noise is not None:
-            fits = distance <= max(MATCH_DISTANCE.get(dtype, 1e-4), 10 * own_noise(mistake))
+            fits = distance <= max(MATCH_DISTANCE.get(dtype, 1e-4), 10 * own_noise(mistake, value))
         if fits:
             found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
     return found
