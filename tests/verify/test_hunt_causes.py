@@ -166,3 +166,57 @@ def test_an_eps_of_1e_minus_12_is_said_as_possibly_too_small_not_only_missing():
     assert "eps" in line, line
     if "eps missing" in line:
         assert "or far smaller than the reference's" in line, line
+
+
+def _one_pass(x, valid, scale, bias, eps=1e-5):
+    """WRONG: E[x**2] - E[x]**2, in x's dtype."""
+    rows = torch.where(valid[..., None], x, 0)
+    mean = rows.mean(-1, keepdim=True)
+    var = (rows * rows).mean(-1, keepdim=True) - mean * mean
+    out = (rows - mean) / torch.sqrt(var.clamp_min(0) + eps) * scale + bias
+    return torch.where(valid[..., None], out, 0)
+
+
+def _offset_rows(rows: int, seed: int, dtype=torch.float32):
+    """At an offset where the dtype's one-pass variance loses most of its digits, not all."""
+    g = torch.Generator().manual_seed(seed)
+    offset = 1000 if dtype == torch.float32 else 8
+    x = (offset + torch.randn(rows + 1, 16, generator=g, dtype=torch.float64)).to(dtype)
+    valid = torch.ones(rows + 1, dtype=torch.bool)
+    valid[-1] = False
+    scale = (1 + 0.1 * torch.randn(16, generator=g)).to(dtype)
+    return x, valid, scale, torch.zeros(16, dtype=dtype)
+
+
+def test_one_or_two_rows_scaled_alike_are_not_a_one_pass_variance():
+    """out * (1 + d) on 1 or 2 valid rows at an offset of 1e3 (assert_close's docstring example,
+    where a CI run's doctest failed): one row's wrong scale is all a one-pass variance shows
+    too, and about 1 draw in 10 was named so. Too few rows to see rounding vary from row to
+    row, the one-pass kernel's own rows must account for the error."""
+    named = []
+    for rows in (1, 2):
+        for d in (3e-4, 1e-3, 3e-3):
+            for seed in range(30):
+                x, valid, scale, bias = _offset_rows(rows, seed)
+                out = (_plain(x.double(), scale.double(), bias.double(), valid) * (1 + d)).float()
+                _, mistakes, line = _failed_with(verify(out, x, valid, scale, bias, 1e-5))
+                if mistakes:
+                    named.append((rows, d, seed, line))
+    assert not named, named[:3]
+
+
+def test_a_one_pass_variance_on_one_or_two_rows_is_still_named():
+    """The shrunk cases hypothesis finds (docs/guides/pytest.md): 1 or 2 rows, in float32, and
+    bfloat16 x computed in float32. (A one-pass variance computed in bfloat16 itself is not
+    modelled: it fails unnamed, as it did before.)"""
+    unnamed = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 2):
+            for seed in range(10):
+                x, valid, scale, bias = _offset_rows(rows, seed, dtype)
+                out = _one_pass(x.float(), valid, scale.float(), bias.float()).to(dtype)
+                report = verify(out, x, valid, scale, bias, 1e-5)
+                failing, mistakes, line = _failed_with(report)
+                if failing and mistakes != {"one_pass_variance"}:
+                    unnamed.append((dtype, rows, seed, line))
+    assert not unnamed, unnamed[:3]
