@@ -168,6 +168,34 @@ def test_an_eps_of_1e_minus_12_is_said_as_possibly_too_small_not_only_missing():
         assert "or far smaller than the reference's" in line, line
 
 
+def test_eps_inside_and_outside_the_square_root_is_not_one_other_eps():
+    """(x - mean) / (sqrt(var + eps) + eps) on heavy-tailed rows (their variances spread):
+    each row's effective eps is eps * (1 + 2 * std), so no single eps explains the rows, yet
+    'RESULT's eps ~ 4.4e-05: give --eps 4.4e-05' was said, leaving 24 times the rows' noise
+    unexplained. A true other eps (1e-3, 3e-5, 1e-6) on the same rows is still named."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 64, 64, generator=g, dtype=torch.float64)
+    chi = torch.randn(4, 64, 64, 2, generator=g, dtype=torch.float64).square().mean(-1)
+    x = (z / chi.sqrt()).float()  # Student's t, 2 degrees of freedom
+    scale, bias = 1 + 0.1 * torch.randn(64, generator=g), 0.1 * torch.randn(64, generator=g)
+    valid = torch.ones(4, 64, dtype=torch.bool)
+    rows = x.double()
+    centered = rows - rows.mean(-1, keepdim=True)
+    var = centered.square().mean(-1, keepdim=True)
+
+    def out_with(denominator):
+        return (centered / denominator * scale.double() + bias.double()).float()
+
+    both = out_with(torch.sqrt(var + 1e-5) + 1e-5)
+    _, mistakes, line = _failed_with(verify(both, x, valid, scale, bias, 1e-5))
+    assert "eps_mismatch" not in mistakes and "≈" not in line, line
+    for other in (1e-3, 3e-5, 1e-6):
+        _, mistakes, line = _failed_with(
+            verify(out_with(torch.sqrt(var + other)), x, valid, scale, bias, 1e-5)
+        )
+        assert mistakes == {"eps_mismatch"}, (other, line)
+
+
 def _one_pass(x, valid, scale, bias, eps=1e-5):
     """WRONG: E[x**2] - E[x]**2, in x's dtype."""
     rows = torch.where(valid[..., None], x, 0)
