@@ -7,12 +7,12 @@ of them a result is close to. :func:`diagnose_nan_gradient` explains NaN gradien
 from unsanitized padding.
 
 Formula mistakes are evaluated in float64, so a match does not depend on the result's dtype;
-precision mistakes (a one-pass variance) are evaluated in the result's dtype and recognized by
-the size of their error rather than its exact value, since two one-pass kernels round
-differently. Dtype mistakes (:func:`diagnose_precision`: an output in another dtype than x's,
-or computed in a lower precision) are recognized by the result's dtype and by every value of it
-being a number of the lower precision. :data:`MORE_MISTAKES` holds formulas the grader also
-tries (``diagnose_output(..., mistakes=...)``).
+precision mistakes (a one-pass variance, :mod:`maskln_cli.op.one_pass`) are evaluated in the
+result's dtype and recognized by the size of their error rather than its exact value, since two
+one-pass kernels round differently. Dtype mistakes (:func:`diagnose_precision`: an output in
+another dtype than x's, or computed in a lower precision) are recognized by the result's dtype
+and by every value of it being a number of the lower precision. :data:`MORE_MISTAKES` holds
+formulas the grader also tries (``diagnose_output(..., mistakes=...)``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from maskln_cli.op.backward_mistakes import (
     overflow_match,
 )
 from maskln_cli.op.mistake_records import Catalogue, Diagnosis, Mistake, padding_mistakes
+from maskln_cli.op.one_pass import ONE_PASS, one_pass_match
 from maskln_cli.op.rms_mistakes import RMS_BACKWARD_MISTAKES, RMS_MISTAKES, rms_correct
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "MISTAKES",
     "MORE_MISTAKES",
     "NEGATIVE_ZERO",
+    "ONE_PASS",
     "PRECISION_MISTAKES",
     "STATISTICS_OVERFLOW",
     "STATISTICS_OVERFLOW_DTYPE",
@@ -374,15 +376,6 @@ LOWER_PRECISION: dict[str, torch.dtype | None] = {
 }
 """The precision each dtype mistake computes or returns in (None: the result's own dtype)."""
 
-ONE_PASS = Mistake(
-    "one_pass_variance",
-    "one-pass variance E[x**2] - E[x]**2 (catastrophic cancellation on rows whose mean is large"
-    " against their spread)",
-    "subtract the mean first and average the squares of x - mean (two passes)",
-    correct,  # placeholder: recognized by the size of its error, see _one_pass_error
-)
-
-
 # --- matching ------------------------------------------------------------------------------------
 
 MATCH_DISTANCE = {
@@ -451,7 +444,7 @@ def diagnose_output(
     own = own_noise if dtype == torch.float32 else None
     found = _matching(result, truth, tried.values(), output, dtype, noise, own)
     if catalogue.fitted:  # a one-pass variance's model is of centered rows
-        one_pass = _one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
+        one_pass = one_pass_match(result, truth, x64, valid, scale64, bias64, eps, dtype)
         if one_pass is not None:
             found.append(one_pass)
     return sorted(found, key=lambda d: d.distance)
@@ -596,121 +589,6 @@ def _matching(
         if fits:
             found.append(Diagnosis(mistake.name, mistake.description, mistake.fix, distance))
     return found
-
-
-def _row_errors(result: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """Each row's relative L2 distance ([rows], flattened leading axes); inf where the row is
-    not finite in both, 0 for a row of zeros matched exactly."""
-    channels = result.shape[-1]
-    result, reference = result.reshape(-1, channels), reference.reshape(-1, channels)
-    finite = (result.isfinite() & reference.isfinite()).all(dim=-1)
-    difference = torch.where(finite.unsqueeze(1), result - reference, 0.0).norm(dim=-1)
-    size = torch.where(finite.unsqueeze(1), reference, 0.0).norm(dim=-1)
-    errors = difference / size
-    errors = torch.where(size == 0, torch.where(difference == 0, 0.0, torch.inf), errors)
-    return torch.where(finite, errors, torch.inf)
-
-
-def _one_pass_match(
-    result: torch.Tensor,
-    truth: torch.Tensor,
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    dtype: torch.dtype,
-) -> Diagnosis | None:
-    """A one-pass variance in ``dtype`` errs far more than a two-pass one on some rows (those
-    with a large mean against their spread). The result errs like it: wrongly on those rows and
-    only on those, by about as much, and by rescaling each row's normalized values (a wrong
-    variance) rather than anything else. Its error, not its exact value, is the signature: two
-    one-pass kernels round differently."""
-    if dtype == torch.float64 or not valid.any():
-        return None
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    rows = _clean(x, valid).to(dtype).to(compute)
-    mean = rows.mean(dim=-1, keepdim=True)
-    one_pass = _one_pass_output(rows, valid, scale, bias, eps)
-    centered = rows - mean  # a plain two-pass kernel in the same dtype, for comparison
-    two_pass_xhat = centered / torch.sqrt(centered.square().mean(dim=-1, keepdim=True) + eps)
-    two_pass = _masked(two_pass_xhat.double() * scale + bias, valid)
-    keep = valid.reshape(-1)
-    errors = {
-        name: _row_errors(value, truth)[keep]
-        for name, value in (("result", result), ("one", one_pass), ("two", two_pass))
-    }
-    floor = errors["two"].clamp_min(8 * torch.finfo(dtype).eps)
-    wrong = errors["result"] >= 10 * floor
-    if not wrong.any():
-        return None
-    if int((wrong & (errors["one"] < 3 * floor)).sum()) > 0.1 * int(wrong.sum()):
-        return None  # the result errs where a one-pass variance would not
-    ratio = float((errors["result"][wrong] / errors["one"][wrong]).median())
-    if not 0.2 <= ratio <= 5 or not _rescaled_rows(result, truth, bias, valid, wrong):
-        return None  # not by as much as a one-pass variance would, or not as it would
-    # Too few rows to see the factors vary as rounding's do (a uniformly scaled output, out *
-    # 1.001, matched 1 draw in 10 on one row): the one-pass kernel's own rows are asked for.
-    if int(wrong.sum()) < 3 and not _replayed(result, truth, one_pass, keep, wrong, dtype):
-        return None
-    return Diagnosis(ONE_PASS.name, ONE_PASS.description, ONE_PASS.fix, abs(1 - ratio))
-
-
-def _one_pass_output(
-    rows: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """A one-pass kernel computing in ``rows``' dtype, its output as float64 values."""
-    mean = rows.mean(dim=-1, keepdim=True)
-    one_pass_var = (rows * rows).mean(dim=-1, keepdim=True) - mean * mean
-    xhat = (rows - mean) / torch.sqrt(one_pass_var.clamp_min(0) + eps)
-    return _masked(xhat.double() * scale + bias, valid)
-
-
-def _replayed(
-    result: torch.Tensor,
-    truth: torch.Tensor,
-    model: torch.Tensor,
-    keep: torch.Tensor,
-    wrong: torch.Tensor,
-    dtype: torch.dtype,
-) -> bool:
-    """Does ``model`` (a one-pass kernel's own output) account for the result's error on every
-    ``wrong`` valid row, to a hundredth of it (or to the result's own rounding)? The rounding
-    of a row's E[x**2] and E[x]**2 is that row's own: another mistake lands on it by chance
-    about once in a thousand rows, and a one-pass kernel summing in another order is not named
-    (its error is another row's draw)."""
-    off_model = _row_errors(result, model)[keep][wrong]
-    off_truth = _row_errors(result, truth)[keep][wrong]
-    return bool((off_model <= (0.01 * off_truth).clamp_min(4 * torch.finfo(dtype).eps)).all())
-
-
-def _rescaled_rows(
-    result: torch.Tensor,
-    truth: torch.Tensor,
-    bias: torch.Tensor,
-    valid: torch.Tensor,
-    wrong: torch.Tensor,
-) -> bool:
-    """On the ``wrong`` valid rows, is the result's error mostly a multiple of the row's
-    ``xhat * scale``, as a wrong variance (a wrong 1 / std) makes it, by a factor that varies
-    from row to row, as rounding makes it? (A formula mistake, such as an unbiased variance,
-    rescales every row by about the same factor.)"""
-    channels = truth.shape[-1]
-    keep = valid.reshape(-1)
-    shape = (-1, channels)
-    error = (result - truth).reshape(shape)[keep][wrong]
-    scaled = (truth - bias).reshape(shape)[keep][wrong]
-    finite = (error.isfinite() & scaled.isfinite()).all(dim=-1)
-    error, scaled = error[finite], scaled[finite]
-    if not len(error):
-        return False
-    size = scaled.square().sum(dim=-1, keepdim=True)
-    factor = torch.where(size > 0, (error * scaled).sum(dim=-1, keepdim=True) / size, 0.0)
-    left = (error - factor * scaled).norm(dim=-1) / error.norm(dim=-1).clamp_min(1e-300)
-    if float(left.median()) > 0.5:
-        return False
-    factors = factor.squeeze(1)
-    return len(factors) < 3 or float(factors.std()) >= 0.3 * float(factors.abs().mean())
 
 
 GRADIENTS = ("grad_x", "grad_scale", "grad_bias")
