@@ -129,6 +129,7 @@ def test_deepcopy_and_averaged_models_use_each_batchs_own_mask():
         swa.module.train()
 
 
+@pytest.mark.slow  # a BERT compiled whole, twice (about 10 s of a worker)
 def test_torch_compile_fullgraph_with_masks_that_change():
     torch._dynamo.reset()
     model, _ = build("bert")
@@ -145,7 +146,11 @@ def test_torch_compile_fullgraph_with_masks_that_change():
             )
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast bfloat16"])
+@pytest.mark.parametrize(
+    "autocast",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # the op's own: test_registered_op.py
+    ids=["float32", "autocast bfloat16"],
+)
 def test_a_swapped_bert_compiles_to_one_graph(autocast):
     """The forward pre-hook converted the mask (a graph of its own, since torch.compile runs a
     module's hooks as frames apart): 2 graphs and a break, where the stock BERT has 1."""
