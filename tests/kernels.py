@@ -181,9 +181,8 @@ def kahan(x, valid, scale, bias):
     return _two_passes(x, valid, scale, bias, _kahan_sum)
 
 
-def welford(x, valid, scale, bias):
-    """One pass of Welford's running mean and sum of squared deviations, in x's dtype."""
-    rows = _rows_zeroed(x, valid)
+def welford_statistics(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's mean and population variance by Welford's running update, in rows' dtype."""
     mean = torch.zeros_like(rows[..., :1])
     squares = torch.zeros_like(mean)
     for channel in range(rows.shape[-1]):
@@ -191,7 +190,13 @@ def welford(x, valid, scale, bias):
         delta = value - mean
         mean = mean + delta / (channel + 1)
         squares = squares + delta * (value - mean)
-    var = squares / rows.shape[-1]
+    return mean, squares / rows.shape[-1]
+
+
+def welford(x, valid, scale, bias):
+    """One pass of Welford's running mean and sum of squared deviations, in x's dtype."""
+    rows = _rows_zeroed(x, valid)
+    mean, var = welford_statistics(rows)
     return _masked((rows - mean) * torch.rsqrt(var + EPS) * scale + bias, valid)
 
 
