@@ -298,3 +298,24 @@ def test_a_block_kept_error_is_the_float64_difference_and_changes_no_figure(
             assert torch.equal(plain, kept), item.name
         else:
             assert repr(plain) == repr(kept), item.name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_padding_of_is_the_plain_count(dtype: torch.dtype, data: st.DataObject) -> None:
+    """padding_of (its first pass by the least and greatest value) finds what comparing with
+    0 and reading the sign bits finds, on paddings of +0.0 and -0.0 with or without one
+    other value (NaN, inf, the smallest subnormal, 1)."""
+    from maskln_cli.compare.figures import padding_of
+
+    rows, length = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 9))
+    signs = data.draw(st.lists(st.booleans(), min_size=rows * length, max_size=rows * length))
+    values = torch.tensor([-0.0 if s else 0.0 for s in signs]).view(rows, length)
+    other = data.draw(st.sampled_from([None, math.nan, math.inf, -math.inf, 1.0, -1.0, 1e-45]))
+    if other is not None:
+        values.view(-1)[data.draw(st.integers(0, rows * length - 1))] = other
+    padded = values.to(dtype)
+    zeros = padded.double() == 0
+    expected = (bool(zeros.all()), int((zeros & padded.double().signbit()).sum()))
+    assert padding_of(padded) == expected
