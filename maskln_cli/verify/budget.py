@@ -156,12 +156,15 @@ class RowBudget:
         self.own_grad_out = own_grad_out  # see upstream()
         self.centered = centered
         self.scale, self.bias = scale, bias
-        # A finite sum means no NaN or inf (which a sum keeps): only the padding to zero.
-        if not math.isfinite(float(x.sum())):
-            x = torch.where(self.valid & x.isfinite(), x, 0.0)
-        elif not bool(self.valid.all()):  # torch.where's bits, faster; in x itself if ours
+        # The padding zeroed first (torch.where's bits, faster; in x itself if ours): then a
+        # finite sum means no NaN or inf (which a sum keeps) is left, as it is where only
+        # the padding held them (--poison). Else every one is zeroed, as torch.where does.
+        given = x
+        if not bool(self.valid.all()):
             invalid = self.invalid_rows()
             x = x.index_fill_(0, invalid, 0.0) if own_x else x.index_fill(0, invalid, 0.0)
+        if not math.isfinite(float(x.sum())):
+            x = torch.where(self.valid & given.isfinite(), given, 0.0)
         self.channels = x.shape[-1]
         rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
