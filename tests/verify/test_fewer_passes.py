@@ -127,3 +127,27 @@ def test_any_true_is_any() -> None:
             flags = torch.rand(size, generator=g) < share
             assert any_true(flags) == bool(flags.any())
     assert any_true(torch.zeros(2, 3, dtype=torch.bool)) is False
+
+
+@pytest.mark.parametrize("where", ["padding", "valid row", "both"])
+@pytest.mark.parametrize("own_x", [False, True])
+def test_budget_of_poisoned_rows_is_that_of_their_finite_values(where: str, own_x: bool) -> None:
+    """NaN and inf in the padding (zeroed by index first) or in a valid row (torch.where over
+    every element): the statistics of x with every one of them, and the padding, set to 0."""
+    x, valid, _ = _rows(False)
+    invalid = (~valid).nonzero().squeeze(1)
+    if where != "valid row":
+        x[invalid[0], 3], x[invalid[-1], 0] = math.nan, -math.inf
+    if where != "padding":
+        x[0, 7] = math.inf
+    scale = torch.linspace(0.5, 2.0, 40, dtype=torch.float64)
+    bias = torch.full((40,), 0.25, dtype=torch.float64)
+    precision = Precision.of(torch.float32)
+    finite = torch.where(valid.unsqueeze(1) & x.isfinite(), x, 0.0)
+    expected = RowBudget(finite, valid, scale, bias, 1e-5, precision, keep_deviations=True)
+    given = x.clone()
+    found = RowBudget(given, valid, scale, bias, 1e-5, precision, keep_deviations=True, own_x=own_x)
+    for name in ("rstd", "xhat", "offset", "e2", "growth", "mean_abs", "deviations"):
+        assert _bits(getattr(found, name)) == _bits(getattr(expected, name)), name
+    assert _bits(found.out()) == _bits(expected.out())
+    assert _bits(given[valid]) == _bits(x[valid])  # valid rows untouched, NaN and inf included
