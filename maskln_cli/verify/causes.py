@@ -239,7 +239,7 @@ class Causes:
         confirmed = first.removeprefix("rounding_") if first.startswith("rounding_") else None
         found_here = diagnose.diagnose_rows(
             checked.name, sample, judge, truth, noise, candidates,
-            found is not None or self.formula_said,
+            (found is not None and found.rounding_excluded) or self.formula_said,
             catalogue=not self.no_formula and evidence != "same",
             confirmed=confirmed, forward=evidence == "any",
         )  # fmt: skip

@@ -383,6 +383,15 @@ class Finding:
         terms = self.terms is not None and self.terms.systematic
         return self.systematic_factor or self.systematic_shift or terms or self.rows_beyond > 0
 
+    @property
+    def rounding_excluded(self) -> bool:
+        """Whether what is systematic is what no rounding gives: a pooled factor, shift or
+        term, or rows scaled alone. grad_x's constants beyond each row's rounding alone
+        (:attr:`TermFinding.systematic_constant`) are not: they are what a coarser dtype's
+        rounding of c2 gives (c1 and c2 summed in float16)."""
+        terms = self.terms is not None and self.terms.systematic_term
+        return self.systematic_factor or self.systematic_shift or terms or self.rows_beyond > 0
+
     def to_dict(self) -> dict[str, object]:
         return asdict(self)  # every field, in order
 

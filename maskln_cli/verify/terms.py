@@ -48,6 +48,9 @@ FEW_ROWS = 8
 FEW_ROWS_TERM = 0.1
 """With few rows a coefficient is systematic beyond this (a term missing is 1; a correct
 kernel's, on one row, its relative rounding of that term: far below)."""
+CONSTANT_LIMIT = 0.25
+"""Rows' constants are systematic when their rms over the rows is beyond this share of each
+row's bound (:func:`constant_bounds`), from FEW_ROWS distinct rows."""
 MODEL_AGREEMENT = 0.05
 """A term is named missing when its coefficient is within this of 1 and the other's of 0."""
 
@@ -150,9 +153,19 @@ class TermSums:
     # The distinct rows seen (by their variance, up to FEW_ROWS + 1 of them): copies of a row
     # round alike and are one row of evidence.
     spreads: set[float] = field(default_factory=set)
+    # Each row's constant (the mean of its error) over its bound (:func:`constant_bounds`):
+    # the rows judged, the sum of the squares, the worst, and the rows beyond 1.
+    constant_rows: int = 0
+    constant_squares: float = 0.0
+    constant_worst: float = 0.0
+    constant_beyond: int = 0
 
     def add(self, other: TermSums) -> None:
         self.rows += other.rows
+        self.constant_rows += other.constant_rows
+        self.constant_squares += other.constant_squares
+        self.constant_worst = max(self.constant_worst, other.constant_worst)
+        self.constant_beyond += other.constant_beyond
         for name, pool in other.pools.items():
             self.pools[name].add(pool)
         if len(self.spreads) <= FEW_ROWS:
@@ -244,7 +257,43 @@ def fit_terms(
         sums.pools[name] = Pool(*found[k * 7 : k * 7 + 7], float(sums.rows))
     spread = rstd.index_select(0, kept).square().reciprocal()
     sums.spreads = set(spread.unique()[: FEW_ROWS + 1].tolist())
+    if rounding is not None:
+        ratio = all_plain[:, 2].index_select(0, kept).div(channels).abs()
+        ratio /= constant_bounds(
+            rounding.index_select(0, kept), c1.index_select(0, kept), c2.index_select(0, kept),
+            all_products[:, 3, 3].index_select(0, kept), channels,
+        )  # fmt: skip
+        ratio = ratio[ratio.isfinite()]
+        if ratio.numel():
+            sums.constant_rows = ratio.numel()
+            sums.constant_squares = float(ratio.square().sum())
+            sums.constant_worst = float(ratio.max())
+            sums.constant_beyond = int((ratio > 1).sum())
     return sums
+
+
+def constant_bounds(
+    rounding: torch.Tensor,
+    c1: torch.Tensor,
+    c2: torch.Tensor,
+    wdy_squares: torch.Tensor,
+    channels: int,
+) -> torch.Tensor:
+    """What a correct kernel's rounding moves each row's grad_x by alike on every element (its
+    constant), ``[R]``, from each row's modelled rounding of grad_x (rms, ``rounding``), its
+    c1, c2 and sum of ``wdy**2``: the row's mean, shifted by ``s``, moves grad_x by ``rstd *
+    s * c1`` alike, and by ``rstd * s * xhat * c2``; a running mean's drift, by ``rstd * s_j *
+    c2`` (s_j each element's own), whose mean over the row is a constant too; c2's own
+    rounding is one. Each is the rounding's ``rstd * s * rms(wdy)`` (its shift part) times
+    ``n / rms(wdy)``, with ``n1 + n2 = |c1| + |c2| + 2 rms(wdy) / sqrt(C)`` (the sums' rounding
+    per unit: docs/verify-budget.md, "The gradients' budget"). The rounding's other parts
+    (stored, the backward's sums) are each element's own: averaged over the row, within
+    ``2 * rounding / sqrt(C)`` (where the rounding is an ulp of a half dtype's subnormals, its
+    own rounding's rms is 0.58 of it: 3.5 standard errors).
+    """
+    wdy_rms = wdy_squares.div(channels).sqrt()
+    n = c1.abs() + c2.abs() + 2 * wdy_rms / math.sqrt(channels)
+    return rounding * (n / wdy_rms + 2 / math.sqrt(channels))
 
 
 def row_products(
@@ -284,10 +333,21 @@ class TermFinding:
     systematic_mean_term: bool
     gate: float
     model: str | None = None
+    # Each row's constant over its bound (:func:`constant_bounds`): their rms over the rows,
+    # the worst, and the rows beyond 1 (of constant_rows).
+    constant_score: float = 0.0
+    constant_worst: float = 0.0
+    constant_beyond: int = 0
+    constant_rows: int = 0
+    systematic_constant: bool = False
+
+    @property
+    def systematic_term(self) -> bool:
+        return self.systematic_xhat_term or self.systematic_mean_term
 
     @property
     def systematic(self) -> bool:
-        return self.systematic_xhat_term or self.systematic_mean_term
+        return self.systematic_term or self.systematic_constant
 
     def sentence(self, rows: str) -> str:
         """``all 717 valid rows: grad_x's xhat term off by +1 ± 3e-07: systematic, not
@@ -300,8 +360,17 @@ class TermFinding:
             )
             if systematic
         ]
-        return f"{rows}: grad_x's {' and '.join(parts).removeprefix('its ')}: systematic,"\
-            " not rounding"  # fmt: skip
+        if self.systematic_constant:
+            parts.append(
+                f"{'' if parts else 'its '}mean error on each row beyond that row's rounding of"
+                f" it: {self.constant_score:.2g} of its bound in rms over {self.constant_rows:,}"
+                f" rows (a correct kernel's within {CONSTANT_LIMIT:g}), {self.constant_beyond:,}"
+                f" rows beyond it (the worst {self.constant_worst:.2g} times)"
+            )
+        verdict = "systematic, not rounding" if self.systematic_term else (
+            "not a correct kernel's rounding"
+        )  # fmt: skip
+        return f"{rows}: grad_x's {' and '.join(parts).removeprefix('its ')}: {verdict}"
 
 
 def pooled_terms(sums: TermSums, gate: float) -> TermFinding | None:
@@ -326,6 +395,13 @@ def pooled_terms(sums: TermSums, gate: float) -> TermFinding | None:
     finding = TermFinding(
         sums.rows, a, a_error, b, b_error, a_systematic, b_systematic, gate
     )  # fmt: skip
+    if sums.constant_rows:
+        finding.constant_rows, finding.constant_beyond = sums.constant_rows, sums.constant_beyond
+        finding.constant_score = math.sqrt(sums.constant_squares / sums.constant_rows)
+        finding.constant_worst = sums.constant_worst
+        finding.systematic_constant = (
+            len(sums.spreads) >= FEW_ROWS and finding.constant_score > CONSTANT_LIMIT
+        )
     for name, other in (("xhat", "mean"), ("mean", "xhat")):
         value, _, systematic = found[name]
         if (

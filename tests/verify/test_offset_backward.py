@@ -116,3 +116,28 @@ def test_correct_kernels_pass_on_the_other_families(kernel, family):
     passed, tensors = judge(CORRECT[kernel](inputs), inputs)
     assert passed, {n: t["problems"] for n, t in tensors.items()}
     assert tensors["grad_x"]["factor_needed"] <= 1.0
+
+
+def mean_term_unscaled(inputs: kernels.Tensors) -> kernels.Tensors:
+    """A wrong backward: its mean term sums the upstream gradient without scale, ``c2 =
+    mean(dy)`` (the correct one is ``mean(scale * dy)``), otherwise :func:`hand_written`'s."""
+    result = hand_written()(inputs)
+    keep = inputs["valid"][..., None]
+    rows = torch.where(keep, inputs["x"], 0.0)
+    mean = rows.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((rows - mean).square().mean(-1, keepdim=True) + EPS)
+    dy = torch.where(keep, inputs["grad_out"], 0.0)
+    wrong = dy.mean(-1, keepdim=True) - (dy * inputs["scale"]).mean(-1, keepdim=True)
+    return result | {"grad_x": torch.where(keep, result["grad_x"] - rstd * wrong, 0.0)}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_mean_term_summed_without_scale_fails_on_offset_rows(seed):
+    """Its error is a constant on each row, of a random sign from row to row (no pooled factor
+    sees it), within the per-element budget (1.98 of it), but beyond each row's rounding of
+    its constant."""
+    inputs = offset_rows(seed)
+    passed, tensors = judge(mean_term_unscaled(inputs), inputs)
+    assert not passed
+    problems = " ".join(tensors["grad_x"]["problems"])
+    assert "mean error on each row beyond that row's rounding" in problems, problems

@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from maskln_cli.verify.terms import Pool, fit_terms, pooled_error, row_products
+from maskln_cli.verify.terms import (
+    Pool,
+    constant_bounds,
+    fit_terms,
+    pooled_error,
+    pooled_terms,
+    row_products,
+)
 
 
 def _rows(rows: int = 64, channels: int = 48, seed: int = 0):
@@ -106,3 +113,30 @@ def test_fit_terms_takes_the_row_products_it_is_given():
     for name in ("xhat", "mean"):
         assert given.pools[name].mean() == own.pools[name].mean()
         assert given.pools[name].mean() == pytest.approx(1e-3 if name == "xhat" else 0, abs=1e-9)
+
+
+def test_each_rows_constant_is_judged_against_its_own_bound():
+    """A constant of a random sign on each row, k_r times that row's bound: the finding's score
+    is the rms of k_r, its worst the largest, and it is systematic beyond CONSTANT_LIMIT."""
+    truth, xhat, wdy, rstd, _, _ = _rows()
+    channels = truth.shape[1]
+    g = torch.Generator().manual_seed(2)
+    rounding = 1e-6 * (1 + torch.rand(len(truth), generator=g, dtype=torch.float64))
+    c1, c2 = (xhat * wdy).mean(dim=1), wdy.mean(dim=1)
+    n = c1.abs() + c2.abs() + 2 * wdy.square().mean(dim=1).sqrt() / math.sqrt(channels)
+    bound = rounding * n / wdy.square().mean(dim=1).sqrt()  # independently of constant_bounds
+    bound += 2 * rounding / math.sqrt(channels)
+    assert constant_bounds(rounding, c1, c2, wdy.square().sum(dim=1), channels) == (
+        pytest.approx(bound, rel=1e-12)
+    )
+    rows = torch.ones(len(truth), dtype=torch.bool)
+    for size, systematic in ((0.1, False), (0.6, True)):
+        k = size * torch.randn(len(truth), generator=g, dtype=torch.float64)
+        error = (k * bound)[:, None].expand_as(truth)
+        found = pooled_terms(fit_terms(error, truth, xhat, wdy, rstd, rows, rounding), 1.0)
+        assert found is not None
+        assert found.constant_score == pytest.approx(float(k.square().mean().sqrt()), rel=1e-9)
+        assert found.constant_worst == pytest.approx(float(k.abs().max()), rel=1e-9)
+        assert found.constant_beyond == int((k.abs() > 1).sum())
+        assert found.systematic_constant is systematic
+        assert found.systematic is systematic  # the term coefficients are within the gate 1

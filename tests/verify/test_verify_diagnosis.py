@@ -134,7 +134,12 @@ def test_nan_in_the_valid_rows_alone_is_not_blamed_on_the_padding(name):
     assert causes(tensors) == set(), {n: t["diagnosis"] for n, t in tensors.items()}
     problems = tensors["grad_x"]["problems"]
     assert "all in valid rows (the padding's are right)" in problems[0]
-    assert "not one of the known mistakes" in problems[-1]
+    # No cause named: the generic words, or in their place where grad_x's error is (c1 and c2
+    # summed in float16 err on each row alike: its mean error beyond the row's rounding).
+    assert (
+        "not one of the known mistakes" in problems[-1]
+        or "mean error on each row beyond that row's rounding" in problems[-1]
+    ), problems
 
 
 def test_a_forward_mistake_is_not_named_for_a_gradient_when_out_is_right():
