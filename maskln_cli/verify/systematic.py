@@ -380,8 +380,8 @@ class Finding:
 
     @property
     def systematic(self) -> bool:
-        terms = self.terms is not None and self.terms.systematic
-        return self.systematic_factor or self.systematic_shift or terms or self.rows_beyond > 0
+        constants = self.terms is not None and self.terms.systematic_constant
+        return self.rounding_excluded or constants
 
     @property
     def rounding_excluded(self) -> bool:
