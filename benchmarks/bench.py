@@ -987,7 +987,7 @@ def figure_15(settings: Settings, report: Report, workdir: Path) -> None:
     label = "[2097152, 128] float32 + grad_out: wall / --check out"
     report.rows.append(Row(figure, label, walls, "<= 2.00", statistics.median(walls) <= 2.0))
     report.notes.append(
-        f"13 (1 GiB x): medians: with gradients"
+        f"15 (1 GiB x): medians: with gradients"
         f" {statistics.median(r.wall_s for r in ours_runs):.2f} s, --check out"
         f" {statistics.median(r.wall_s for r in forward_runs):.2f} s"
     )
