@@ -181,6 +181,7 @@ def fit_terms(
     rows: torch.Tensor,
     rounding: torch.Tensor | None = None,
     products: tuple[torch.Tensor, torch.Tensor] | None = None,
+    floor: float = 0.0,
 ) -> TermSums:
     """The term regressions of rows ``[R, C]`` (float64): ``error`` is RESULT - truth,
     ``truth`` the true grad_x, ``xhat`` and ``wdy`` (``scale * grad_out``) the rows' own,
@@ -188,7 +189,8 @@ def fit_terms(
     left out), ``rounding`` ``[R]`` the rms of a correct kernel's modelled rounding of each
     row (None: 0): a coefficient's noise is at most that row's rounding all along its term,
     ``rounding * sqrt(C / information)``. ``products``: the rows' :func:`row_products` of
-    (truth, xhat, error, wdy), when the caller has them.
+    (truth, xhat, error, wdy), when the caller has them. ``floor``: the stored dtype's
+    rounding of its smallest values, half an ulp of its subnormals (:func:`constant_bounds`).
 
     Example:
         >>> import torch
@@ -261,7 +263,7 @@ def fit_terms(
         ratio = all_plain[:, 2].index_select(0, kept).div(channels).abs()
         ratio /= constant_bounds(
             rounding.index_select(0, kept), c1.index_select(0, kept), c2.index_select(0, kept),
-            all_products[:, 3, 3].index_select(0, kept), channels,
+            all_products[:, 3, 3].index_select(0, kept), channels, floor,
         )  # fmt: skip
         ratio = ratio[ratio.isfinite()]
         if ratio.numel():
@@ -278,6 +280,7 @@ def constant_bounds(
     c2: torch.Tensor,
     wdy_squares: torch.Tensor,
     channels: int,
+    floor: float = 0.0,
 ) -> torch.Tensor:
     """What a correct kernel's rounding moves each row's grad_x by alike on every element (its
     constant), ``[R]``, from each row's modelled rounding of grad_x (rms, ``rounding``), its
@@ -289,11 +292,15 @@ def constant_bounds(
     per unit: docs/verify-budget.md, "The gradients' budget"). The rounding's other parts
     (stored, the backward's sums) are each element's own: averaged over the row, within
     ``2 * rounding / sqrt(C)`` (where the rounding is an ulp of a half dtype's subnormals, its
-    own rounding's rms is 0.58 of it: 3.5 standard errors).
+    own rounding's rms is 0.58 of it: 3.5 standard errors). But rounding to the nearest
+    subnormal is not each element's own: where grad_x is a few of their ulps (float16 at an
+    upstream gradient of 1e-6), its rounding erases part of each row's constant alike; that,
+    ``floor``, half an ulp of the stored dtype's subnormals, is each element's bound alike
+    (float32's 7e-46; 0: none).
     """
     wdy_rms = wdy_squares.div(channels).sqrt()
     n = c1.abs() + c2.abs() + 2 * wdy_rms / math.sqrt(channels)
-    return rounding * (n / wdy_rms + 2 / math.sqrt(channels))
+    return rounding * (n / wdy_rms + 2 / math.sqrt(channels)) + floor
 
 
 def row_products(

@@ -141,3 +141,15 @@ def test_a_mean_term_summed_without_scale_fails_on_offset_rows(seed):
     assert not passed
     problems = " ".join(tensors["grad_x"]["problems"])
     assert "mean error on each row beyond that row's rounding" in problems, problems
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_correct_float16_kernels_pass_on_wide_rows_of_tiny_gradients(seed):
+    """At C = 4096 and an upstream gradient of 1e-6, a float16 grad_x is made of subnormals:
+    rounding each to the nearest multiple of 2**-24 moves a row's mean by up to half of it
+    alike, far beyond its rounding in a normal float16 (F.layer_norm's constants were 0.26 to
+    0.34 of their bounds, beyond the limit 0.25: a false failure)."""
+    inputs = kernels.offset_batch(0.0, seed, shape=(1, 32, 4096), dtype="float16")
+    inputs["grad_out"] = (inputs["grad_out"].double() * 1e-6).half()
+    passed, tensors = judge(kernels.run(kernels.torch_layer_norm, inputs), inputs)
+    assert passed, {n: t["problems"] for n, t in tensors.items()}

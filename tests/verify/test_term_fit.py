@@ -140,3 +140,23 @@ def test_each_rows_constant_is_judged_against_its_own_bound():
         assert found.constant_beyond == int((k.abs() > 1).sum())
         assert found.systematic_constant is systematic
         assert found.systematic is systematic  # the term coefficients are within the gate 1
+
+
+def test_a_floor_of_rounding_bounds_each_rows_constant():
+    """An error of ``floor`` on every element alike (the most rounding to the nearest
+    subnormal gives) is within each row's constant bound, however small the rows' other
+    rounding; without the floor, far beyond it."""
+    truth, xhat, wdy, rstd, _, _ = _rows()
+    channels, floor = truth.shape[1], 2.0**-25
+    rounding = torch.full((len(truth),), 1e-12, dtype=torch.float64)
+    c1, c2 = (xhat * wdy).mean(dim=1), wdy.mean(dim=1)
+    squares = wdy.square().sum(dim=1)
+    assert constant_bounds(rounding, c1, c2, squares, channels, floor) == pytest.approx(
+        constant_bounds(rounding, c1, c2, squares, channels) + floor, rel=1e-12
+    )
+    error = torch.full_like(truth, floor)
+    rows = torch.ones(len(truth), dtype=torch.bool)
+    found = pooled_terms(fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, None, floor), 1)
+    assert found is not None and 0.99 < found.constant_worst <= 1.0
+    found = pooled_terms(fit_terms(error, truth, xhat, wdy, rstd, rows, rounding), 1.0)
+    assert found is not None and found.constant_worst > 1e3
