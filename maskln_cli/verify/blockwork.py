@@ -366,8 +366,8 @@ class BlockWork:
         wdy_squares = products[:, 3, 3]  # [R]
         terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
         rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
-        rounding += info.tiny * info.eps / 2
         floor = info.tiny * info.eps / 2  # half an ulp of the dtype's subnormals
+        rounding += floor
         sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), floor)
         return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
 
