@@ -156,17 +156,15 @@ class RowBudget:
         self.own_grad_out = own_grad_out  # see upstream()
         self.centered = centered
         self.scale, self.bias = scale, bias
-        # The padding zeroed first (torch.where's bits, faster; in x itself if ours): then a
-        # finite sum means no NaN or inf (which a sum keeps) is left, as it is where only
-        # the padding held them (--poison). Else every one is zeroed, as torch.where does.
+        # The padding zeroed first (torch.where's bits, faster; in x itself if ours), then
+        # NaN and inf anywhere else (see _finite_rows).
         given = x
         if not bool(self.valid.all()):
             invalid = self.invalid_rows()
             x = x.index_fill_(0, invalid, 0.0) if own_x else x.index_fill(0, invalid, 0.0)
-        if not math.isfinite(float(x.sum())):
-            x = torch.where(self.valid & given.isfinite(), given, 0.0)
+        x, mean = _finite_rows(x, given, self.valid, centered)
         self.channels = x.shape[-1]
-        rows = x - x.mean(dim=-1, keepdim=True) if centered else x.clone()
+        rows = x - mean if mean is not None else x.clone()
         self.rstd = (rows.square().mean(dim=-1, keepdim=True) + eps).rsqrt()
         # x - mean, kept beside xhat when asked (``keep_deviations``; LayerNorm's only):
         # grad_x's fits normalize it by the truth's rstd.
@@ -235,10 +233,11 @@ class RowBudget:
             self._invalid = (~self.valid).reshape(-1).nonzero().squeeze(1)
         return self._invalid
 
-    def upstream(self, grad_out: torch.Tensor) -> torch.Tensor:
+    def upstream(self, grad_out: torch.Tensor, tested: bool = False) -> torch.Tensor:
         """``grad_out`` (float64) with 0 on invalid rows and for NaN and inf: made once for
         the same ``grad_out``, and not to be written; in ``grad_out`` itself when it is the
-        caller's to give (``own_grad_out``: its invalid rows zeroed, its valid rows as they are)."""
+        caller's to give (``own_grad_out``: its invalid rows zeroed, its valid rows as they are;
+        ``tested``: NaN and inf left for the caller to find, :meth:`wdy_rms`)."""
         if self._upstream is not None and self._upstream[0] is grad_out:
             return self._upstream[1]
         invalid = self.invalid_rows()
@@ -248,8 +247,8 @@ class RowBudget:
             dy = grad_out.index_fill(0, invalid, 0.0)
         # A finite float64 sum means every value is finite (float32 and half values cannot
         # overflow it): then isfinite, a pass over the rows, is not needed.
-        if not math.isfinite(float(dy.sum())):
-            dy = torch.where(self.valid & grad_out.isfinite(), grad_out, 0.0)
+        if not tested and not math.isfinite(float(dy.sum())):
+            dy = _finite_only(grad_out, self.valid)
         self._upstream = (grad_out, dy)
         return dy
 
@@ -259,9 +258,16 @@ class RowBudget:
         if self._wdy_rms is not None and self._wdy_rms[0] is grad_out:
             return self._wdy_rms[1]
         if wdy is None:  # in the caller's buffer if it gave one (wdy_into)
-            wdy = torch.mul(self.upstream(grad_out), self.scale, out=self.wdy_into)
+            # upstream()'s test of its sum, from the rms (a pass fewer, the same bits): NaN
+            # and inf carry into it (times a scale of 0 too), a finite overflow changes nothing.
+            tested = self._upstream is None or self._upstream[0] is not grad_out
+            wdy, rms = _scaled_rms(self.upstream(grad_out, tested), self.scale, self.wdy_into)
+            if tested and not bool(rms.isfinite().all()):
+                self._upstream = (grad_out, _finite_only(grad_out, self.valid))
+                wdy, rms = _scaled_rms(self._upstream[1], self.scale, self.wdy_into)
             self._wdy = (grad_out, wdy)
-        rms = wdy.square().mean(dim=-1, keepdim=True).sqrt_()
+        else:
+            rms = wdy.square().mean(dim=-1, keepdim=True).sqrt_()
         self._wdy_rms = (grad_out, rms)
         return rms
 
@@ -411,6 +417,34 @@ class RowBudget:
         dy_abs = torch.abs(dy, out=term)  # the buffer again
         moved = torch.add(self.xhat_abs(), self.offset).mul_(dy_abs).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
+
+
+def _finite_rows(
+    x: torch.Tensor, given: torch.Tensor, valid: torch.Tensor, centered: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows ``x`` (``given``, their padding zeroed) with 0 for NaN and inf too, and their
+    means (LayerNorm's; None for RMSNorm). Finite sums (LayerNorm's: its row means, needed
+    anyway, a pass fewer) mean no NaN or inf is left (a sum keeps them), as where only the
+    padding held them (--poison); else every one is zeroed, as torch.where does (a finite
+    value overflowing a sum too: torch.where changes no finite value)."""
+    mean = x.mean(dim=-1, keepdim=True) if centered else None
+    if bool(mean.isfinite().all()) if mean is not None else bool(x.sum().isfinite()):
+        return x, mean
+    x = _finite_only(given, valid)
+    return x, x.mean(dim=-1, keepdim=True) if centered else None
+
+
+def _finite_only(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``values`` with 0 on invalid rows (``valid`` ``[R, 1]``) and for NaN and inf."""
+    return torch.where(valid & values.isfinite(), values, 0.0)
+
+
+def _scaled_rms(
+    dy: torch.Tensor, scale: torch.Tensor, into: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale * dy`` (in ``into``, if given) and each row's rms of it ``[R, 1]``."""
+    wdy = torch.mul(dy, scale, out=into)
+    return wdy, wdy.square().mean(dim=-1, keepdim=True).sqrt_()
 
 
 class SumBudget:
