@@ -302,10 +302,12 @@ class StreamingPass:
         invalid = (~valid).nonzero().squeeze(1)  # only they are looked at
         # A row's sum is finite only if its every value is (NaN and inf carry into it, and
         # into the sum of x's and grad_out's): only rows whose sum is not are looked at
-        # value by value (gathering rows and isfinite are slow: 1 ms a chunk of [512, 1024]).
-        sums = x.sum(dim=1)[invalid]
+        # value by value (isfinite is slow: 1 ms a chunk of [512, 1024]). The invalid rows
+        # gathered first, then summed: not every row's sum read for a quarter of them (the
+        # rows sum in another order: a NaN or inf carries into the sum either way).
+        sums = x.index_select(0, invalid).sum(dim=1)
         if grad_out is not None:
-            sums = sums + grad_out.sum(dim=1)[invalid]
+            sums = sums + grad_out.index_select(0, invalid).sum(dim=1)
         invalid = invalid[~sums.isfinite()]
         bad = ~x[invalid].isfinite().all(dim=1)
         if grad_out is not None:
