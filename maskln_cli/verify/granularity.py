@@ -43,12 +43,24 @@ def coarsest(
     the one whose grid is the coarser on those values (a bfloat16 number is a float16 one too,
     and a float16 subnormal a bfloat16 one). None: it has none's."""
     candidates = recovered(name, sample, truth)
+    if not candidates:
+        return None
+    # The truth's own values, judged with the result's error bars: where they too lie on a
+    # grid, the data put them there, not a kernel (rows about 1e4 have means near 10,000, a
+    # float16 number, and a wrong kernel's wide error bars reach it).
+    truths = recovered(name, sample, truth, actual=truth) or [None] * len(candidates)
     best, coarseness = None, -math.inf
     for dtype in dtypes:
-        for value, error in candidates:
+        for (value, error), truth_candidate in zip(candidates, truths, strict=True):
             relative = on_grid(value, error, dtype)
-            if relative is not None and relative > coarseness:
-                best, coarseness = dtype, relative
+            if relative is None or relative <= coarseness:
+                continue
+            if (
+                truth_candidate is not None
+                and on_grid(truth_candidate[0], error, dtype) is not None
+            ):
+                continue
+            best, coarseness = dtype, relative
     return best
 
 
@@ -85,15 +97,16 @@ def on_grid(value: torch.Tensor, error: torch.Tensor, dtype: torch.dtype) -> flo
 
 
 def recovered(
-    name: str, sample: Sample, truth: torch.Tensor
+    name: str, sample: Sample, truth: torch.Tensor, actual: torch.Tensor | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What the kernel computed, recovered from its result row by row, with standard errors:
-    (values, errors) pairs, each a candidate to lie on a grid."""
+    (values, errors) pairs, each a candidate to lie on a grid. ``actual``: another result of
+    the sample's shape to recover them from (the truth); None: the sample's own."""
 
     problem = sample.problem
     channels = problem.channels
     valid = sample.valid.reshape(-1)
-    actual = sample.actual.reshape(-1, channels)[valid].double()
+    actual = (sample.actual if actual is None else actual).reshape(-1, channels)[valid].double()
     x = sample.x.reshape(-1, channels)[valid].double()
     if not len(actual) or channels < 3 or not bool(actual.isfinite().all()):
         return []
