@@ -10,7 +10,7 @@ upstream gradient summed into grad_scale and grad_bias. Each is a :class:`Mistak
 
 :data:`STATISTICS_OVERFLOW` is recognized by where a result is wrong (:func:`overflow_match`):
 on the valid rows, and only those, whose statistics a half-precision kernel cannot hold (a sum
-of squares beyond float16's 65,504).
+of squares beyond float16's 65,504), or a float32 kernel (beyond float32's 3.4e+38).
 """
 
 from __future__ import annotations
@@ -126,8 +126,20 @@ STATISTICS_OVERFLOW = Mistake(
     " dtype of the values",
     _correct,  # recognized by where the result is wrong, not by a formula
 )
-OVERFLOWING = (torch.float16,)
-"""Dtypes whose range a row's statistics outgrow (bfloat16 has float32's)."""
+STATISTICS_OVERFLOW_FLOAT32 = Mistake(
+    "statistics_overflow",
+    "the row statistics overflow float32: a row's sum of squares beyond 3.4e+38 (values beyond"
+    " about 1e19) becomes inf, and the row NaN, inf, or what a zero rstd leaves (LayerNorm's"
+    " bias, RMSNorm's 0)",
+    "keep the row's sum of squares in float64, or divide the row by its largest |x| before"
+    " squaring it",
+    _correct,  # recognized by where the result is wrong, not by a formula
+)
+"""The same mistake in a float32 kernel's own statistics (its rows' values beyond ~1e19)."""
+OVERFLOWING = {torch.float16: STATISTICS_OVERFLOW, torch.float32: STATISTICS_OVERFLOW_FLOAT32}
+"""Dtypes whose range a row's statistics outgrow (bfloat16 has float32's), and the words for
+it: a float32 kernel's rows of 1e29 overflow float16's range too, but it is float32's that its
+sums outgrew."""
 STATISTICS_OVERFLOW_DTYPE = torch.float16
 """The dtype a kernel's statistics overflow in, whatever it stores (float32 accumulators
 of float16 sums overflow as a float16 kernel does)."""
@@ -190,5 +202,5 @@ def overflow_match(
     shaped = wrong & (~finite | collapsed)
     if 2 * int(shaped.sum()) < int(over.sum()) or not bool(shaped[wrong].all()):
         return None
-    mistake = STATISTICS_OVERFLOW
+    mistake = OVERFLOWING[dtype]
     return Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
