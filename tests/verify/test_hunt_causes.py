@@ -248,3 +248,36 @@ def test_a_one_pass_variance_on_one_or_two_rows_is_still_named():
                 if failing and mistakes != {"one_pass_variance"}:
                     unnamed.append((dtype, rows, seed, line))
     assert not unnamed, unnamed[:3]
+
+
+def test_a_wrong_bias_on_offset_rows_is_not_a_coarser_dtype_s_rounding():
+    """Bias applied in reversed channel order, float32 rows 1e4 + N(0, 0.1): its rows' means,
+    recovered with its wide error bars, reach 10,000, a float16 number, as the truth's do. That
+    grid is the data's: "float16 rounding" was named for an error of 390 float16 ulps."""
+    g = torch.Generator().manual_seed(0)
+    x = (1e4 + 0.1 * torch.randn(4, 32, 64, generator=g, dtype=torch.float64)).float()
+    valid = torch.rand(4, 32, generator=g) > 0.3
+    scale = (1 + 0.5 * torch.randn(64, generator=g, dtype=torch.float64)).float()
+    bias = (0.3 * torch.randn(64, generator=g, dtype=torch.float64)).float()
+    out = _plain(x, scale, torch.zeros_like(bias), valid) + bias.flip(-1) * valid[..., None]
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    failing, mistakes, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert "rounding" not in line and not any("16" in m for m in mistakes), (line, mistakes)
+
+
+def test_a_float32_kernel_s_sums_of_squares_overflowing_float32_are_not_float16_s():
+    """RMSNorm summing x**2 in float32 on rows of 1e29: float32's range is what its sums
+    outgrew (rows of 1e29 overflow float16's too, and that was named, with "accumulate in
+    float32" for a fix the kernel already had)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, 64, generator=g) * 1e29
+    valid = torch.rand(4, 32, generator=g) > 0.3
+    scale = torch.randn(64, generator=g)
+    squares = x.masked_fill(~valid[..., None], 0.0).square().mean(-1, keepdim=True)
+    out = (x * torch.rsqrt(squares + 1e-6) * scale).masked_fill(~valid[..., None], 0.0)
+    report = verify(out, x, valid, scale, None, 1e-6, norm="rms")
+    failing, mistakes, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert mistakes == {"statistics_overflow"}, line
+    assert "overflow float32" in line and "float16" not in line, line
