@@ -13,6 +13,7 @@ Each reads a bounded amount (a chunk of rows at a time, or the sample a diagnosi
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from maskln_cli.errors import MasklnError
@@ -65,8 +66,26 @@ def exact_in_coarser_dtype(values: torch.Tensor, stored: str) -> str | None:
         exact = [name for name in names if _exactly(flat, getattr(torch, name))]
         if not exact:
             break
-        found = exact[0]
+        # Of two that both hold, the one whose grid is the coarser on these values: values
+        # of 8 significant bits are bfloat16's, float16's subnormals (a float16 kernel's
+        # gradients of 1e-6) float16's, though each is a number of the other dtype too.
+        found = max(exact, key=lambda name: _coarseness(flat, getattr(torch, name)))
     return found
+
+
+def _coarseness(flat: torch.Tensor, dtype: torch.dtype) -> float:
+    """How coarse ``dtype``'s grid is on the finite nonzero values of ``flat`` (a sample of
+    them): the mean log2 of its spacing relative to each value."""
+    import torch
+
+    values = flat[:FIRST_ELEMENTS].double()
+    values = values[values.isfinite() & (values != 0)].abs()
+    if not values.numel():
+        return -math.inf
+    info = torch.finfo(dtype)
+    spacing = torch.exp2(torch.floor(torch.log2(values))) * info.eps
+    spacing = spacing.clamp(min=info.tiny * info.eps)  # subnormals
+    return float((spacing / values).log2().mean())
 
 
 def _exactly(flat: torch.Tensor, dtype: torch.dtype) -> bool:
