@@ -281,3 +281,26 @@ def test_a_float32_kernel_s_sums_of_squares_overflowing_float32_are_not_float16_
     assert failing == ["out"], line
     assert mistakes == {"statistics_overflow"}, line
     assert "overflow float32" in line and "float16" not in line, line
+
+
+def test_a_float16_grad_x_of_subnormals_stored_as_float32_is_float16_s_not_bfloat16_s():
+    """A float16 backward's grad_x at an upstream gradient of 1e-6: float16 subnormals, each a
+    bfloat16 number too (a few significant bits), but on float16's grid, far the coarser there.
+    "every value is exactly a bfloat16 ... a bfloat16 kernel" was said; float16's rounding of
+    subnormals is not within its ulps of each value either, so no dtype is named."""
+    from maskln_cli import masked_layer_normalization
+
+    x, scale, bias = _inputs((4, 32, 64))
+    valid = torch.ones(4, 32, dtype=torch.bool)
+    dy = 1e-6 * torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
+    leaves = [t.double().requires_grad_() for t in (x, scale, bias)]
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2], 1e-5)
+    grads = torch.autograd.grad(out, leaves, dy.double())
+    grad_x = grads[0].half().float()  # computed in float16, stored as float32
+    report = verify(
+        out.detach().float(), x, valid, scale, bias, 1e-5, grad_out=dy, grad_x=grad_x,
+        grad_scale=grads[1].float(), grad_bias=grads[2].float(),
+    )  # fmt: skip
+    failing, _, line = _failed_with(report)
+    assert failing == ["grad_x"], line
+    assert "bfloat16" not in line, line
