@@ -304,3 +304,19 @@ def test_a_float16_grad_x_of_subnormals_stored_as_float32_is_float16_s_not_bfloa
     failing, _, line = _failed_with(report)
     assert failing == ["grad_x"], line
     assert "bfloat16" not in line, line
+
+
+def test_rows_a_half_dtype_rounds_to_constants_are_no_evidence_of_an_overflow():
+    """Two-pass statistics in float16 on float32 rows 1e4 + N(0, 0.1): x rounded to float16 is
+    10,000 on every channel, so each row's spread is gone and out is bias, as an overflow
+    leaves it; but this kernel squares no 1e4. "statistics overflow float16" was named."""
+    x, scale, bias = _inputs((4, 32, 64), offset=1e4, std=0.1)
+    valid = torch.ones(4, 32, dtype=torch.bool)
+    half = x.half().float()  # what the kernel computes its statistics from
+    mean = half.mean(-1, keepdim=True)
+    var = (half - mean).square().mean(-1, keepdim=True)
+    out = (half - mean) * torch.rsqrt(var + 1e-5) * scale + bias
+    report = verify(out, x, valid, scale, bias, 1e-5)
+    failing, mistakes, line = _failed_with(report)
+    assert failing == ["out"], line
+    assert "statistics_overflow" not in mistakes and "overflow" not in line, line
