@@ -76,16 +76,14 @@ def exact_in_coarser_dtype(values: torch.Tensor, stored: str) -> str | None:
 def _coarseness(flat: torch.Tensor, dtype: torch.dtype) -> float:
     """How coarse ``dtype``'s grid is on the finite nonzero values of ``flat`` (a sample of
     them): the mean log2 of its spacing relative to each value."""
-    import torch
 
     values = flat[:FIRST_ELEMENTS].double()
     values = values[values.isfinite() & (values != 0)].abs()
     if not values.numel():
         return -math.inf
-    info = torch.finfo(dtype)
-    spacing = torch.exp2(torch.floor(torch.log2(values))) * info.eps
-    spacing = spacing.clamp(min=info.tiny * info.eps)  # subnormals
-    return float((spacing / values).log2().mean())
+    from maskln_cli.verify.granularity import grid_spacing
+
+    return float((grid_spacing(values, dtype) / values).log2().mean())
 
 
 def _exactly(flat: torch.Tensor, dtype: torch.dtype) -> bool:

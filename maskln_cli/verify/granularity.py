@@ -78,14 +78,10 @@ def on_grid(value: torch.Tensor, error: torch.Tensor, dtype: torch.dtype) -> flo
         >>> on_grid(values, noise, torch.float16) is None
         True
     """
-    import torch
 
     finite = value.isfinite() & error.isfinite() & (value != 0)
     value, error = value[finite], error[finite]
-    info = torch.finfo(dtype)
-    magnitude = value.abs().clamp(min=info.tiny, max=info.max)
-    spacing = torch.exp2(torch.floor(torch.log2(magnitude))) * info.eps
-    spacing = spacing.clamp(min=info.tiny * info.eps)  # subnormals
+    spacing = grid_spacing(value, dtype)
     resolved = spacing >= RESOLVED * error
     if int(resolved.sum()) < MIN_RESOLVED:
         return None
@@ -94,6 +90,24 @@ def on_grid(value: torch.Tensor, error: torch.Tensor, dtype: torch.dtype) -> flo
     if float(near.double().mean()) < ON_GRID:
         return None
     return float((spacing / value.abs()).log2().mean())
+
+
+def grid_spacing(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype``'s spacing of numbers at each of ``value`` (its subnormals' below its normal
+    range; its largest binade's beyond it).
+
+    Example:
+        >>> import torch
+        >>> values = torch.tensor([1.0, 3.0, 1e-7], dtype=torch.float64)
+        >>> grid_spacing(values, torch.float16).tolist()
+        [0.0009765625, 0.001953125, 5.960464477539063e-08]
+    """
+    import torch
+
+    info = torch.finfo(dtype)
+    magnitude = value.abs().clamp(min=info.tiny, max=info.max)
+    spacing = torch.exp2(torch.floor(torch.log2(magnitude))) * info.eps
+    return spacing.clamp(min=info.tiny * info.eps)  # subnormals
 
 
 def recovered(
