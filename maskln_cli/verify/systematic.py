@@ -528,7 +528,13 @@ def pooled(
     distinct = sums.rows
     if kept is not None:
         distinct = len(torch.unique(kept[:, 1]))
-    few = distinct < MIN_ROWS or (elements and sums.sources < MIN_ROWS)
+    # Nor do rows whose weights one or two of them dominate: the spread of the others then
+    # says nothing of the pooled factor's error (Kish's effective number of rows). A sum's
+    # elements need no such rule: their threshold holds their modelled rounding already.
+    effective = distinct
+    if kept is not None and sums.w2 > 0:
+        effective = min(distinct, sums.w**2 / sums.w2)
+    few = effective < MIN_ROWS or (elements and sums.sources < MIN_ROWS)
     # What one row of a correct kernel may err by: the gate of few rows and of sums.
     one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
     if few:  # without a standard error: twice the gate (6 rows of 16 channels of F.layer_norm
