@@ -39,8 +39,12 @@ if TYPE_CHECKING:
 UNIFORM_SPREAD = 0.3
 """Rows are off "uniformly" when their relative errors' spread is below this share of their
 mean (and the mean is well above rounding): the signature of a formula mistake."""
-GENERIC = "a formula or eps mistake"
-"""What the words say of rows all off by about the same, until an explanation says which."""
+ROUNDING_ENERGY = 4.0
+"""The error energy a correct kernel's rounding may reach, in units of PyTorch's own (twice its
+error in rms): what is beyond it must be most of what a factor or shift is said to be."""
+GENERIC = "the same mistake in every row, not rounding"
+"""What the words say of rows all off by about the same, until an explanation says which: what
+the evidence shows, no cause (a formula, an eps, a permutation of the channels all give it)."""
 
 
 class Explainer:
@@ -150,6 +154,13 @@ class Explainer:
                 finding.row = leading_index(finding.row, tuple(problem.shape[:-1]))
         elif finding is not None and checked.outcome is not None:
             finding.of = checked.outcome.numel  # the elements regressed are not always all
+        if finding is not None and finding.of and checked.comparison is not None:
+            # RESULT's error energy beyond rounding (ROUNDING_ENERGY times PyTorch's own), over
+            # what was regressed (a sample: its share of the whole); none beyond: not known.
+            comparison = checked.comparison
+            beyond = comparison.diff_squares - ROUNDING_ENERGY * comparison.yardstick_squares
+            if comparison.yardstick_squares > 0 and beyond > 0:
+                finding.error_energy = beyond * min(1.0, finding.rows / finding.of)
         if finding is not None and (finding.systematic or systematic.ALWAYS_REPORT):
             checked.outcome.systematic = finding.to_dict()  # type: ignore[union-attr]
         return finding

@@ -377,6 +377,28 @@ class Finding:
     row: int | list[int] | None = None
     row_factor: float | None = None
     row_limit: float | None = None
+    # The spread of the rows' (or elements') factors about the pooled one: beyond |1 + factor|
+    # RESULT is no multiple of the truth, and a factor describes nothing.
+    factor_spread: float = 0.0
+    # The error's energy (sum of squares) the common factor and shift give the rows regressed
+    # (or elements), and RESULT's beyond rounding over them (set by whoever measured it; None:
+    # not known, or none beyond rounding).
+    factor_energy: float = 0.0
+    shift_energy: float = 0.0
+    error_energy: float | None = None
+
+    def share(self, energy: float) -> float:
+        """The share of RESULT's error a factor's or shift's ``energy`` is (1: unknown)."""
+        if self.error_energy is None or self.error_energy <= 0:
+            return 1.0
+        return min(1.0, energy / self.error_energy)
+
+    @property
+    def multiple(self) -> bool:
+        """Whether RESULT is about ``1 + factor`` times the truth (its ratios to it spread by
+        less than that multiple): a sum made of the wrong rows' xhat is not, whatever its
+        pooled factor."""
+        return self.factor_spread <= abs(1 + self.factor)
 
     @property
     def systematic(self) -> bool:
@@ -406,7 +428,24 @@ class Finding:
         if self.unit != "rows":
             what += " elements" if self.rows != 1 or fewer else " element"
         parts = []
-        if self.systematic_factor:
+        factor, shift = self.share(self.factor_energy), self.share(self.shift_energy)
+        if (self.systematic_factor or self.systematic_shift) and max(factor, shift) < DESCRIBES:
+            # A doubled bias: every row off alike, by its bias, of which the common shift (the
+            # bias's mean) is a small part; neither a factor nor a shift describes it.
+            kind, value = (
+                ("shift", f"{self.shift:+.2g}") if self.systematic_shift and shift >= factor
+                else ("factor", scaled(self.factor))
+            )  # fmt: skip
+            return (
+                f"{what} off, by no common factor or shift (the {kind} {value} is"
+                f" {max(factor, shift):.0%} of the error): systematic, not rounding"
+            )
+        if self.systematic_factor and not self.multiple:
+            parts.append(
+                f"{what} off, no multiple of the truth (their ratios to it"
+                f" {scaled(self.factor)} ± {self.factor_spread:.1g})"
+            )
+        elif self.systematic_factor:
             parts.append(f"{what} scaled by {scaled(self.factor)} ± {self.factor_error:.1g}")
         if self.systematic_shift:
             parts.append(
@@ -429,6 +468,9 @@ class Finding:
         return " ".join(parts) + ": systematic, not rounding"
 
 
+DESCRIBES = 0.5
+"""A common factor or shift is said to be RESULT's error when it is at least this share of
+the error's energy over the rows (or elements) regressed; else the error is said to be neither."""
 PLAIN_FACTOR = 0.1
 """From this relative factor on, a scaling is said as its multiplier (0.14, not 1 - 0.86)."""
 
@@ -579,7 +621,8 @@ def pooled(
     finding = Finding(
         sums.rows, factor, factor_error, shift, shift_error, gate, systematic_factor,
         systematic_shift, score=abs(factor) / threshold if threshold > 0 else math.inf,
-        unit="elements" if elements else "rows", limit=limit,
+        unit="elements" if elements else "rows", limit=limit, factor_spread=spread,
+        factor_energy=factor**2 * sums.w, shift_energy=shift**2 * sums.v if sums.v > 0 else 0.0,
     )  # fmt: skip
     if kept is not None and channels >= ROW_CHANNELS:
         rise = math.sqrt(max(1.0, math.log(len(kept)) / math.log(ROW_RISE)))

@@ -81,7 +81,7 @@ def test_eps_outside_the_sqrt_fails_and_is_named(tmp_path, data):
     assert not out["passed"] and diagnosed(out) == ["eps_outside_sqrt"]
     if data == "offset 0":  # every row off by about the same factor: not a local fault
         assert "every valid row is off by about the same" in out["problems"][0]
-        # the diagnosis in the words, in place of "a formula or eps mistake" (issue 23.4)
+        # the diagnosis in the words, in place of the generic words (issue 23.4)
         assert "(x - mean) / (sqrt(var) + eps)" in out["problems"][0]
 
 
@@ -94,7 +94,7 @@ def test_unbiased_variance_fails_and_is_named(tmp_path, data):
     assert diagnosed(figures["grad_x"]) == ["unbiased_variance"]
     # sqrt(63 / 64): every valid row off by 0.78 %
     assert out["row_rel_error"]["mean"] == pytest.approx(1 - (63 / 64) ** 0.5, rel=0.05)
-    # the diagnosis in the words, in place of "a formula or eps mistake" (issue 23.4)
+    # the diagnosis in the words, in place of the generic words (issue 23.4)
     assert ": unbiased variance (divides by C - 1)" in out["problems"][0]
     if data != "offset 1e4":  # there float32's own rounding hides it in some elements
         assert out["problems"][0].startswith(f"all {VALID} valid rows off; relative error 0.007")

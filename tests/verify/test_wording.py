@@ -69,3 +69,61 @@ def test_rms_statistics_overflow_says_no_bias():
     assert {d["mistake"] for d in named} == {"statistics_overflow"}
     for d in named:  # RMSNorm's row is 0 there: said, and no bias of its own
         assert "its bias" not in d["description"] and "RMSNorm's 0" in d["description"]
+
+
+def _layer_norm_with_grad_scale(grad_scale_of):
+    """maskln's out, grad_x and grad_bias on padded N(0, 1) rows ``[4, 32, 64]``, and
+    grad_scale as ``grad_scale_of`` makes it from xhat (0 in the padding) and grad_out."""
+    from maskln_cli import masked_layer_normalization
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 64, generator=g)
+    valid = torch.rand(4, 32, generator=g) > 0.3
+    scale, bias = 1 + 0.5 * torch.randn(64, generator=g), 0.3 * torch.randn(64, generator=g)
+    dy = torch.randn(4, 32, 64, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    out = masked_layer_normalization(leaves[0], valid, leaves[1], leaves[2], 1e-5)
+    grad_x, _, grad_bias = torch.autograd.grad(out, leaves, dy)
+    xhat = torch.nn.functional.layer_norm(x.double(), (64,), eps=1e-5) * valid[..., None]
+    grad_scale = grad_scale_of(xhat, dy.double() * valid[..., None]).float()
+    return verify(
+        out.detach(), x, valid, scale, bias, 1e-5, grad_out=dy, grad_x=grad_x,
+        grad_scale=grad_scale, grad_bias=grad_bias,
+    )  # fmt: skip
+
+
+def test_a_sum_that_is_no_multiple_of_the_truth_is_not_said_scaled():
+    """grad_scale summing each row's grad_out with the previous row's xhat is unrelated to the
+    truth: it was said "61 of 64 elements scaled by -0.156 ± 0.1" (a new user's trial). Its
+    elements' ratios to the truth spread by more than the multiple named: no scaling."""
+    report = _layer_norm_with_grad_scale(lambda xhat, dy: (dy * xhat.roll(1, dims=1)).sum((0, 1)))
+    assert not report.passed
+    (grad_scale,) = [t for t in report.tensors if t.name == "grad_scale"]
+    assert not any("scaled by" in p for p in grad_scale.problems), grad_scale.problems
+    assert any("no multiple of the truth" in p for p in grad_scale.problems), grad_scale.problems
+    # A sum really scaled is still said so.
+    report = _layer_norm_with_grad_scale(lambda xhat, dy: 0.97 * (dy * xhat).sum((0, 1)))
+    (grad_scale,) = [t for t in report.tensors if t.name == "grad_scale"]
+    said = [p for p in grad_scale.problems if "elements scaled by 1 - 0.03 ±" in p]
+    assert said, grad_scale.problems
+
+
+def test_rows_off_by_their_bias_are_not_said_shifted():
+    """out with the bias added twice is off by the bias, channel by channel: it was said "all
+    89 valid rows shifted by -0.069" (the bias's mean, 5% of the error). A shift is said only
+    where it is most of the error; an output really shifted still is."""
+    from maskln_cli import masked_layer_normalization
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 64, generator=g)
+    valid = torch.rand(4, 32, generator=g) > 0.3
+    scale, bias = 1 + 0.5 * torch.randn(64, generator=g), 0.3 * torch.randn(64, generator=g)
+    right = masked_layer_normalization(x, valid, scale, bias, 1e-5)
+    for wrong, said in ((right + bias * valid[..., None], "by no common factor or shift"),
+                        (right + 0.01 * valid[..., None], "shifted by +0.01")):  # fmt: skip
+        report = verify(wrong, x, valid, scale, bias, 1e-5)
+        assert not report.passed
+        problems = report.tensors[0].problems
+        assert any(said in p for p in problems), problems
+        if "no common" in said:
+            assert not any("shifted by" in p for p in problems), problems
