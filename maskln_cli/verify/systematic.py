@@ -264,8 +264,10 @@ def fit_rows(
     if stored is not None:
         # Rounding to the stored dtype biases a row's factor by up to its stored rounding over
         # the size of its normalized part: a bias far larger than that part (var far below
-        # eps) erases it, a factor of -1, whatever the kernel.
-        relative_stored = more[0] / (szz / channels).sqrt()
+        # eps) erases it, a factor of -1, whatever the kernel. Its size is its spread over
+        # the row (what determines a factor, w), not its mean: RMSNorm's rows about a common
+        # offset are about -1 on every element, rounded by more than their spread.
+        relative_stored = more[0] / (w / channels).sqrt()
         columns.append(w * relative_stored)
     # Every sum in one reduction (sums_of: each as alone), in the order of the columns.
     found = sums_of(*columns)
