@@ -22,6 +22,7 @@ from maskln_cli.files.problem import GRADIENT_KEYS, Progress
 from maskln_cli.op.threads import Blocks, one_thread
 from maskln_cli.verify.allowance import Allowance
 from maskln_cli.verify.blockwork import Measured, SumShare, float64_truth
+from maskln_cli.verify.granularity import grid_spacing
 from maskln_cli.verify.options import ROW_TENSORS
 from maskln_cli.verify.systematic import FitSums, fit_elements
 
@@ -338,8 +339,9 @@ class StreamingPass:
                 # grad_scale's terms move with each row's xhat (the model's first term).
                 noise = budget.moved_squares.sqrt() * budget.e0 if name == "grad_scale" else None
                 self.fits[name] = fit_elements(
-                    actual.double() - total, total, second, squares.sqrt(), noise, budget.rows
-                )
+                    actual.double() - total, total, second, squares.sqrt(), noise, budget.rows,
+                    grid_spacing(total, actual.dtype),
+                )  # fmt: skip
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}
             comparison.update(actual, total, yardstick=guess, **pieces)

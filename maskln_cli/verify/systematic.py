@@ -70,6 +70,9 @@ FEW_ROWS_ULPS = 1.0
 ``sqrt(C)`` units of the reductions' rounding: the most a single row of a correct kernel errs
 by is about a third of it (a float32 sequential sum: 0.25 at C = 4,096, Welford's 0.3;
 benchmarks/verify_calibration.py --systematic)."""
+STORED_SHARE = 0.25
+"""An element of a sum whose stored rounding (half its dtype's spacing there) is beyond this
+share of it is left out of the regression: a subnormal's few bits say nothing of a factor."""
 SUM_AGREEMENT = 1.0
 """The elements of a sum over rows agree on a factor when their spread is below this share of
 it. Each element's factor averages the rows' (weighted by the terms it sums), so rows of
@@ -297,6 +300,7 @@ def fit_elements(
     terms: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     sources: int = 0,
+    spacing: torch.Tensor | None = None,
 ) -> FitSums:
     """The sums of a sum over rows (grad_scale, grad_bias: ``[C]``, float64), each element a
     regression of its own: ``error_c ~ f * truth_c``, weighted by ``truth_c**2``. Elements
@@ -305,7 +309,10 @@ def fit_elements(
     are left out (their rounding, relative to them, is unbounded); there is no shift.
     ``noise`` is each element's modelled first-order rounding (the budget's, from the rows'
     statistics), ``sources`` the number of valid rows summed: the elements of a sum over few
-    rows share those rows' rounding, and are no more independent than the rows are.
+    rows share those rows' rounding, and are no more independent than the rows are. ``spacing``:
+    the stored dtype's spacing at each element (``granularity.grid_spacing``): elements it
+    rounds by more than :data:`STORED_SHARE` of themselves (a float16 grad_scale of 1e-10
+    rounds to 0) are left out too.
 
     Example:
         >>> import torch
@@ -318,6 +325,8 @@ def fit_elements(
     usable = truth.isfinite() & error.isfinite() & (truth != 0)
     if terms is not None:
         usable &= truth.abs() >= CANCELLED * terms
+    if spacing is not None:
+        usable &= spacing <= 2 * STORED_SHARE * truth.abs()
     if not bool(usable.any()):
         return sums
     t, e = truth[usable], error[usable]
