@@ -196,7 +196,8 @@ class RowBudget:
         # Relative perturbation of the normalization per unit of A: the mean's rounding in a
         # sum of C terms, and x's own rounding to the kernel's dtype.
         self.e0 = math.sqrt(self.channels) * precision.reduce + precision.x
-        perturbation = self.e0 * self.offset
+        self.shift_offset, self.sum_offset, self.back_offset = _shifts(self, precision)
+        perturbation = self.e0 * self.shift_offset
         # Once the perturbation is not small (x rounded to bfloat16 at an offset of 1e3 moves
         # each value by a good part of the row's spread), the variance itself moves: second
         # order, and a growth of the first-order terms.
@@ -216,12 +217,12 @@ class RowBudget:
         every statistic is a row's own (its reductions run along the row, whatever the rows
         beside it), so it is taken from these rows' instead of being computed again."""
         some = copy.copy(self)
-        for name in ("valid", "rstd", "xhat", "offset", "e2", "growth"):
+        for name in ("valid", "rstd", "xhat", "offset"):
             setattr(some, name, getattr(self, name).index_select(0, index))
+        some._judged_in(self.precision)  # the rows' e2, growth and shifts: the same bits
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
         some._upstream = some._wdy_rms = some._wdy = some.deviations = some._invalid = None
-        some.wdy_into = None
-        some._xhat_abs = None
+        some.wdy_into = some._xhat_abs = None
         some.own_grad_out = False  # the rows' gradients are gathered by whoever gives them
         return some
 
@@ -298,7 +299,7 @@ class RowBudget:
         p = self.precision
         abs_scale = self.scale.abs()
         model = self.xhat.abs().mul_(abs_scale).mul_(self.e2 + (self.e0 + p.reduce + p.params))
-        model.addcmul_(self.offset * self.e0, abs_scale)
+        model.addcmul_(self.shift_offset * self.e0, abs_scale)
         model.add_(self.bias.abs() * (p.reduce + p.params))
         if truth is None:
             truth = torch.mul(self.xhat, self.scale).add_(self.bias)
@@ -318,7 +319,7 @@ class RowBudget:
         c1, c2, n1, n2 = self._backward_sums(grad_out, wdy)
         rstd_e1 = self.rstd * e1
         rstd_ed = self.rstd * self._ed()
-        moved = rstd_e1 * self.offset  # the shift's, per unit of n1 and n2
+        moved = rstd_e1 * self.back_offset  # the shift's, per unit of n1 and n2
         # shift: moved (n2 |xhat| + n2 + n1); factor: 2 rstd e1 n1 |xhat|; sums: rstd ed
         # (n1 |xhat| + n2 + |wdy|); stored: rstd (e2 + e1 + u_store) |wdy - xhat c1 - c2|.
         on_xhat = (moved * n2).add_(rstd_e1 * n1 * 2).add_(rstd_ed * n1).mul_(self.growth)
@@ -384,7 +385,7 @@ class RowBudget:
         c1, c2, n1, n2 = self._backward_sums(grad_out, wdy)
         dx = (wdy - self.xhat * c1).sub_(c2).mul_(self.rstd).abs_()
         rstd_e1 = self.rstd * e1
-        shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(self.offset).mul_(rstd_e1)
+        shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(self.back_offset).mul_(rstd_e1)
         factor = (xhat_abs * n1).mul_(rstd_e1).mul_(2)
         sums = (xhat_abs * n1).add_(n2).add_(wdy.abs_()).mul_(self.rstd).mul_(ed)
         stored = dx.mul_(self.e2 + (e1 + p.store))
@@ -415,8 +416,35 @@ class RowBudget:
         sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
         dy_abs = torch.abs(dy, out=term)  # the buffer again
-        moved = torch.add(self.xhat_abs(), self.offset).mul_(dy_abs).mul_(self.growth)
+        moved = torch.add(self.xhat_abs(), self.sum_offset).mul_(dy_abs).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
+
+
+def _shifts(rows: RowBudget, precision: Precision) -> tuple[torch.Tensor, ...]:
+    """Each row's A as the mean's shift takes it: out's and the rows' second order (times e0),
+    grad_scale's and grad_x's (times e1 = e0 + u_store): A itself, but on LayerNorm's valid rows
+    of one value c (xhat 0) in a half dtype reaching the kernel exactly (issue 37), float32 sums
+    of C < 2**13 of it are exact, the mean is c up to the division's rounding u_reduce (xhat
+    shifts u_reduce A, not e0 A), stored exactly (no u_store); torch's backward form b x + c, b
+    from its sums (erring e0 A), rounds at u_reduce |b x|: e0 A times more, grad_x's. Measured:
+    tests/verify/test_constant_half_rows.py."""
+    offset, e0 = rows.offset, rows.e0
+    if not rows.centered or not _exact_sums(precision, rows.channels):
+        return offset, offset, offset
+    constant = rows.xhat.eq(0).all(dim=-1, keepdim=True).logical_and_(rows.valid)
+    exact, e1 = offset * precision.reduce, e0 + precision.store
+    return (
+        torch.where(constant, exact / e0, offset),
+        torch.where(constant, exact / e1, offset),
+        torch.where(constant, exact * (1 + e0 * offset) / e1, offset),
+    )
+
+
+def _exact_sums(precision: Precision, channels: int) -> bool:
+    """Whether float32 sums of ``channels`` values alike of the judged half dtype are exact
+    (their multiples need at most 24 bits), and x reached the kernel unrounded."""
+    digits = 1 - round(math.log2(torch.finfo(precision.dtype).eps))  # 11 and 8
+    return precision.dtype in _HALF and precision.x == 0 and channels < 2 ** (24 - digits)
 
 
 def _finite_rows(
