@@ -293,6 +293,8 @@ class BlockWork:
             )  # fmt: skip
             z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
+            # Rows of one value (xhat 0): a factor's noise unbounded (issue 37), no evidence.
+            rows &= ~x64.eq(x64[:, :1]).all(dim=1)
         if not bool(rows.any()):
             return FitSums(terms=terms)
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
