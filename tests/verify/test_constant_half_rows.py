@@ -112,3 +112,13 @@ def test_constant_rows_do_not_hide_a_wrong_grad_scale(constant, seed):
     report = judged(inputs, dict(right, grad_scale=right["grad_scale"] * 0.29))  # 71% wrong
     assert not report.passed
     assert {t.name: t.budget_ratio for t in report.tensors}["grad_scale"] > 1
+
+
+@pytest.mark.parametrize("constant", [0, 8])
+def test_constant_rows_do_not_hide_a_systematic_grad_x(constant):
+    """A grad_x 2% too large is within bfloat16's budget; the systematic fit finds it, and 8
+    rows of one value among 128 made it blind ("a systematic error below 9e+06 cannot be told
+    from rounding"): their factor's modelled noise, a shift over xhat's own size, is unbounded."""
+    inputs = mixed_batch("bfloat16", constant)
+    right = kernels.run(kernels.maskln, inputs)
+    assert not judged(inputs, dict(right, grad_x=right["grad_x"] * 1.02)).passed
