@@ -42,7 +42,7 @@ mean (and the mean is well above rounding): the signature of a formula mistake."
 ROUNDING_ENERGY = 4.0
 """The error energy a correct kernel's rounding may reach, in units of PyTorch's own (twice its
 error in rms): what is beyond it must be most of what a factor or shift is said to be."""
-GENERIC = "the same mistake in every row, not rounding"
+GENERIC = "the same mistake in every row"
 """What the words say of rows all off by about the same, until an explanation says which: what
 the evidence shows, no cause (a formula, an eps, a permutation of the channels all give it)."""
 
@@ -473,8 +473,8 @@ def _replace_generic(problems: list[str], specific: str) -> bool:
     """Put ``specific`` in place of :data:`GENERIC` in the first problem saying it.
 
     Example:
-        >>> problems = ["all 3 valid rows off; relative error 2e-05 ± 1e-06, uniform: a formula"
-        ...             " or eps mistake"]
+        >>> problems = ["all 3 valid rows off; relative error 2e-05 ± 1e-06, uniform: the same"
+        ...             " mistake in every row"]
         >>> _replace_generic(problems, "eps ≈ 1e-06"), problems[0][-22:]
         (True, ', uniform: eps ≈ 1e-06')
     """
