@@ -54,8 +54,14 @@ def update_general(
         same = (a == e) | (a_nan & e_nan)  # covers equal infs, and NaN at the same place
         overflowed = a.isinf() & e_finite
         if allowance is not None and bool(overflowed.any()):
-            rounded = e.to(torch_dtype(dtype) or torch.float64).double()
-            same |= overflowed & (rounded == a)
+            stored = torch_dtype(dtype) or torch.float64
+            rounded = e.to(stored).double()
+            # Or a value within its allowance rounds to that inf: the allowance reaches past
+            # the dtype's largest finite value plus half its spacing there, on inf's side.
+            largest = torch.finfo(stored).max
+            beyond = largest + 2.0 ** math.floor(math.log2(largest)) * torch.finfo(stored).eps / 2
+            reaches = (e.abs() + bound >= beyond) & (a.sign() == e.sign())
+            same |= overflowed & ((rounded == a) | reaches)
         bad = ~(same | (finite & (diff <= bound)))
         figures.nan_mismatched += int((a_nan != e_nan).sum())
         figures.inf_mismatched += int(((a.isinf() | e.isinf()) & ~same & ~(a_nan | e_nan)).sum())
