@@ -17,6 +17,7 @@ formulas the grader also tries (``diagnose_output(..., mistakes=...)``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -657,9 +658,12 @@ def diagnose_nan_gradient(
     x: torch.Tensor,
     valid: torch.Tensor,
     grad_out: torch.Tensor | None = None,
+    eps: float | None = None,
 ) -> Diagnosis | None:
     """When gradient ``name`` holds NaN (or inf) where the reference is finite and the padding
-    holds NaN or inf, say so and why: 0 * NaN is NaN.
+    holds NaN or inf, say so and why: 0 * NaN is NaN. Not where a clean padding row gives NaN
+    too in ``actual``'s dtype (given ``eps``: a zero row's rstd, ``1 / sqrt(eps)``, beyond its
+    largest value, as float16's is at eps 1e-12): the padding is then no confirmed cause.
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0], [float("nan"), 0.0]])
@@ -671,6 +675,10 @@ def diagnose_nan_gradient(
     """
     leaked = ~actual.isfinite() & reference.isfinite()
     if not leaked.any():
+        return None
+    # A clean (zero) padding row overflows alike: 1 / sqrt(eps) beyond the dtype's largest.
+    overflows = eps is not None and (eps <= 0 or 1 / math.sqrt(eps) > _largest(actual.dtype))
+    if overflows:
         return None
     invalid = ~valid.unsqueeze(-1).expand(x.shape)
     poisoned_x = bool((~x.isfinite() & invalid).any())
@@ -686,3 +694,8 @@ def diagnose_nan_gradient(
         " with torch.where rather than multiplying by the mask",
         0.0,
     )
+
+
+def _largest(dtype: torch.dtype) -> float:
+    """A floating dtype's largest finite value (inf for any other)."""
+    return torch.finfo(dtype).max if dtype.is_floating_point else math.inf

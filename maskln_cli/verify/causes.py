@@ -222,8 +222,9 @@ class Causes:
             if evidence == "same" or not self._padding_may_leak(checked):
                 return None
             return catalogue.diagnose_nan_gradient(
-                "grad_x", sample.actual, truth, sample.x, sample.valid, sample.grad_out
-            )
+                "grad_x", sample.actual, truth, sample.x, sample.valid, sample.grad_out,
+                self.problem.eps,
+            )  # fmt: skip
         earlier = self.explained
         candidates = earlier.candidates if earlier is not None else None
         if evidence == "same":
@@ -291,7 +292,7 @@ class Causes:
             reference = torch.zeros(problem.channels, dtype=torch.float64)
             return catalogue.diagnose_nan_gradient(
                 checked.name, self.result.tensor(checked.key), reference, problem.x[index],
-                problem.valid[index], problem.grad_out[index],
+                problem.valid[index], problem.grad_out[index], problem.eps,
             )  # fmt: skip
         if problem.rows * problem.channels > SUM_ELEMENTS:
             return None
