@@ -432,8 +432,8 @@ class Finding:
         """``all 922 valid rows scaled by 1 - 4.5e-06 ± 2e-09: systematic, not rounding``"""
         what = f"all {self.rows:,} valid rows" if self.unit == "rows" else f"all {self.rows:,}"
         fewer = self.of is not None and self.of > self.rows
-        if fewer and self.unit == "rows":
-            what = f"all {self.rows:,} valid rows sampled (of {self.of:,})"
+        if fewer and self.unit == "rows":  # a sample of them, or rows of one value left out
+            what = f"all {self.rows:,} valid rows tested (of {self.of:,})"
         elif fewer:  # the elements regressed (a sum's nonzero ones), of the tensor's
             what = f"{self.rows:,} of {self.of:,}"
         if self.unit != "rows":

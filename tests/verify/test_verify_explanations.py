@@ -226,7 +226,7 @@ def test_a_large_input_is_tested_on_a_sample_of_its_rows(tmp_path, monkeypatch):
     assert 256 <= found["rows"] < valid / 2 and found["of"] == valid
     assert [d["mistake"] for d in tensors["grad_x"]["diagnosis"]] == ["eps_outside_sqrt"]
     assert tensors["grad_x"]["problems"][0].startswith(
-        f"all {found['rows']:,} valid rows sampled (of {valid:,}) scaled by 1 - 5e-06 ± "
+        f"all {found['rows']:,} valid rows tested (of {valid:,}) scaled by 1 - 5e-06 ± "
     )
 
 
