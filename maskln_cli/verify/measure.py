@@ -316,6 +316,17 @@ class StreamingPass:
         rows = invalid[bad][: 64 - len(self.poisoned)]
         self.poisoned += (rows + start).tolist()
 
+    def _distinct_rows(self, rows: int) -> int:
+        """Of ``rows`` valid rows summed, how many are not copies of another (told by their
+        variance, where out's fit kept every one): copies round alike, and a sum over them
+        carries one row's rounding N times."""
+        import torch
+
+        fit = self.fits.get("out") or self.fits.get("grad_x")
+        if fit is None or fit.kept_rows != rows or not fit.kept:
+            return rows
+        return len(torch.unique(torch.cat(fit.kept)[:, 1]))
+
     def _compare_sums(self, live: dict[str, Checked], sums: _Sums) -> None:
         for name, total in (("grad_scale", sums.scale), ("grad_bias", sums.bias)):
             checked = live.get(name)
@@ -339,8 +350,8 @@ class StreamingPass:
                 # grad_scale's terms move with each row's xhat (the model's first term).
                 noise = budget.moved_squares.sqrt() * budget.e0 if name == "grad_scale" else None
                 self.fits[name] = fit_elements(
-                    actual.double() - total, total, second, squares.sqrt(), noise, budget.rows,
-                    grid_spacing(total, actual.dtype),
+                    actual.double() - total, total, second, squares.sqrt(), noise,
+                    self._distinct_rows(budget.rows), grid_spacing(total, actual.dtype),
                 )  # fmt: skip
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}
