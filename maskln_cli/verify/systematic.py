@@ -522,9 +522,11 @@ def systematic_gate(
     units of its reductions' rounding; the rounding of its stored output, which on rows of
     nearly equal values (C of 2 to 16, in a half dtype) is as much systematic as not, by up to
     an ulp of the output, bias included (``bias_to_scale``: rms(bias) / rms(scale)); plus the
-    rows' second-order rounding (a row mean off by d inflates the variance by d**2).
-    ``stored``, when the rows give it, is their own stored rounding relative to their normalized
-    part, which replaces the estimate from bias and scale.
+    rows' second-order rounding (a row mean off by d inflates the variance by d**2); and the
+    rounding of parameters given finer than the kernel's dtype (float32 scale and bias of a
+    .half() module): each channel's, the same on every row. ``stored``, when the rows give it,
+    is their own stored rounding relative to their normalized part, which replaces the
+    estimate from bias and scale.
 
     Example:
         >>> import torch
@@ -534,7 +536,7 @@ def systematic_gate(
     """
     if stored is None:
         stored = precision.store * (1 + bias_to_scale)
-    return max(SYSTEMATIC_ULPS * precision.reduce, 2 * stored) + second_order
+    return max(SYSTEMATIC_ULPS * precision.reduce, 2 * stored, precision.params) + second_order
 
 
 def pooled(
@@ -655,7 +657,8 @@ def row_bound(kept: torch.Tensor, precision: Precision, channels: int) -> torch.
     units of the reductions' rounding (:data:`FEW_ROWS_ULPS`), and its modelled noise: the
     threshold of a factor of few rows, row by row."""
     noise, stored, second_order = kept[:, 3], kept[:, 4], kept[:, 5]
-    gate = (2 * stored).clamp(min=SYSTEMATIC_ULPS * precision.reduce) + second_order
+    floor_of_gate = max(SYSTEMATIC_ULPS * precision.reduce, precision.params)
+    gate = (2 * stored).clamp(min=floor_of_gate) + second_order  # as systematic_gate's
     floor = FEW_ROWS_ULPS * math.sqrt(channels) * precision.reduce
     return torch.maximum(torch.maximum(2 * gate, noise), torch.full_like(gate, floor))
 
