@@ -263,9 +263,6 @@ class BlockWork:
         reference`` in float64 (the comparison's, flat), when the caller has them; ``planes``,
         the term fit's buffer, and ``wdy_made``, ``scale * dy64`` as the block's budget made
         it (see :meth:`_terms`)."""
-        import math
-
-        import torch
 
         problem = self.problem
         gradient = checked.name == "grad_x"
@@ -300,13 +297,9 @@ class BlockWork:
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
         z = reference - problem.bias if checked.name == "out" else reference
         precision = self.streaming.precisions[checked.judge or self.streaming.judge]
-        e0 = math.sqrt(problem.channels) * precision.reduce + precision.x
-        second_order = (offset * e0).square_()
-        # Each row's stored rounding: relative, and absolute below the dtype's smallest normal
-        # (a float16 grad_x of 1e-6 rounds by 3e-8, a twentieth of it).
-        info = torch.finfo(precision.dtype)
-        stored = rms.mul(precision.store)
-        stored += info.tiny * info.eps / 2
+        moved, second_order, stored = _row_rounding(
+            checked.name, precision, problem.channels, offset, rms
+        )
         shifted = problem.scale.double() if checked.name == "out" else None
         # A half dtype's stored rounding could hide a factor (systematic_gate): how systematic
         # is the truth's own rounding on these rows?
@@ -314,8 +307,8 @@ class BlockWork:
         if precision.store > precision.reduce:
             rounding = reference.to(precision.dtype).double().sub_(reference)
         sums = fit_rows(
-            error, z, rstd, problem.eps, second_order, rows, offset, e0, stored, first_row, shifted,
-            z_squares, rounding, row_sums,
+            error, z, rstd, problem.eps, second_order, rows, offset, moved, stored, first_row,
+            shifted, z_squares, rounding, row_sums,
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
@@ -412,6 +405,28 @@ CANCELLED = 0.1
 terms' (``rstd * scale * dy``): where they cancel, rounding relative to it is unbounded (an
 upstream gradient of ones through a LayerNorm of unit scale gives a grad_x of 0 exactly, and
 rounding noise either side: regressed, a factor of -1)."""
+
+
+def _row_rounding(
+    name: str, precision: Precision, channels: int, offset: torch.Tensor, rms: torch.Tensor
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """What a correct kernel's rounding gives each row's factor, for the fit of ``name``: the
+    relative shift of xhat per unit of A (a row's mean rounded: e0; grad_x's backward, torch's
+    b x + c form, rounds that shift in the stored dtype too, e0 + u_store, as the budget's
+    backward has it), the second-order rounding (A e0)**2, and the stored rounding of each row
+    of rms ``rms``: relative, and absolute below the dtype's smallest normal (a float16 grad_x
+    of 1e-6 rounds by 3e-8, a twentieth of it)."""
+    import math
+
+    import torch
+
+    e0 = math.sqrt(channels) * precision.reduce + precision.x
+    second_order = (offset * e0).square_()
+    info = torch.finfo(precision.dtype)
+    stored = rms.mul(precision.store)
+    stored += info.tiny * info.eps / 2
+    moved = e0 + precision.store if name == "grad_x" else e0
+    return moved, second_order, stored
 
 
 def _offset(x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None) -> torch.Tensor:
