@@ -389,6 +389,11 @@ MATCH_DISTANCE = {
 (a few times that dtype's rounding of a normalized output)."""
 
 
+PADDING_MISTAKES = ("padding_not_masked", "mask_inverted")
+"""Mistakes told by what the padding holds: with every row valid, nothing tells them (an
+inverted mask zeroes every row, as a gain of 0 does)."""
+
+
 def diagnose_output(
     actual: torch.Tensor,
     x: torch.Tensor,
@@ -442,6 +447,8 @@ def diagnose_output(
         return _distance(rounded.double(), exact)
 
     tried = catalogue.mistakes if mistakes is None else mistakes
+    if bool(valid.all()):  # no padding: no evidence of a padding mistake (zeros match one)
+        tried = {name: m for name, m in tried.items() if name not in PADDING_MISTAKES}
     own = own_noise if dtype == torch.float32 else None
     found = _matching(result, truth, tried.values(), output, dtype, noise, own)
     if catalogue.fitted:  # a one-pass variance's model is of centered rows
