@@ -135,6 +135,7 @@ class FitSums:
     we2: float = 0.0  # the rows' second-order rounding, weighted as the factors
     va: float = 0.0  # the rows' offsets A (mean |x| * rstd), weighted as the shifts
     wn: float = 0.0  # the rows' modelled rounding noise of their factors, weighted as them
+    zz: float = 0.0  # the rows' sum of z**2, uncentered (0: elements, whose w is that)
     ws: float = 0.0  # the rows' stored rounding relative to their normalized part, likewise
     # The factors of the truth's own rounding to the stored dtype, weighted as the rows' (half
     # dtypes only; rounding_rows 0: not measured): is rounding systematic on these rows?
@@ -272,8 +273,9 @@ def fit_rows(
         # offset are about -1 on every element, rounded by more than their spread.
         relative_stored = more[0] / (w / channels).sqrt()
         columns.append(w * relative_stored)
-    # Every sum in one reduction (sums_of: each as alone), in the order of the columns.
-    found = sums_of(*columns)
+    # Every sum in one reduction (sums_of: each as alone), in the order of the columns; the
+    # rows' energy of z last (what a common factor of theirs is a share of, uncentered).
+    *found, sums.zz = sums_of(*columns, szz)
     (
         sums.w, sums.wf, sums.wff, sums.w2, sums.w2f, sums.w2ff,
         sums.v, sums.vg, sums.vgg, sums.v2, sums.v2g, sums.v2gg, sums.we2,
@@ -635,7 +637,8 @@ def pooled(
         sums.rows, factor, factor_error, shift, shift_error, gate, systematic_factor,
         systematic_shift, score=abs(factor) / threshold if threshold > 0 else math.inf,
         unit="elements" if elements else "rows", limit=limit, factor_spread=spread,
-        factor_energy=factor**2 * sums.w, shift_energy=shift**2 * sums.v if sums.v > 0 else 0.0,
+        factor_energy=factor**2 * (sums.zz or sums.w),
+        shift_energy=shift**2 * sums.v if sums.v > 0 else 0.0,
     )  # fmt: skip
     if kept is not None and channels >= ROW_CHANNELS:
         rise = math.sqrt(max(1.0, math.log(len(kept)) / math.log(ROW_RISE)))

@@ -127,3 +127,18 @@ def test_rows_off_by_their_bias_are_not_said_shifted():
         assert any(said in p for p in problems), problems
         if "no common" in said:
             assert not any("shifted by" in p for p in problems), problems
+
+
+def test_rms_rows_about_an_offset_scaled_are_said_scaled():
+    """RMSNorm rows about an offset (-2 + 0.004 N(0, 1)) with a gain 3% too large: the factor
+    is the whole error, measured against the rows' energy (their truth is about -scale on every
+    element), not against their small spread, where it was "by no common factor or shift (the
+    factor 1 + 0.029 is 1% of the error)"."""
+    g = torch.Generator().manual_seed(123)
+    x = (-2.0 + 0.004 * torch.randn(16, 128, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+    valid, scale = torch.ones(16, dtype=torch.bool), 1 + 0.1 * torch.randn(128, generator=g)
+    x64 = x.double()
+    out = x64 / torch.sqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * scale.double() * 1.03
+    report = verify(out.to(torch.bfloat16), x, valid, scale, None, 1e-6, norm="rms")
+    problems = report.tensors[0].problems
+    assert any("valid rows scaled by 1 + 0.029" in p for p in problems), problems
