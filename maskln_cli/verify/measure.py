@@ -320,12 +320,10 @@ class StreamingPass:
         """Of ``rows`` valid rows summed, how many are not copies of another (told by their
         variance, where out's fit kept every one): copies round alike, and a sum over them
         carries one row's rounding N times."""
-        import torch
-
         fit = self.fits.get("out") or self.fits.get("grad_x")
         if fit is None or fit.kept_rows != rows or not fit.kept:
             return rows
-        return len(torch.unique(torch.cat(fit.kept)[:, 1]))
+        return fit.distinct_rows()
 
     def _compare_sums(self, live: dict[str, Checked], sums: _Sums) -> None:
         for name, total in (("grad_scale", sums.scale), ("grad_bias", sums.bias)):

@@ -150,6 +150,13 @@ class FitSums:
     kept_rows: int = 0
     terms: TermSums | None = None  # grad_x's: the backward's terms regressed (.terms)
 
+    def distinct_rows(self) -> int:
+        """The rows kept that are not copies of another, told by their variance (copies round
+        their statistics alike); without kept rows (a sum's elements), ``rows``."""
+        if not self.kept:
+            return self.rows
+        return len(torch.unique(torch.cat(self.kept)[:, 1]))
+
     def add(self, other: FitSums) -> None:
         for item in fields(self):
             if item.name not in ("kept", "kept_rows", "sources", "terms"):
@@ -582,9 +589,7 @@ def pooled(
         factor_gate = systematic_gate(precision, sums.we2 / sums.w, ratio, 0.0)
     # Rows that are copies of each other round their statistics alike (whatever grad_out):
     # only distinct rows, told by their variance, are evidence.
-    distinct = sums.rows
-    if kept is not None:
-        distinct = len(torch.unique(kept[:, 1]))
+    distinct = sums.distinct_rows()
     # Nor do rows whose weights one or two of them dominate: the spread of the others then
     # says nothing of the pooled factor's error (Kish's effective number of rows). A sum's
     # elements need no such rule: their threshold holds their modelled rounding already.
