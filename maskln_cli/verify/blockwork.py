@@ -361,9 +361,14 @@ class BlockWork:
         wdy_squares = products[:, 3, 3]  # [R]
         terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
         rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
-        floor = info.tiny * info.eps / 2  # half an ulp of the dtype's subnormals
+        # Below the smallest normal the backward's operations round at u_sub, absolutely (the
+        # budget's "subnormal" term, rstd u_sub (6 + 2 |xhat|): 8 rstd u_sub in rms at most),
+        # c2's alike on every element of a row (its sum's and wdy's: 2 rstd u_sub).
+        floor = info.tiny * info.eps / 2  # half an ulp of the stored dtype's subnormals
         rounding += floor
-        sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), floor)
+        rounding.add_(rstd.mul(4).mul_(p.subnormal))  # u_sub: half the spacing
+        alike = rstd.mul(p.subnormal).add_(floor)
+        sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), alike)
         return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
 
 

@@ -117,6 +117,20 @@ class Precision:
             rounding(grad_out_dtype),
         )  # fmt: skip
 
+    @property
+    def subnormal(self) -> float:
+        """The spacing of the subnormals of the dtype a correct kernel computes in (float32 for
+        the half dtypes): each of its operations on values below that dtype's smallest normal
+        rounds by half of it, absolutely (float32's 7e-46), however far that is from its
+        relative rounding. Whole, not halved: float64's half spacing is not a float64.
+
+        Example:
+            >>> Precision.of(torch.float16).subnormal == Precision.of(torch.float32).subnormal
+            True
+        """
+        info = torch.finfo(torch.float32 if self.dtype in _HALF else self.dtype)
+        return info.tiny * info.eps
+
 
 class RowBudget:
     """The modelled rounding error of a correct kernel on a chunk of rows.
@@ -321,9 +335,13 @@ class RowBudget:
         rstd_ed = self.rstd * self._ed()
         moved = rstd_e1 * self.back_offset  # the shift's, per unit of n1 and n2
         # shift: moved (n2 |xhat| + n2 + n1); factor: 2 rstd e1 n1 |xhat|; sums: rstd ed
-        # (n1 |xhat| + n2 + |wdy|); stored: rstd (e2 + e1 + u_store) |wdy - xhat c1 - c2|.
-        on_xhat = (moved * n2).add_(rstd_e1 * n1 * 2).add_(rstd_ed * n1).mul_(self.growth)
-        constant = (moved * (n2 + n1)).add_(rstd_ed * n2).mul_(self.growth)
+        # (n1 |xhat| + n2 + |wdy|); stored: rstd (e2 + e1 + u_store) |wdy - xhat c1 - c2|;
+        # subnormal: rstd u_sub (6 + 2 |xhat|), u_sub half the spacing (multiplied last: below
+        # float64's smallest normal, a float64 budget is itself made of its subnormals).
+        on_xhat = (moved * n2).add_(rstd_e1 * n1 * 2).add_(rstd_ed * n1)
+        on_xhat.add_(self.rstd * p.subnormal).mul_(self.growth)
+        constant = (moved * (n2 + n1)).add_(rstd_ed * n2)
+        constant.add_((self.rstd * 3).mul_(p.subnormal)).mul_(self.growth)
         on_dx = (self.rstd * (self.e2 + (e1 + p.store))).mul_(self.growth)
         dx = torch.addcmul(wdy, self.xhat, c1, value=-1).sub_(c2).abs_()
         model = torch.addcmul(constant, self.xhat_abs(), on_xhat)
@@ -374,7 +392,12 @@ class RowBudget:
           own shift);
         - ``factor``: the factor through c1, ``2 * rstd * e1 * |xhat| * |c1|``;
         - ``sums``: the backward's own rounding, of c1, c2 and wdy;
-        - ``stored``: rstd's rounding scaling dx, and dx stored in the dtype.
+        - ``stored``: rstd's rounding scaling dx, and dx stored in the dtype;
+        - ``subnormal``: below the smallest normal of the dtype the kernel computes in (an
+          upstream gradient of 1e-40 in float32), each operation rounds at half a subnormal
+          spacing ``u_sub``, absolutely: wdy, c2 (its sum's and wdy's rounding), xhat * c1 and
+          the two subtractions on every element, c1 (its products' and sum's) along xhat:
+          ``rstd * u_sub * (6 + 2 * |xhat|)``.
         """
         p = self.precision
         e1 = self.e0 + p.store
@@ -389,7 +412,11 @@ class RowBudget:
         factor = (xhat_abs * n1).mul_(rstd_e1).mul_(2)
         sums = (xhat_abs * n1).add_(n2).add_(wdy.abs_()).mul_(self.rstd).mul_(ed)
         stored = dx.mul_(self.e2 + (e1 + p.store))
-        return {"shift": shift, "factor": factor, "sums": sums, "stored": stored}
+        subnormal = (xhat_abs + 3).mul_(self.rstd).mul_(p.subnormal)
+        return {
+            "shift": shift, "factor": factor, "sums": sums, "stored": stored,
+            "subnormal": subnormal,
+        }  # fmt: skip
 
     def grad_x_size(self, grad_out: torch.Tensor) -> torch.Tensor:
         """Each row's magnitude of grad_x's terms, ``rstd * rms(scale * grad_out)`` ``[R, 1]``:
@@ -526,11 +553,15 @@ class SumBudget:
         p = self.precision
         e1 = self.e0 + p.store
         spread = self.scale_squares.sqrt()
+        # Below the smallest normal (see RowBudget.grad_x_terms, "subnormal"): each row's
+        # product and each addition round at u_sub (half the spacing), over the rows a random
+        # walk, as the relative rounding above.
         return (
             self.moved_squares.sqrt() * e1
             + (total.abs() + spread) * (p.store * math.sqrt(self.rows))
             + spread * p.grad_out
             + total.abs() * p.store
+            + math.sqrt(self.rows) * p.subnormal
         )
 
     def grad_bias(self, total: torch.Tensor) -> torch.Tensor:
@@ -541,6 +572,7 @@ class SumBudget:
             (total.abs() + spread) * (p.store * math.sqrt(self.rows))
             + spread * p.grad_out
             + total.abs() * p.store
+            + math.sqrt(self.rows) / 2 * p.subnormal
         )
 
 

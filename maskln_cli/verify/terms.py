@@ -181,7 +181,7 @@ def fit_terms(
     rows: torch.Tensor,
     rounding: torch.Tensor | None = None,
     products: tuple[torch.Tensor, torch.Tensor] | None = None,
-    floor: float = 0.0,
+    floor: float | torch.Tensor = 0.0,
 ) -> TermSums:
     """The term regressions of rows ``[R, C]`` (float64): ``error`` is RESULT - truth,
     ``truth`` the true grad_x, ``xhat`` and ``wdy`` (``scale * grad_out``) the rows' own,
@@ -189,8 +189,10 @@ def fit_terms(
     left out), ``rounding`` ``[R]`` the rms of a correct kernel's modelled rounding of each
     row (None: 0): a coefficient's noise is at most that row's rounding all along its term,
     ``rounding * sqrt(C / information)``. ``products``: the rows' :func:`row_products` of
-    (truth, xhat, error, wdy), when the caller has them. ``floor``: the stored dtype's
-    rounding of its smallest values, half an ulp of its subnormals (:func:`constant_bounds`).
+    (truth, xhat, error, wdy), when the caller has them. ``floor``: what rounding moves each
+    row alike beyond the rounding's rms (a float, or one per row ``[R]``): the stored dtype's
+    rounding of its smallest values, half an ulp of its subnormals, and below the smallest
+    normal the kernel computes in, c2's rounding (:func:`constant_bounds`).
 
     Example:
         >>> import torch
@@ -263,7 +265,8 @@ def fit_terms(
         ratio = all_plain[:, 2].index_select(0, kept).div(channels).abs()
         ratio /= constant_bounds(
             rounding.index_select(0, kept), c1.index_select(0, kept), c2.index_select(0, kept),
-            all_products[:, 3, 3].index_select(0, kept), channels, floor,
+            all_products[:, 3, 3].index_select(0, kept), channels,
+            floor.index_select(0, kept) if isinstance(floor, torch.Tensor) else floor,
         )  # fmt: skip
         ratio = ratio[ratio.isfinite()]
         if ratio.numel():
@@ -280,7 +283,7 @@ def constant_bounds(
     c2: torch.Tensor,
     wdy_squares: torch.Tensor,
     channels: int,
-    floor: float = 0.0,
+    floor: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:
     """What a correct kernel's rounding moves each row's grad_x by alike on every element (its
     constant), ``[R]``, from each row's modelled rounding of grad_x (rms, ``rounding``), its
@@ -296,7 +299,8 @@ def constant_bounds(
     subnormal is not each element's own: where grad_x is a few of their ulps (float16 at an
     upstream gradient of 1e-6), its rounding erases part of each row's constant alike; that,
     ``floor``, half an ulp of the stored dtype's subnormals, is each element's bound alike
-    (float32's 7e-46; 0: none).
+    (float32's 7e-46; 0: none); below the smallest normal of the dtype the kernel computes
+    in, c2's own rounding, ``2 rstd u_sub``, is too (a float, or one per row ``[R]``).
     """
     wdy_rms = wdy_squares.div(channels).sqrt()
     n = c1.abs() + c2.abs() + 2 * wdy_rms / math.sqrt(channels)
