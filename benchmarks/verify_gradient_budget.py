@@ -12,9 +12,9 @@ sequential sums, in the tutorial's form or torch's CPU form) is measured against
 truth, and its grad_x error divided by the model of :meth:`RowBudget.grad_x
 <maskln_cli.verify.budget.RowBudget.grad_x>`, element by element: the greatest ratio is the
 factor the kernel needs (verify's default allows 3). Then once more without each term of the
-model (:meth:`RowBudget.grad_x_terms`): a term that some correct kernel needs shows as a factor
-above 1 without it. The missing-term mistakes are measured alike (their factor must stay above
-3, so that they fail).
+model (:func:`~maskln_cli.verify.budget.grad_x_terms`): a term that some correct kernel needs
+shows as a factor above 1 without it. The missing-term mistakes are measured alike (their
+factor must stay above 3, so that they fail).
 
 Prints a Markdown table: for each data set, the worst correct kernel (and its factor), the
 factor it would need without each term, PyTorch's own, and the mistakes'.
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maskln_cli.op.blocked import backward_in_place, forward
-from maskln_cli.verify.budget import Precision, RowBudget, floor, scaled_atol
+from maskln_cli.verify.budget import Precision, RowBudget, floor, grad_x_terms, scaled_atol
 from tests import kernels
 
 CORRECT = {
@@ -75,7 +75,7 @@ def factors(kernel: kernels.Kernel, inputs: kernels.Tensors) -> dict[str, float]
     always = floor(truth, dtype, 0.0, scaled_atol(1e-5, rows.grad_x_size(dy)))
     beyond = valid[:, None] & ((grad_x - truth).abs() > always)
     error = (grad_x - truth).abs()[beyond]
-    terms = {k: v * rows.growth for k, v in rows.grad_x_terms(dy).items()}
+    terms = {k: v * rows.growth for k, v in grad_x_terms(rows, dy).items()}
     whole = sum(terms.values())
     found = {"model": float((error / whole[beyond]).max()) if error.numel() else 0.0}
     for name, term in terms.items():

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from maskln_cli.files.problem import Problem
     from maskln_cli.files.tensorfile import TensorFile
     from maskln_cli.verify.allowance import Allowance
-    from maskln_cli.verify.budget import Precision, RowBudget, SumBudget, Yardstick
+    from maskln_cli.verify.budget import Precision, RowBudget, SumBudget
     from maskln_cli.verify.plan import Checked
+    from maskln_cli.verify.yardstick import Yardstick
 
 
 FIT_ROWS = 1 << 17
@@ -109,7 +110,7 @@ class BlockWork:
     ) -> dict[torch.dtype, Yardstick]:
         """PyTorch's result on rows ``x`` in each judged dtype (one, unless RESULT's tensors
         are stored in different dtypes)."""
-        from maskln_cli.verify.budget import yardstick
+        from maskln_cli.verify.yardstick import yardstick
 
         problem = self.problem
         upstream = grad_out if self.gradients else None

@@ -13,8 +13,9 @@ straightforward correct implementation in its own dtype. The budget of each elem
   plain sequential sum as well as torch's pairwise ones. half dtypes are modelled as torch
   computes them on CPU: row reductions in float32, everything stored (the output, the row
   statistics saved for backward, the sums over rows) in the half dtype.
-- The **yardstick** is PyTorch's own ``F.layer_norm`` and its autograd gradients, run in the
-  kernel's dtype on the same data (padding zeroed first), measured against the same truth.
+- The **yardstick** (:mod:`maskln_cli.verify.yardstick`) is PyTorch's own ``F.layer_norm``
+  and its autograd gradients, run in the kernel's dtype on the same data (padding zeroed
+  first), measured against the same truth.
   It can only raise a budget, where the model is too optimistic; it never lowers one, so a
   yardstick that is exact on some element by luck does not make that element's budget tight.
 - Whatever the model says, a few units in the last place are allowed (:data:`ULPS`), and so is
@@ -32,7 +33,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 __all__ = [
     "DEFAULT_FACTOR",
@@ -40,14 +40,13 @@ __all__ = [
     "Precision",
     "RowBudget",
     "SumBudget",
-    "Yardstick",
     "allowance",
     "factor_needed",
     "floor",
+    "grad_x_terms",
     "scaled_atol",
     "unit",
     "unit_roundoff",
-    "yardstick",
 ]
 
 DEFAULT_FACTOR = 3.0
@@ -324,7 +323,7 @@ class RowBudget:
 
     def grad_x(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The model of ``grad_x``'s error for the upstream gradient ``grad_out`` (float64):
-        the sum of :meth:`grad_x_terms`, grown by the rows' second-order rounding. Each term
+        the sum of :func:`grad_x_terms`, grown by the rows' second-order rounding. Each term
         is, row by row, a multiple of ``|xhat|``, of 1, of ``|wdy|`` or of ``|dx|``: the sum is
         made as that one combination (a few passes over the rows, not a few per term)."""
         p = self.precision
@@ -354,7 +353,7 @@ class RowBudget:
 
     def _ed(self) -> float:
         """The relative rounding of the backward's own sums and of wdy (see
-        :meth:`grad_x_terms`)."""
+        :func:`grad_x_terms`)."""
         p = self.precision
         return math.sqrt(self.channels) * p.reduce + p.grad_out + p.params + p.store
 
@@ -362,7 +361,7 @@ class RowBudget:
         self, grad_out: torch.Tensor, wdy: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """c1 = mean(xhat * wdy), c2 = mean(wdy), and what each errs by per unit of a sum's
-        relative rounding (n1, n2; see :meth:`grad_x_terms`), each ``[R, 1]``."""
+        relative rounding (n1, n2; see :func:`grad_x_terms`), each ``[R, 1]``."""
         root = math.sqrt(self.channels)
         products = self.xhat * wdy
         c1 = products.mean(dim=-1, keepdim=True)
@@ -373,50 +372,6 @@ class RowBudget:
         c2 = wdy.mean(dim=-1, keepdim=True)
         n2 = self.wdy_rms(grad_out, wdy).div(root).add_(c2.abs())
         return c1, c2, n1, n2
-
-    def grad_x_terms(self, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The terms of grad_x's model, each what one source of a correct kernel's rounding
-        moves dx by (docs/verify-budget.md, "The gradients' budget", measures each).
-
-        dx = rstd * (wdy - xhat * c1 - c2) with wdy = scale * dy, c1 = mean(xhat * wdy) and
-        c2 = mean(wdy). xhat errs by a shift of its row, up to ``e1 * A`` (the mean's rounding:
-        a sequential sum's), and by a factor, up to ``e1`` (rstd's), both the same along the
-        row: they reach dx through c1 and c2 themselves, signed. A mean ``m`` of C terms
-        ``t`` (c1 and c2; in torch's own backward the sums of wdy * x and wdy they are made
-        of, which lose A times more) errs as a sum does, ``sqrt(C) * u * (|m| + rms(t) /
-        sqrt(C))``: not by the mean of ``|t|``, since an upstream gradient of random signs
-        makes c1 and c2 sqrt(C) times smaller than their terms.
-
-        - ``shift``: the shift s through c1 and c2, ``rstd * s * (|c1| + |xhat| * |c2|)``, and
-          through c2 alone (a running mean, Welford's, drifts along the row: each element's
-          own shift);
-        - ``factor``: the factor through c1, ``2 * rstd * e1 * |xhat| * |c1|``;
-        - ``sums``: the backward's own rounding, of c1, c2 and wdy;
-        - ``stored``: rstd's rounding scaling dx, and dx stored in the dtype;
-        - ``subnormal``: below the smallest normal of the dtype the kernel computes in (an
-          upstream gradient of 1e-40 in float32), each operation rounds at half a subnormal
-          spacing ``u_sub``, absolutely: wdy, c2 (its sum's and wdy's rounding), xhat * c1 and
-          the two subtractions on every element, c1 (its products' and sum's) along xhat:
-          ``rstd * u_sub * (6 + 2 * |xhat|)``.
-        """
-        p = self.precision
-        e1 = self.e0 + p.store
-        ed = self._ed()
-        wdy = self.upstream(grad_out) * self.scale
-        xhat_abs = self.xhat.abs()
-        # c1, c2, and what they err by per unit of a sum's relative rounding (see above).
-        c1, c2, n1, n2 = self._backward_sums(grad_out, wdy)
-        dx = (wdy - self.xhat * c1).sub_(c2).mul_(self.rstd).abs_()
-        rstd_e1 = self.rstd * e1
-        shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(self.back_offset).mul_(rstd_e1)
-        factor = (xhat_abs * n1).mul_(rstd_e1).mul_(2)
-        sums = (xhat_abs * n1).add_(n2).add_(wdy.abs_()).mul_(self.rstd).mul_(ed)
-        stored = dx.mul_(self.e2 + (e1 + p.store))
-        subnormal = (xhat_abs + 3).mul_(self.rstd).mul_(p.subnormal)
-        return {
-            "shift": shift, "factor": factor, "sums": sums, "stored": stored,
-            "subnormal": subnormal,
-        }  # fmt: skip
 
     def grad_x_size(self, grad_out: torch.Tensor) -> torch.Tensor:
         """Each row's magnitude of grad_x's terms, ``rstd * rms(scale * grad_out)`` ``[R, 1]``:
@@ -445,6 +400,52 @@ class RowBudget:
         dy_abs = torch.abs(dy, out=term)  # the buffer again
         moved = torch.add(self.xhat_abs(), self.sum_offset).mul_(dy_abs).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
+
+
+def grad_x_terms(rows: RowBudget, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The terms of the model of grad_x of ``rows`` (:meth:`RowBudget.grad_x` makes their sum),
+    each what one source of a correct kernel's rounding moves dx by (docs/verify-budget.md,
+    "The gradients' budget", measures each).
+
+    dx = rstd * (wdy - xhat * c1 - c2) with wdy = scale * dy, c1 = mean(xhat * wdy) and
+    c2 = mean(wdy). xhat errs by a shift of its row, up to ``e1 * A`` (the mean's rounding:
+    a sequential sum's), and by a factor, up to ``e1`` (rstd's), both the same along the
+    row: they reach dx through c1 and c2 themselves, signed. A mean ``m`` of C terms
+    ``t`` (c1 and c2; in torch's own backward the sums of wdy * x and wdy they are made
+    of, which lose A times more) errs as a sum does, ``sqrt(C) * u * (|m| + rms(t) /
+    sqrt(C))``: not by the mean of ``|t|``, since an upstream gradient of random signs
+    makes c1 and c2 sqrt(C) times smaller than their terms.
+
+    - ``shift``: the shift s through c1 and c2, ``rstd * s * (|c1| + |xhat| * |c2|)``, and
+      through c2 alone (a running mean, Welford's, drifts along the row: each element's
+      own shift);
+    - ``factor``: the factor through c1, ``2 * rstd * e1 * |xhat| * |c1|``;
+    - ``sums``: the backward's own rounding, of c1, c2 and wdy;
+    - ``stored``: rstd's rounding scaling dx, and dx stored in the dtype;
+    - ``subnormal``: below the smallest normal of the dtype the kernel computes in (an
+      upstream gradient of 1e-40 in float32), each operation rounds at half a subnormal
+      spacing ``u_sub``, absolutely: wdy, c2 (its sum's and wdy's rounding), xhat * c1 and
+      the two subtractions on every element, c1 (its products' and sum's) along xhat:
+      ``rstd * u_sub * (6 + 2 * |xhat|)``.
+    """
+    p = rows.precision
+    e1 = rows.e0 + p.store
+    ed = rows._ed()
+    wdy = rows.upstream(grad_out) * rows.scale
+    xhat_abs = rows.xhat.abs()
+    # c1, c2, and what they err by per unit of a sum's relative rounding (see above).
+    c1, c2, n1, n2 = rows._backward_sums(grad_out, wdy)
+    dx = (wdy - rows.xhat * c1).sub_(c2).mul_(rows.rstd).abs_()
+    rstd_e1 = rows.rstd * e1
+    shift = (xhat_abs + 1).mul_(n2).add_(n1).mul_(rows.back_offset).mul_(rstd_e1)
+    factor = (xhat_abs * n1).mul_(rstd_e1).mul_(2)
+    sums = (xhat_abs * n1).add_(n2).add_(wdy.abs_()).mul_(rows.rstd).mul_(ed)
+    stored = dx.mul_(rows.e2 + (e1 + p.store))
+    subnormal = (xhat_abs + 3).mul_(rows.rstd).mul_(p.subnormal)
+    return {
+        "shift": shift, "factor": factor, "sums": sums, "stored": stored,
+        "subnormal": subnormal,
+    }  # fmt: skip
 
 
 def _shifts(rows: RowBudget, precision: Precision) -> tuple[torch.Tensor, ...]:
@@ -553,7 +554,7 @@ class SumBudget:
         p = self.precision
         e1 = self.e0 + p.store
         spread = self.scale_squares.sqrt()
-        # Below the smallest normal (see RowBudget.grad_x_terms, "subnormal"): each row's
+        # Below the smallest normal (see grad_x_terms, "subnormal"): each row's
         # product and each addition round at u_sub (half the spacing), over the rows a random
         # walk, as the relative rounding above.
         return (
@@ -687,136 +688,3 @@ def factor_needed(error: torch.Tensor, budget_unit: torch.Tensor, always: torch.
     if not bool(beyond.any()):
         return 0.0
     return float((error[beyond] / budget_unit[beyond]).max())
-
-
-@dataclass
-class Yardstick:
-    """PyTorch's result on a chunk of rows, in the kernel's dtype: ``out`` and ``grad_x``
-    ``[R, C]`` and this chunk's shares of ``grad_scale`` and ``grad_bias`` ``[C]``."""
-
-    out: torch.Tensor
-    grad_x: torch.Tensor | None = None
-    grad_scale: torch.Tensor | None = None
-    grad_bias: torch.Tensor | None = None
-
-
-def yardstick(
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    dtype: torch.dtype,
-    grad_out: torch.Tensor | None = None,
-    centered: bool = True,
-) -> Yardstick:
-    """``F.layer_norm`` in ``dtype`` on rows ``x`` ``[R, C]`` with the padding zeroed first (the
-    one-liner without its NaN leak), and with ``grad_out`` its autograd gradients;
-    ``centered=False``: ``F.rms_norm`` (``scale`` its whole gain; :func:`rms_yardstick`).
-
-    Example:
-        >>> x = torch.tensor([[1.0, 3.0], [float("nan"), 0.0]])
-        >>> valid, one, zero = torch.tensor([True, False]), torch.ones(2), torch.zeros(2)
-        >>> y = yardstick(x, valid, one, zero, 1e-5, torch.float32)
-        >>> y.out
-        tensor([[-1.0000,  1.0000],
-                [ 0.0000,  0.0000]])
-    """
-    if not centered:
-        return rms_yardstick(x, valid, scale, eps, dtype, grad_out)
-    weight, shift = scale.to(dtype), bias.to(dtype)
-    channels = x.shape[-1]
-    # The padding set to +0.0 by index, before and after: what torch.where(keep, ..., 0)
-    # gives, at a third of the cost of a broadcast mask (and nothing when every row is valid).
-    invalid = (~valid).nonzero().squeeze(1)
-
-    def padded(values: torch.Tensor) -> torch.Tensor:
-        if not invalid.numel():
-            return values.to(dtype)
-        return values.to(dtype, copy=True).index_fill_(0, invalid, 0.0)
-
-    if grad_out is None:
-        with torch.no_grad():
-            out = F.layer_norm(padded(x), (channels,), weight, shift, eps)
-            return Yardstick(out.index_fill_(0, invalid, 0.0) if invalid.numel() else out)
-    rows, upstream, power = padded(x), padded(grad_out), 1.0
-    # Finite when its least and greatest values are (NaN carried into both): one pass.
-    if not all(math.isfinite(float(v)) for v in torch.aminmax(upstream)):
-        upstream, power = _upstream_in_range(grad_out, valid.unsqueeze(1), dtype)
-    # The kernels autograd runs for F.layer_norm and its backward, called directly: the same
-    # bits (the backward of torch.where passes the upstream gradient, already 0 on the
-    # padding), without autograd's graph and its first call's imports (sympy, a second or two).
-    with torch.no_grad():
-        normalized, mean, rstd = torch.native_layer_norm(rows, (channels,), weight, shift, eps)
-        grads = torch.ops.aten.native_layer_norm_backward(
-            upstream, rows, (channels,), mean, rstd, weight, shift, (True, True, True)
-        )
-    if invalid.numel():
-        normalized.index_fill_(0, invalid, 0.0)
-    return Yardstick(normalized, *(_times(g, power) for g in grads))
-
-
-def rms_yardstick(
-    x: torch.Tensor,
-    valid: torch.Tensor,
-    gain: torch.Tensor,
-    eps: float,
-    dtype: torch.dtype,
-    grad_out: torch.Tensor | None = None,
-) -> Yardstick:
-    """``F.rms_norm`` in ``dtype`` on rows ``x`` ``[R, C]``, the padding zeroed first, and with
-    ``grad_out`` its autograd gradients (grad_bias: the upstream gradient's sum, a zero bias's).
-
-    Example:
-        >>> x = torch.tensor([[3.0, 4.0], [float("nan"), 0.0]])
-        >>> y = rms_yardstick(x, torch.tensor([True, False]), torch.ones(2), 0.0, torch.float32)
-        >>> y.out
-        tensor([[0.8485, 1.1314],
-                [0.0000, 0.0000]])
-    """
-    keep = valid.unsqueeze(1)
-    zero = torch.zeros((), dtype=dtype)
-    rows = torch.where(keep, x.to(dtype), zero)
-    weight = gain.to(dtype)
-    shape = (x.shape[-1],)
-    if grad_out is None:
-        with torch.no_grad():
-            return Yardstick(torch.where(keep, F.rms_norm(rows, shape, weight, eps), zero))
-    upstream, power = _upstream_in_range(grad_out, keep, dtype)
-    with torch.enable_grad():
-        leaves = (rows.detach().requires_grad_(), weight.detach().requires_grad_())
-        out = F.rms_norm(leaves[0], shape, leaves[1], eps)
-        grad_x, grad_scale = torch.autograd.grad(out, leaves, upstream)
-    grads = (_times(g, power) for g in (grad_x, grad_scale, upstream.sum(dim=0)))
-    return Yardstick(torch.where(keep, out.detach(), zero), *grads)
-
-
-RANGE_HEADROOM = 2.0**8
-"""How far below its dtype's largest value grad_out is brought when it is beyond it."""
-
-
-def _upstream_in_range(
-    grad_out: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, float]:
-    """grad_out on the valid rows, in ``dtype``, and 1; or, where a finite value of it is beyond
-    ``dtype``'s range (inf once cast), divided by the power of two that brings its largest
-    :data:`RANGE_HEADROOM` below that range's end, and that power: a gradient is linear in
-    grad_out, so PyTorch's gradients times it are its gradients of grad_out itself (the
-    yardstick's figure was NaN, or 0 when its error was taken as none)."""
-    zero = torch.zeros((), dtype=dtype)
-    upstream = torch.where(keep, grad_out.to(dtype), zero)
-    if math.isfinite(float(upstream.abs().amax())):
-        return upstream, 1.0
-    finite = torch.where(keep & grad_out.isfinite(), grad_out.double(), 0.0)
-    largest = float(finite.abs().amax())
-    ceiling = torch.finfo(dtype).max / RANGE_HEADROOM
-    if largest <= ceiling:  # inf in grad_out itself: nothing to bring into range
-        return upstream, 1.0
-    power = 2.0 ** math.ceil(math.log2(largest / ceiling))
-    return torch.where(keep, (grad_out.double() / power).to(dtype), zero), power
-
-
-def _times(grad: torch.Tensor, power: float) -> torch.Tensor:
-    """``grad`` times ``power`` (a power of two: exact), in its dtype (inf where the product
-    is beyond it, as PyTorch's own gradient would be)."""
-    return grad if power == 1.0 else (grad.double() * power).to(grad.dtype)

@@ -25,7 +25,7 @@ class Sample:
     def reference(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The truth (float64) and PyTorch's result in ``dtype`` for ``name`` on these rows."""
         from maskln_cli.verify.blockwork import float64_truth
-        from maskln_cli.verify.budget import yardstick
+        from maskln_cli.verify.yardstick import yardstick
 
         problem = self.problem
         channels = problem.channels

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from maskln_cli.op.reference import reference_masked_layer_norm
 from maskln_cli.verify import budget
 from maskln_cli.verify.budget import Precision, RowBudget, SumBudget
+from maskln_cli.verify.yardstick import yardstick
 
 
 def test_unit_roundoffs_and_what_rounds_on_the_way_in():
@@ -110,7 +111,7 @@ def test_yardstick_zeroes_the_padding_first():
     valid = torch.tensor([True, False])
     grad_out = torch.tensor([[1.0, -1.0], [math.nan, 1.0]])
     scale, bias = torch.tensor([2.0, 1.0]), torch.tensor([0.5, 0.5])
-    guess = budget.yardstick(x, valid, scale, bias, 1e-5, torch.float32, grad_out)
+    guess = yardstick(x, valid, scale, bias, 1e-5, torch.float32, grad_out)
     assert guess.out[1].tolist() == [0.0, 0.0] and guess.grad_x is not None
     assert bool(guess.grad_x.isfinite().all()) and bool(guess.grad_scale.isfinite().all())
     assert guess.grad_bias.tolist() == [1.0, -1.0]  # the valid row's upstream gradient alone
@@ -142,7 +143,7 @@ def test_the_models_made_in_few_passes_are_their_terms(dtype, offset):
     torch.testing.assert_close(rows.out(), out, rtol=1e-13, atol=0.0)
     truth = torch.where(keep, xhat * scale + bias, 0.0)
     torch.testing.assert_close(rows.out(truth), out, rtol=1e-13, atol=0.0)
-    terms = sum(rows.grad_x_terms(dy).values())
+    terms = sum(budget.grad_x_terms(rows, dy).values())
     grad_x = (terms * rows.growth).masked_fill(~keep, 0.0)
     torch.testing.assert_close(rows.grad_x(dy), grad_x, rtol=1e-13, atol=0.0)
     assert (rows.grad_x(dy)[~valid] == 0).all() and (rows.grad_x(dy)[valid] > 0).all()

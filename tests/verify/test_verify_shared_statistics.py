@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from maskln_cli.verify import budget
 from maskln_cli.verify.blockwork import BlockWork
 from maskln_cli.verify.budget import Precision, RowBudget
 from maskln_cli.verify.job import verify_file
+from maskln_cli.verify.yardstick import yardstick
 from tests import kernels
 from tests.clitools import write
 
@@ -70,7 +70,7 @@ def test_the_yardsticks_gradients_are_autograds_bit_for_bit(case, dtype):
     inputs = CASES[case]()
     x, valid, grad_out = rows_of(inputs)
     scale, bias = inputs["scale"].double(), inputs["bias"].double()
-    ours = budget.yardstick(x, valid, scale, bias, 1e-5, dtype, grad_out)
+    ours = yardstick(x, valid, scale, bias, 1e-5, dtype, grad_out)
     expected = autograd_yardstick(x, valid, scale, bias, dtype, grad_out)
     got = (ours.out, ours.grad_x, ours.grad_scale, ours.grad_bias)
     for name, a, b in zip(("out", "grad_x", "grad_scale", "grad_bias"), got, expected, strict=True):
