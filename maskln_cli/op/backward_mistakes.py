@@ -15,6 +15,8 @@ of squares beyond float16's 65,504), or a float32 kernel (beyond float32's 3.4e+
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from maskln_cli.op.mistake_records import Diagnosis, Gradients, Mistake
@@ -191,7 +193,8 @@ def overflow_match(
     ``x``, whose statistics a kernel keeps in ``dtype``) is wrong on the valid rows whose
     statistics overflow ``dtype`` and on no other, as an overflow leaves a row: NaN or inf
     (an infinite mean), or what a zero rstd gives (an infinite variance): out's bias, a
-    grad_x of zeros; on at least half of those rows.
+    grad_x of zeros; on at least half of those rows, and on every row whose mean square too
+    is beyond ``dtype`` (which no kernel's statistics hold).
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0], [300.0, -300.0]], dtype=torch.float64)
@@ -227,6 +230,12 @@ def overflow_match(
     off = ~(close | ((result - reference).abs() <= size))  # NaN: off
     wrong = off.any(dim=1) & valid.reshape(-1)
     if not bool(wrong.any()) or bool((wrong & ~over).any()):
+        return None
+    # Rows whose mean square too is beyond the dtype overflow whatever a kernel keeps (a sum
+    # or a mean of squares): each is wrong if the statistics overflow (NaN on a row's own
+    # 0/0 may stand on most rows, but not on these alone).
+    surely = over & overflowing_rows(x.double() / math.sqrt(channels), valid, dtype)
+    if bool((surely & ~wrong).any()):
         return None
     shaped = wrong & (~finite | collapsed)
     if 2 * int(shaped.sum()) < int(over.sum()) or not bool(shaped[wrong].all()):

@@ -1,0 +1,64 @@
+"""An overflow of a row's statistics leaves every row it reaches wrong: a kernel without eps on
+bfloat16 rows at an offset of 1e3 (most rows one value there: 0/0, NaN) was named "the row
+statistics overflow float16" (20 of 20 draws at C = 5), since float16 statistics would overflow
+on every row and NaN stood on most of them, though the rows that are not one value were right
+(found by a hunt for wrong causes). Rows whose mean square is beyond the dtype overflow whatever
+a kernel keeps, a sum or a mean of squares: every one of them must be wrong for the overflow to
+be named. A kernel whose statistics do overflow is still named so."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from maskln_cli.testing import verify
+from tests import kernels
+
+
+def eps_missing(x, valid, scale, bias, eps):
+    rows = torch.where(valid[:, None], x, torch.zeros((), dtype=x.dtype)).float()
+    mean = rows.mean(-1, keepdim=True)
+    var = (rows - mean).square().mean(-1, keepdim=True)
+    out = (rows - mean) / torch.sqrt(var) * scale.float() + bias.float()
+    return torch.where(valid[:, None], out, 0.0).to(x.dtype)
+
+
+def named(kernel, seed, channels=5, offset=1e3, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(24, channels, generator=g, dtype=torch.float64) + offset).to(dtype)
+    scale = torch.randn(channels, generator=g, dtype=torch.float64).to(dtype)
+    bias = torch.randn(channels, generator=g, dtype=torch.float64).to(dtype)
+    grad_out = torch.randn(24, channels, generator=g, dtype=torch.float64).to(dtype)
+    valid = torch.arange(24) < 20
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = kernel(leaves[0], valid, leaves[1], leaves[2], 1e-5)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        report = verify(
+            out.detach(), x, valid, scale, bias, 1e-5, grad_out=grad_out, grad_x=grads[0],
+            grad_scale=grads[1], grad_bias=grads[2],
+        )  # fmt: skip
+    assert not report.passed
+    return {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nan_on_the_rows_of_one_value_is_not_named_an_overflow(seed):
+    assert "statistics_overflow" not in named(eps_missing, seed)
+
+
+@pytest.mark.parametrize("family", ["1e4 + N(0, 0.1)", "C = 768, 1e4 + N(0, 0.1)"])
+def test_statistics_that_overflow_float16_are_still_named(family):
+    """The catalogue's kernel summing its rows in float16 (each row's sum of 1e4s is inf)."""
+    inputs = kernels.DATA_FAMILIES[family](0, dtype="float32")
+    result = kernels.run(kernels.CATALOGUE["row sums in float16"].kernel, inputs)
+    report = verify(
+        result["out"], inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"], 1e-5,
+        grad_out=inputs["grad_out"], grad_x=result["grad_x"], grad_scale=result["grad_scale"],
+        grad_bias=result["grad_bias"],
+    )  # fmt: skip
+    causes = {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
+    assert causes == {"statistics_overflow"}
