@@ -215,6 +215,10 @@ def overflow_match(
     # only NaN or inf there (an infinite sum) is evidence of an overflow.
     low, high = x.reshape(-1, channels).to(dtype).aminmax(dim=1)
     over &= ~((low == high) & low.isfinite() & finite)
+    # A row of one value in x as given is no evidence either way: NaN there is as much a 0/0
+    # (its variance 0, and no eps) as an overflow's (float16 rows of 1e4 + N(0, 0.5)).
+    low, high = x.reshape(-1, channels).aminmax(dim=1)
+    over &= low != high
     if not bool(over.any()):
         return None
     zero_rstd = torch.zeros(channels, dtype=torch.float64) if bias is None else bias.double()
