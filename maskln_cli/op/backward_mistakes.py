@@ -188,13 +188,18 @@ def overflow_match(
     valid: torch.Tensor,
     dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    guessed: bool = False,
 ) -> Diagnosis | None:
     """:data:`STATISTICS_OVERFLOW` when ``actual`` (out, given ``bias``, or grad_x: of rows
     ``x``, whose statistics a kernel keeps in ``dtype``) is wrong on the valid rows whose
     statistics overflow ``dtype`` and on no other, as an overflow leaves a row: NaN or inf
     (an infinite mean), or what a zero rstd gives (an infinite variance): out's bias, a
     grad_x of zeros; on at least half of those rows, and on every row whose mean square too
-    is beyond ``dtype`` (which no kernel's statistics hold).
+    is beyond ``dtype`` (which no kernel's statistics hold). Its ``distance``: the result's
+    from what the overflow leaves (the truth on other rows); 0 where every wrong row's mean
+    square is beyond ``dtype`` and the kernel's statistics are known to be in it (not
+    ``guessed``): a formula's float64 output says nothing of such a kernel there, whose
+    every statistic overflows, so no formula can be closer.
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0], [300.0, -300.0]], dtype=torch.float64)
@@ -245,4 +250,12 @@ def overflow_match(
     if 2 * int(shaped.sum()) < int(over.sum()) or not bool(shaped[wrong].all()):
         return None
     mistake = OVERFLOWING[RANGE_OF.get(dtype, dtype)]
-    return Diagnosis(mistake.name, mistake.description, mistake.fix, 0.0)
+    if guessed or bool((wrong & ~surely).any()):
+        # Its rows of NaN or inf are what it leaves; its finite wrong rows, a zero rstd's.
+        rows = ~(wrong & ~finite)
+        left = torch.where(wrong.unsqueeze(1), zero_rstd, reference)[rows]
+        size = float(reference[rows].norm())
+        distance = float((result[rows] - left).norm()) / size if size > 0 else 0.0
+    else:
+        distance = 0.0
+    return Diagnosis(mistake.name, mistake.description, mistake.fix, distance)

@@ -24,6 +24,7 @@ import torch
 
 from maskln_cli.op.backward_mistakes import (
     BACKWARD_MISTAKES,
+    RANGE_OF,
     STATISTICS_OVERFLOW,
     STATISTICS_OVERFLOW_DTYPE,
     overflow_match,
@@ -41,6 +42,7 @@ __all__ = [
     "NEGATIVE_ZERO",
     "ONE_PASS",
     "PRECISION_MISTAKES",
+    "RANGE_OF",
     "STATISTICS_OVERFLOW",
     "STATISTICS_OVERFLOW_DTYPE",
     "Diagnosis",

@@ -157,6 +157,10 @@ class Causes:
         evidence = self.evidence(checked)
         if evidence == "same" and self.out_diagnosis is None:
             return None  # out is wrong in no known way: nor are its gradients, known
+        if found is not None and checked.name in ROW_TENSORS and self._overflowed(checked):
+            found = None  # a factor of rows no statistic holds says nothing of a formula
+        if found is not None and found.model == "eps" and checked.name == "grad_bias":
+            found = None  # no eps enters grad_bias, a sum of grad_out
         earlier = self.explained
         model = found.model if found is not None else None
         if model in terms.MISSING.values() and evidence != "same":
@@ -165,13 +169,18 @@ class Causes:
             if earlier is not None and earlier.same_eps(found):
                 return earlier.diagnosis  # one eps for RESULT, as the first tensor gave it
             if evidence == "any":
-                return diagnose.eps_diagnosis(found, self.problem.eps, self.origin)
+                named = diagnose.eps_diagnosis(found, self.problem.eps, self.origin)
+                if self._confirmed(checked, named, found):
+                    return named
             # out is right with the reference's eps: the backward's own, if its xhat (and so
-            # grad_scale, when checked) is off too
-            if evidence == "backward" and self.wrong("grad_scale") is not False:
+            # grad_scale, when checked) is off too, and grad_bias right (no eps is in it)
+            backward = self.wrong("grad_scale") is not False and self.wrong("grad_bias") is not True
+            if evidence == "backward" and backward:
                 return diagnose.backward_eps_diagnosis(found, self.problem.eps)
         if model in systematic.MISTAKE_FACTORS and evidence == "any":
-            return diagnose.mistake_diagnosis(model)  # type: ignore[arg-type]
+            named = diagnose.mistake_diagnosis(model)  # type: ignore[arg-type]
+            if self._confirmed(checked, named, found):
+                return named
         nonfinite = bool(outcome.nan_where_finite or outcome.inf_where_finite)
         if checked.name in ROW_TENSORS:
             if comparison.failing_rows:
@@ -210,14 +219,22 @@ class Causes:
             self.sampled = (sample, noise)
         same = self.out_diagnosis if evidence == "same" else None
         if evidence == "any" or (same is not None and same.mistake == "statistics_overflow"):
-            # A kernel keeping float16 statistics may store float32 (or compute in it).
+            # A kernel keeping float16 statistics may store float32 (or compute in it): a
+            # guess, where a formula that explains as much is as likely.
+            own = catalogue.RANGE_OF.get(judge, judge)
             for dtype in dict.fromkeys([judge, catalogue.STATISTICS_OVERFLOW_DTYPE]):
                 bias = self.problem.bias if checked.name == "out" else None
                 overflow = catalogue.overflow_match(
-                    sample.actual, truth, sample.x, sample.valid, dtype, bias
-                )
+                    sample.actual, truth, sample.x, sample.valid, dtype, bias,
+                    guessed=catalogue.RANGE_OF.get(dtype, dtype) != own,
+                )  # fmt: skip
                 if overflow is not None:
-                    return overflow
+                    told = diagnose.overflow_or_formula(
+                        overflow, checked.name, sample, judge, noise, evidence == "any"
+                    )
+                    if told != "formula":
+                        return overflow if told == "overflow" else None
+                    break
         if nonfinite and checked.name == "grad_x":
             if evidence == "same" or not self._padding_may_leak(checked):
                 return None
@@ -249,6 +266,54 @@ class Causes:
         if evidence == "same" and found_here is not None and same is not None:
             return same if found_here.mistake == same.mistake else None
         return found_here
+
+    def _confirmed(self, checked: Checked, named: Diagnosis, found: Finding) -> bool:
+        """Whether the formula of a cause the rows' factors named (another eps, a mistake of
+        the normalization) gives out or grad_x on a sample of the failing rows, element by
+        element: a common factor per row is no proof (scale missing on rows of two values,
+        every |xhat| 1, scales each row alike, and was named "RESULT's eps is about 11")."""
+        from maskln_cli.op import mistakes as catalogue
+        from maskln_cli.verify import diagnose
+
+        comparison = checked.comparison
+        if checked.name not in ROW_TENSORS or comparison is None or not comparison.failing_rows:
+            return True  # a sum's elements: no formula of rows to try
+        formula = diagnose.candidate_of(named, found, self.norm)
+        if not formula:
+            return True
+        sample = diagnose.take_sample(
+            self.problem, self.result, checked.key, comparison.failing_rows,
+            self.mask,  # type: ignore[arg-type]
+        )  # fmt: skip
+        # Its valid rows only: what the padding holds is another question (a padding of
+        # ones beside another eps: the eps is the cause of the values)
+        import torch
+
+        padding = ~sample.valid.unsqueeze(-1)
+        zeros = torch.zeros((), dtype=sample.actual.dtype)
+        sample = dataclasses.replace(sample, actual=torch.where(padding, zeros, sample.actual))
+        judge = checked.judge or self.judge
+        truth, guess = sample.reference(checked.name, judge)
+        noise = catalogue.relative_distance(guess, truth)
+        return bool(diagnose.formula_matches(checked.name, sample, judge, noise, formula))
+
+    def _overflowed(self, checked: Checked) -> bool:
+        """Whether a failing row of ``checked`` has a mean square beyond the judged dtype's
+        range: every statistic a kernel keeps in it overflows there, a correct formula's and
+        a wrong one's alike (a float32 two-pass kernel on rows of 1e25 gives their bias, as
+        sqrt missing does), and only the rows tell the overflow from the rest."""
+        import torch
+
+        from maskln_cli.op.backward_mistakes import overflowing_rows
+
+        comparison = checked.comparison
+        if comparison is None or not comparison.failing_rows:
+            return False
+        channels = self.problem.channels
+        index = torch.tensor(comparison.failing_rows, dtype=torch.long)
+        rows = self.problem.x.reshape(-1, channels)[index].double() / math.sqrt(channels)
+        judge = checked.judge or self.judge
+        return bool(overflowing_rows(rows, self.problem.valid.reshape(-1)[index], judge).any())
 
     def _padding_may_leak(self, checked: Checked) -> bool:
         """Whether NaN or inf in ``checked`` may come from the padding (verify cannot call the
@@ -312,7 +377,7 @@ class Causes:
             problem.bias, problem.grad_out, problem.eps, judge,
             noise=outcome.yardstick_rel_l2, mistakes=tried, name=checked.name, norm=self.norm,
         )  # fmt: skip
-        if found and (len(found) == 1 or found[1].distance >= 3 * found[0].distance):
+        if found and (len(found) == 1 or found[1].distance > 3 * found[0].distance):
             return same if same is not None else found[0]
         return None
 

@@ -135,27 +135,18 @@ def diagnose_rows(
 
     problem = sample.problem
     known = catalogue_of(problem)
-    norm = problem.norm.name
     overflow = formulas.overflow_match(sample.actual, truth, sample.x, sample.valid, judge)
     if overflow is not None:
-        return overflow
-    args = (sample.x, sample.valid, problem.scale, problem.bias)
+        told = overflow_or_formula(overflow, name, sample, judge, noise, forward)
+        if told != "formula":
+            return overflow if told == "overflow" else None
     default = None if forward else known.backward
     tries = ([candidates] if candidates else []) + ([default] if catalogue else [])
     for mistakes in tries:
-        if name == "out":
-            found = formulas.diagnose_output(
-                sample.actual, *args, problem.eps, judge, noise=noise, mistakes=mistakes,
-                norm=norm,
-            )  # fmt: skip
-        else:
-            assert sample.grad_out is not None
-            found = formulas.diagnose_gradient(
-                sample.actual, *args, sample.grad_out, problem.eps, judge, noise=noise,
-                mistakes=mistakes, norm=norm,
-            )  # fmt: skip
+        found = formula_matches(name, sample, judge, noise, mistakes)
         if found:
-            clear = len(found) == 1 or found[1].distance >= AMBIGUOUS * found[0].distance
+            # (a tie at distance 0 is no margin: two formulas giving the same result)
+            clear = len(found) == 1 or found[1].distance > AMBIGUOUS * found[0].distance
             return found[0] if clear else None
     if systematic or not known.fitted:
         return None
@@ -165,6 +156,54 @@ def diagnose_rows(
 AMBIGUOUS = 3.0
 """A formula is named only when the result is this many times closer to it than to the next
 formula that matches: else the evidence does not tell them apart, and none is named."""
+
+
+def formula_matches(
+    name: str,
+    sample: Sample,
+    judge: torch.dtype,
+    noise: float,
+    mistakes: dict[str, Mistake] | None,
+) -> list[Diagnosis]:
+    """The formulas of ``mistakes`` (None: the catalogue's) that out or grad_x (``name``) on
+    ``sample`` matches, best first."""
+    from maskln_cli.op import mistakes as formulas
+
+    problem = sample.problem
+    args = (sample.x, sample.valid, problem.scale, problem.bias)
+    norm = problem.norm.name
+    if name == "out":
+        return formulas.diagnose_output(
+            sample.actual, *args, problem.eps, judge, noise=noise, mistakes=mistakes, norm=norm
+        )
+    assert sample.grad_out is not None
+    return formulas.diagnose_gradient(
+        sample.actual, *args, sample.grad_out, problem.eps, judge, noise=noise,
+        mistakes=mistakes, norm=norm,
+    )  # fmt: skip
+
+
+def overflow_or_formula(
+    overflow: Diagnosis,
+    name: str,
+    sample: Sample,
+    judge: torch.dtype,
+    noise: float,
+    forward: bool = True,
+) -> str:
+    """Which explains out or grad_x (``name``) on ``sample`` better: the statistics
+    ``overflow`` that matched it (``"overflow"``), a formula of the catalogue clearly closer
+    to it (``"formula"``: the caller names it), or neither by :data:`AMBIGUOUS`'s margin
+    (``"neither"``): sqrt missing leaves rows of a large variance near their bias as a zero
+    rstd does. An overflow at distance 0 (every statistic of its rows overflows the kernel's
+    dtype) has no rival; the formulas are the forward's only when ``forward``."""
+    if overflow.distance == 0.0:
+        return "overflow"
+    known = catalogue_of(sample.problem)
+    found = formula_matches(name, sample, judge, noise, None if forward else known.backward)
+    if not found or found[0].distance >= AMBIGUOUS * overflow.distance:
+        return "overflow"
+    return "formula" if found[0].distance * AMBIGUOUS <= overflow.distance else "neither"
 
 
 def precision_diagnosis(
