@@ -345,8 +345,11 @@ class StreamingPass:
                 # grad_bias sums grad_out alone: no row statistic's rounding reaches it.
                 second = budget.second_order if name == "grad_scale" else 0.0
                 squares = budget.scale_squares if name == "grad_scale" else budget.bias_squares
-                # grad_scale's terms move with each row's xhat (the model's first term).
-                noise = budget.moved_squares.sqrt() * budget.e0 if name == "grad_scale" else None
+                # grad_scale's terms move with each row's xhat (the model's first term): by its
+                # mean's shift, e0, and its rounding to the stored dtype (a float16 kernel's
+                # saved mean: copies of a row round alike), as the budget has it.
+                e1 = budget.e0 + budget.precision.store
+                noise = budget.moved_squares.sqrt() * e1 if name == "grad_scale" else None
                 self.fits[name] = fit_elements(
                     actual.double() - total, total, second, squares.sqrt(), noise,
                     self._distinct_rows(budget.rows), grid_spacing(total, actual.dtype),
