@@ -109,12 +109,14 @@ class Explainer:
         if not outcome.passed:
             self._explain(checked, found)
         elif finding is not None and finding.limit is not None and found is None:
-            rows = f"{finding.rows:,} valid {'row' if finding.rows == 1 else 'rows'}"
+            rows = f"with {finding.rows:,} valid {'row' if finding.rows == 1 else 'rows'}"
+            if finding.unit == "elements":  # rows few, or a few of its elements weigh most
+                rows = f"summed from few rows or carried by few of its {finding.rows:,} elements"
             self.not_checked.append(
-                f"{checked.name}: with {rows}, a systematic error below {finding.limit:.1g}"
+                f"{checked.name}: {rows}, a systematic error below {finding.limit:.1g}"
                 " (relative) cannot be told from rounding"
                 if math.isfinite(finding.limit)
-                else f"{checked.name}: with {rows} of {self.problem.channels} channels, a"
+                else f"{checked.name}: {rows} of {self.problem.channels} channels, a"
                 " systematic error cannot be told from rounding"
             )
 

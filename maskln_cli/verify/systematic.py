@@ -144,6 +144,7 @@ class FitSums:
     rw2f: float = 0.0
     rw2ff: float = 0.0
     sources: int = 0  # the valid rows a sum over rows sums (fit_elements); 0 for rows
+    heaviest: float = 0.0  # a sum's element of the greatest weight, its weight (fit_elements)
     # Each row's (f_r, var + eps, weight, ...: KEPT_ROWS), for the first KEPT_ROWS usable rows:
     # the models are told apart on them, and each row is judged alone.
     kept: list[torch.Tensor] = field(default_factory=list)
@@ -159,7 +160,7 @@ class FitSums:
 
     def add(self, other: FitSums) -> None:
         for item in fields(self):
-            if item.name not in ("kept", "kept_rows", "sources", "terms"):
+            if item.name not in ("kept", "kept_rows", "sources", "heaviest", "terms"):
                 setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
         if other.terms is not None:
             if self.terms is None:
@@ -347,9 +348,13 @@ def fit_elements(
     if noise is not None:
         sums.wn = float((w * noise[usable] / t.abs()).sum())
     sums.sources = sources
+    sums.heaviest = float(w.max())
     return sums
 
 
+DOMINANT = 0.5
+"""A sum's element holding more than this share of the regression's weight is the pooled
+factor, and its rounding no common factor: the few-rows threshold applies."""
 CANCELLED = 0.1
 """A sum's element is regressed on only when its truth is at least this share of the norm of
 the terms it sums (a random-sign sum's is about 1)."""
@@ -592,11 +597,14 @@ def pooled(
     distinct = sums.distinct_rows()
     # Nor do rows whose weights one or two of them dominate: the spread of the others then
     # says nothing of the pooled factor's error (Kish's effective number of rows). A sum's
-    # elements need no such rule: their threshold holds their modelled rounding already.
+    # elements need no such rule, their threshold holds their modelled rounding, unless one
+    # of them is most of the weight: the factor is then that element's rounding (an outlier
+    # channel's grad_scale, 97 % of it, a cancelling sum that float16 rounds by 2 u).
     effective = distinct
     if kept is not None and sums.w2 > 0:
         effective = min(distinct, sums.w**2 / sums.w2)
-    few = effective < MIN_ROWS or (elements and sums.sources < MIN_ROWS)
+    one_element = elements and sums.heaviest > DOMINANT * sums.w
+    few = effective < MIN_ROWS or (elements and sums.sources < MIN_ROWS) or one_element
     # What one row of a correct kernel may err by: the gate of few rows and of sums.
     one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
     if few:  # without a standard error: twice the gate (6 rows of 16 channels of F.layer_norm
