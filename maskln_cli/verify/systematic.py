@@ -144,7 +144,6 @@ class FitSums:
     rw2f: float = 0.0
     rw2ff: float = 0.0
     sources: int = 0  # the valid rows a sum over rows sums (fit_elements); 0 for rows
-    heaviest: float = 0.0  # a sum's element of the greatest weight, its weight (fit_elements)
     # Each row's (f_r, var + eps, weight, ...: KEPT_ROWS), for the first KEPT_ROWS usable rows:
     # the models are told apart on them, and each row is judged alone.
     kept: list[torch.Tensor] = field(default_factory=list)
@@ -160,7 +159,7 @@ class FitSums:
 
     def add(self, other: FitSums) -> None:
         for item in fields(self):
-            if item.name not in ("kept", "kept_rows", "sources", "heaviest", "terms"):
+            if item.name not in ("kept", "kept_rows", "sources", "terms"):
                 setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
         if other.terms is not None:
             if self.terms is None:
@@ -322,7 +321,8 @@ def fit_elements(
     rows share those rows' rounding, and are no more independent than the rows are. ``spacing``:
     the stored dtype's spacing at each element (``granularity.grid_spacing``): elements it
     rounds by more than :data:`STORED_SHARE` of themselves (a float16 grad_scale of 1e-10
-    rounds to 0) are left out too.
+    rounds to 0) are left out too, and so is one element holding most of the weight
+    (:data:`DOMINANT`).
 
     Example:
         >>> import torch
@@ -341,6 +341,14 @@ def fit_elements(
         return sums
     t, e = truth[usable], error[usable]
     f, w = e / t, t.square()
+    heaviest = int(w.argmax())
+    if len(w) > 1 and float(w[heaviest]) > DOMINANT * float(w.sum()):
+        # One element most of the weight would be the factor, its own rounding no common
+        # factor: the others are pooled (the budget judges it alone).
+        others = torch.arange(len(w)) != heaviest
+        t, e, f, w = t[others], e[others], f[others], w[others]
+        usable = usable.clone()
+        usable[usable.nonzero()[heaviest]] = False
     sums.rows = int(usable.sum())
     sums.w, sums.wf, sums.wff = (float((w * f**k).sum()) for k in (0, 1, 2))
     sums.w2, sums.w2f, sums.w2ff = (float((w.square() * f**k).sum()) for k in (0, 1, 2))
@@ -348,13 +356,13 @@ def fit_elements(
     if noise is not None:
         sums.wn = float((w * noise[usable] / t.abs()).sum())
     sums.sources = sources
-    sums.heaviest = float(w.max())
     return sums
 
 
 DOMINANT = 0.5
-"""A sum's element holding more than this share of the regression's weight is the pooled
-factor, and its rounding no common factor: the few-rows threshold applies."""
+"""A sum's element holding more than this share of the regression's weight would be the pooled
+factor, and its own rounding no common factor: it is left out of the fit (an outlier channel's
+grad_scale, 97 % of it, a cancelling sum that PyTorch's float16 backward rounds by 2 u)."""
 CANCELLED = 0.1
 """A sum's element is regressed on only when its truth is at least this share of the norm of
 the terms it sums (a random-sign sum's is about 1)."""
@@ -597,14 +605,12 @@ def pooled(
     distinct = sums.distinct_rows()
     # Nor do rows whose weights one or two of them dominate: the spread of the others then
     # says nothing of the pooled factor's error (Kish's effective number of rows). A sum's
-    # elements need no such rule, their threshold holds their modelled rounding, unless one
-    # of them is most of the weight: the factor is then that element's rounding (an outlier
-    # channel's grad_scale, 97 % of it, a cancelling sum that float16 rounds by 2 u).
+    # elements need no such rule: their threshold holds their modelled rounding already (and
+    # one element most of the weight is left out of their fit: fit_elements).
     effective = distinct
     if kept is not None and sums.w2 > 0:
         effective = min(distinct, sums.w**2 / sums.w2)
-    one_element = elements and sums.heaviest > DOMINANT * sums.w
-    few = effective < MIN_ROWS or (elements and sums.sources < MIN_ROWS) or one_element
+    few = effective < MIN_ROWS or (elements and sums.sources < MIN_ROWS)
     # What one row of a correct kernel may err by: the gate of few rows and of sums.
     one_row = max(gate, FEW_ROWS_ULPS * math.sqrt(max(channels, 1)) * precision.reduce)
     if few:  # without a standard error: twice the gate (6 rows of 16 channels of F.layer_norm
