@@ -110,8 +110,10 @@ class Explainer:
             self._explain(checked, found)
         elif finding is not None and finding.limit is not None and found is None:
             rows = f"with {finding.rows:,} valid {'row' if finding.rows == 1 else 'rows'}"
-            if finding.unit == "elements":  # rows few, or a few of its elements weigh most
-                rows = f"summed from few rows or carried by few of its {finding.rows:,} elements"
+            if finding.unit == "elements":  # a sum's: its rows (distinct ones) are few
+                from maskln_cli.verify.systematic import MIN_ROWS
+
+                rows = f"summed over fewer than {MIN_ROWS} distinct valid rows"
             self.not_checked.append(
                 f"{checked.name}: {rows}, a systematic error below {finding.limit:.1g}"
                 " (relative) cannot be told from rounding"

@@ -142,3 +142,28 @@ def test_rms_rows_about_an_offset_scaled_are_said_scaled():
     report = verify(out.to(torch.bfloat16), x, valid, scale, None, 1e-6, norm="rms")
     problems = report.tensors[0].problems
     assert any("valid rows scaled by 1 + 0.029" in p for p in problems), problems
+
+
+def test_a_sum_over_few_rows_is_not_said_to_have_its_elements_as_rows():
+    """grad_scale over 6 valid rows of 32 channels said "with 31 valid rows" (the elements
+    regressed) in its not-checked line."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x, scale, bias = (
+        torch.randn(6, 32, generator=g),
+        torch.randn(32, generator=g),
+        torch.randn(32, generator=g),
+    )
+    grad_out = torch.randn(6, 32, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    out = F.layer_norm(leaves[0], (32,), leaves[1], leaves[2], 1e-5)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    report = verify(
+        out.detach(), x, torch.ones(6, dtype=torch.bool), scale, bias, 1e-5, grad_out=grad_out,
+        grad_x=grads[0], grad_scale=grads[1], grad_bias=grads[2],
+    )  # fmt: skip
+    lines = {line.split(":")[0]: line for line in report.context["not_checked"]}
+    assert "with 6 valid rows" in lines["out"]
+    for name in ("grad_scale", "grad_bias"):
+        assert "summed over fewer than 8 distinct valid rows" in lines[name], lines[name]
