@@ -51,6 +51,7 @@ __all__ = [
     "diagnose_nan_gradient",
     "diagnose_output",
     "diagnose_precision",
+    "distances",
     "overflow_match",
     "relative_distance",
 ]
@@ -658,6 +659,39 @@ def diagnose_gradient(
     tried = {**catalogue.mistakes, **catalogue.backward} if mistakes is None else mistakes
     found = _matching(result, truth, tried.values(), gradient, dtype, noise)
     return sorted(found, key=lambda d: d.distance)
+
+
+def distances(
+    actual: torch.Tensor,
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    mistake: Mistake,
+    grad_out: torch.Tensor | None = None,
+    norm: str = "layer",
+) -> tuple[float, float]:
+    """How far ``actual`` (out, or grad_x given ``grad_out``) is from what ``mistake`` gives,
+    and from the truth: relative L2 distances (:func:`relative_distance`), in float64."""
+    catalogue = CATALOGUES[norm]
+    x64, scale64, bias64 = x.double(), scale.double(), bias.double()
+
+    def value(formula: Callable[..., torch.Tensor]) -> torch.Tensor:
+        leaf = x64.detach().requires_grad_(grad_out is not None)
+        with torch.enable_grad():
+            out = formula(leaf, valid, scale64, bias64, eps)
+            if grad_out is None:
+                return out.detach()
+            upstream = torch.where(valid.unsqueeze(-1), grad_out.double(), 0.0).nan_to_num(0.0)
+            (grad,) = torch.autograd.grad(out, leaf, upstream, allow_unused=True)
+        return torch.zeros_like(leaf) if grad is None else grad
+
+    result = actual.double()
+    return (
+        relative_distance(result, value(mistake.formula)),
+        relative_distance(result, value(catalogue.correct)),
+    )
 
 
 def diagnose_nan_gradient(

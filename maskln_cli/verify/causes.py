@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 CONSISTENT = 3.0
 """A sum's systematic factor agrees with an earlier tensor's when of the same sign and within
 this ratio of it (both average the rows' factors, weighted differently)."""
+EXPLAINS = 0.5
+"""A cause the rows' factors named is confirmed where the result is at most this share as far
+from its formula as from the truth (the formula holds three quarters of the error's energy)."""
 SUM_ELEMENTS = 1 << 21
 """Inputs of at most this many elements have their sums' mistakes evaluated (each formula's
 gradients over the whole input, in float64); larger ones are explained by their rows."""
@@ -220,13 +223,16 @@ class Causes:
         same = self.out_diagnosis if evidence == "same" else None
         if evidence == "any" or (same is not None and same.mistake == "statistics_overflow"):
             # A kernel keeping float16 statistics may store float32 (or compute in it): a
-            # guess, where a formula that explains as much is as likely.
+            # guess, where a formula that explains as much is as likely; and so is a half
+            # kernel's keeping its own (torch's keep float32). A float32 or float64 kernel
+            # keeps its statistics in its dtype at least.
             own = catalogue.RANGE_OF.get(judge, judge)
             for dtype in dict.fromkeys([judge, catalogue.STATISTICS_OVERFLOW_DTYPE]):
                 bias = self.problem.bias if checked.name == "out" else None
+                kept = catalogue.RANGE_OF.get(dtype, dtype)
                 overflow = catalogue.overflow_match(
                     sample.actual, truth, sample.x, sample.valid, dtype, bias,
-                    guessed=catalogue.RANGE_OF.get(dtype, dtype) != own,
+                    guessed=kept != own or dtype.itemsize < 4,
                 )  # fmt: skip
                 if overflow is not None:
                     told = diagnose.overflow_or_formula(
@@ -269,9 +275,12 @@ class Causes:
 
     def _confirmed(self, checked: Checked, named: Diagnosis, found: Finding) -> bool:
         """Whether the formula of a cause the rows' factors named (another eps, a mistake of
-        the normalization) gives out or grad_x on a sample of the failing rows, element by
-        element: a common factor per row is no proof (scale missing on rows of two values,
-        every |xhat| 1, scales each row alike, and was named "RESULT's eps is about 11")."""
+        the normalization) explains out or grad_x on a sample of the failing rows element by
+        element, most of the error (the result at most :data:`EXPLAINS` as far from it as
+        from the truth): a common factor per row is no proof (scale missing on rows of two
+        values, every |xhat| 1, scales each row alike, and was named "RESULT's eps is about
+        11"). The rounding of a half dtype or of nearly constant rows may keep the result
+        from matching the formula closely; the rows' factors have told it from rounding."""
         from maskln_cli.op import mistakes as catalogue
         from maskln_cli.verify import diagnose
 
@@ -292,10 +301,14 @@ class Causes:
         padding = ~sample.valid.unsqueeze(-1)
         zeros = torch.zeros((), dtype=sample.actual.dtype)
         sample = dataclasses.replace(sample, actual=torch.where(padding, zeros, sample.actual))
-        judge = checked.judge or self.judge
-        truth, guess = sample.reference(checked.name, judge)
-        noise = catalogue.relative_distance(guess, truth)
-        return bool(diagnose.formula_matches(checked.name, sample, judge, noise, formula))
+        (mistake,) = formula.values()
+        problem = self.problem
+        grad_out = sample.grad_out if checked.name == "grad_x" else None
+        to_formula, to_truth = catalogue.distances(
+            sample.actual, sample.x, sample.valid, problem.scale, problem.bias, problem.eps,
+            mistake, grad_out, self.norm,
+        )  # fmt: skip
+        return to_formula <= EXPLAINS * to_truth
 
     def _overflowed(self, checked: Checked) -> bool:
         """Whether a failing row of ``checked`` has a mean square beyond the judged dtype's
