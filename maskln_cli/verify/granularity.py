@@ -13,11 +13,9 @@ the way). A quantity (or C times it, a sum) lies on the dtype's grid when it is 
 standard errors of its fit of a number of that dtype; the result has the dtype's granularity
 when, of the rows (or elements) where the grid is at least :data:`RESOLVED` standard errors
 wide (where a value off the grid would rarely land on it by chance), at least
-:data:`ON_GRID` of them lie on it, at :data:`MIN_POINTS` distinct grid points or more (one
-statistic every row shares lands them all on one number), and there are :data:`MIN_RESOLVED`
-or more; and values rounded element by element count only where those the row's statistics
-give before that rounding do not lie on the grid as well (x's own grid, times a round rstd,
-puts them there).
+:data:`ON_GRID` of them lie on it, at grid points that chance puts them at less than
+:data:`CHANCE` of the time (one statistic every row shares lands them all on one number, which
+counts once), and there are :data:`MIN_RESOLVED` or more.
 """
 
 from __future__ import annotations
@@ -37,13 +35,13 @@ ON_GRID = 0.8
 """The share of resolved values that must lie on the grid."""
 MIN_RESOLVED = 8
 """Resolved values needed for a verdict (rows, or elements)."""
-EXPLAINED = 0.5
-"""The share of values rounded element by element whose unrounded values lie on the grid too,
-for the grid to be x's doing (values off it land near it a fifth of the time at most)."""
-MIN_POINTS = 4
-"""Distinct grid points the values on the grid must stand on: a formula mistake giving every
-row the same statistic (eps ten times too large on nearly constant rows, each variance about
-9 eps) lands all its rows on one number, which a grid point is near one time in five."""
+CHANCE = 0.2**4
+"""How likely the values on the grid may be there by chance, at most: each distinct grid point
+they stand on counts once, as likely as six of its best value's standard errors are of the
+spacing (a fifth at the resolution's limit), so four points at that limit do. A formula mistake
+giving every row one statistic (out times 1.01 at eps 1: each row's variance times C recovered
+as about -5) lands all its rows on one number, near a grid point one time in five; a statistic
+stored in bfloat16 (every row's mean 1000 exactly) lands there to far finer errors."""
 
 
 def coarsest(
@@ -62,7 +60,7 @@ def coarsest(
     truths = recovered(name, sample, truth, actual=truth) or [None] * len(candidates)
     best, coarseness = None, -math.inf
     for dtype in dtypes:
-        for (value, error, unrounded), truth_candidate in zip(candidates, truths, strict=True):
+        for (value, error), truth_candidate in zip(candidates, truths, strict=True):
             relative = on_grid(value, error, dtype)
             if relative is None or relative <= coarseness:
                 continue
@@ -70,10 +68,6 @@ def coarsest(
                 truth_candidate is not None
                 and on_grid(truth_candidate[0], error, dtype) is not None
             ):
-                continue
-            # What the kernel's own statistics give before any rounding on the way lies on
-            # the grid too: x's grid did it (float32 rows about 3, times an rstd of 100).
-            if unrounded is not None and near_grid(*unrounded, error, dtype):
                 continue
             best, coarseness = dtype, relative
     return best
@@ -104,24 +98,15 @@ def on_grid(value: torch.Tensor, error: torch.Tensor, dtype: torch.dtype) -> flo
     near = (value - value.to(dtype).double()).abs() <= 3 * error + 1e-300
     if float(near.double().mean()) < ON_GRID:
         return None
-    if len(value[near].to(dtype).unique()) < MIN_POINTS:
+    import torch
+
+    # Each distinct point by chance: 6 error / spacing of its best-resolved value.
+    points, which = value[near].to(dtype).unique(return_inverse=True)
+    odds = (6 * error[near] / spacing[near]).clamp(max=1.0)
+    best = torch.ones(len(points), dtype=torch.float64).scatter_reduce(0, which, odds, "amin")
+    if float(best.log().sum()) > math.log(CHANCE):
         return None
     return float((spacing / value.abs()).log2().mean())
-
-
-def near_grid(
-    value: torch.Tensor, error: torch.Tensor, resolution: torch.Tensor, dtype: torch.dtype
-) -> bool:
-    """Whether at least :data:`EXPLAINED` of ``value`` (with its ``error``) lie on ``dtype``'s
-    grid, of those where the grid resolves values of errors ``resolution`` (the ones
-    :func:`on_grid` judged)."""
-    spacing = grid_spacing(value, dtype)
-    judged = value.isfinite() & (value != 0) & (spacing >= RESOLVED * resolution)
-    if not bool(judged.any()):
-        return False
-    value, error = value[judged], error[judged]
-    near = (value - value.to(dtype).double()).abs() <= 3 * error + 1e-300
-    return float(near.double().mean()) >= EXPLAINED
 
 
 def grid_spacing(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,11 +129,9 @@ def grid_spacing(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def recovered(
     name: str, sample: Sample, truth: torch.Tensor, actual: torch.Tensor | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What the kernel computed, recovered from its result row by row, with standard errors:
-    (values, errors, unrounded) triples, each a candidate to lie on a grid; ``unrounded``,
-    for values rounded element by element, what the row's own statistics give them before
-    that rounding, with its errors (None for the statistics). ``actual``: another result of
+    (values, errors) pairs, each a candidate to lie on a grid. ``actual``: another result of
     the sample's shape to recover them from (the truth); None: the sample's own."""
 
     problem = sample.problem
@@ -175,18 +158,11 @@ def recovered(
         m_error = residual / (math.sqrt(count) * slope.abs())
         var = slope.square().reciprocal() - problem.eps
         var_error = 2 * slope_error / slope.abs() ** 3
-        found += [(m, m_error, None), (m * channels, m_error * channels, None)]
-        found += [(var, var_error, None), (var * channels, var_error * channels, None)]
+        found += [(m, m_error), (m * channels, m_error * channels)]
+        found += [(var, var_error), (var * channels, var_error * channels)]
         # Element by element: xhat rounded on the way (its float32 rounding as the error).
         element_error = (y.abs() + (bias / scale)[usable].abs()) * 2**-24
-        # Unrounded: x less its mean rounded to x's own grid (as a kernel subtracts it,
-        # exactly), times the row's factor: x's grid may put these on the coarser one.
-        on_x_grid = m.to(sample.x.dtype).double().unsqueeze(1)
-        line = slope.unsqueeze(1) * (x[:, usable] - on_x_grid)
-        # ... within its own error too: the fitted factor's, relative, on every value
-        line_error = (line * (slope_error / slope.abs()).unsqueeze(1)).abs()
-        unrounded = (line.reshape(-1), line_error.hypot(element_error).reshape(-1))
-        found.append((y.reshape(-1), element_error.reshape(-1), unrounded))
+        found.append((y.reshape(-1), element_error.reshape(-1)))
     elif sample.grad_out is not None:
         dy = sample.grad_out.reshape(-1, channels)[valid].double()
         wdy = dy * problem.scale
@@ -196,8 +172,8 @@ def recovered(
         c1, c2 = -slope, -intercept
         c1_error = residual / _spread(xhat)
         c2_error = residual / math.sqrt(channels)
-        found += [(c1, c1_error, None), (c1 * channels, c1_error * channels, None)]
-        found += [(c2, c2_error, None), (c2 * channels, c2_error * channels, None)]
+        found += [(c1, c1_error), (c1 * channels, c1_error * channels)]
+        found += [(c2, c2_error), (c2 * channels, c2_error * channels)]
     return found
 
 
