@@ -346,13 +346,17 @@ class StreamingPass:
                 second = budget.second_order if name == "grad_scale" else 0.0
                 squares = budget.scale_squares if name == "grad_scale" else budget.bias_squares
                 # grad_scale's terms move with each row's xhat (the model's first term): by its
-                # mean's shift, e0, and its rounding to the stored dtype (a float16 kernel's
-                # saved mean: copies of a row round alike), as the budget has it.
-                e1 = budget.e0 + budget.precision.store
-                noise = budget.moved_squares.sqrt() * e1 if name == "grad_scale" else None
+                # mean's shift, e0; and where every row is one row, by its rounding to the
+                # stored dtype too (a float16 kernel's saved mean), alike in each copy, as the
+                # budget has it. Rows of a few variances (bfloat16 rows at an offset of 1e3)
+                # get e0 alone: with e1 a grad_scale 1.3 times the truth passed there.
+                distinct = self._distinct_rows(budget.rows)
+                copies = budget.precision.store if distinct == 1 < budget.rows else 0.0
+                noise = budget.moved_squares.sqrt() * (budget.e0 + copies)
                 self.fits[name] = fit_elements(
-                    actual.double() - total, total, second, squares.sqrt(), noise,
-                    self._distinct_rows(budget.rows), grid_spacing(total, actual.dtype),
+                    actual.double() - total, total, second, squares.sqrt(),
+                    noise if name == "grad_scale" else None, distinct,
+                    grid_spacing(total, actual.dtype),
                 )  # fmt: skip
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}

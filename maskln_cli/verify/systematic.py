@@ -321,8 +321,9 @@ def fit_elements(
     rows share those rows' rounding, and are no more independent than the rows are. ``spacing``:
     the stored dtype's spacing at each element (``granularity.grid_spacing``): elements it
     rounds by more than :data:`STORED_SHARE` of themselves (a float16 grad_scale of 1e-10
-    rounds to 0) are left out too, and so is one element holding most of the weight
-    (:data:`DOMINANT`).
+    rounds to 0) are left out too; and an element holding most of the weight weighs as much as
+    the others together (an outlier channel's grad_scale, 97 % of it, a cancelling sum that
+    PyTorch's float16 backward rounds by 2 u, would be the factor, its rounding no common one).
 
     Example:
         >>> import torch
@@ -342,13 +343,12 @@ def fit_elements(
     t, e = truth[usable], error[usable]
     f, w = e / t, t.square()
     heaviest = int(w.argmax())
-    if len(w) > 1 and float(w[heaviest]) > DOMINANT * float(w.sum()):
+    others = float(w.sum() - w[heaviest])
+    if len(w) > 1 and float(w[heaviest]) > others:
         # One element most of the weight would be the factor, its own rounding no common
-        # factor: the others are pooled (the budget judges it alone).
-        others = torch.arange(len(w)) != heaviest
-        t, e, f, w = t[others], e[others], f[others], w[others]
-        usable = usable.clone()
-        usable[usable.nonzero()[heaviest]] = False
+        # factor: it weighs as much as all the others together, no more.
+        w = w.clone()
+        w[heaviest] = others
     sums.rows = int(usable.sum())
     sums.w, sums.wf, sums.wff = (float((w * f**k).sum()) for k in (0, 1, 2))
     sums.w2, sums.w2f, sums.w2ff = (float((w.square() * f**k).sum()) for k in (0, 1, 2))
@@ -359,10 +359,6 @@ def fit_elements(
     return sums
 
 
-DOMINANT = 0.5
-"""A sum's element holding more than this share of the regression's weight would be the pooled
-factor, and its own rounding no common factor: it is left out of the fit (an outlier channel's
-grad_scale, 97 % of it, a cancelling sum that PyTorch's float16 backward rounds by 2 u)."""
 CANCELLED = 0.1
 """A sum's element is regressed on only when its truth is at least this share of the norm of
 the terms it sums (a random-sign sum's is about 1)."""
@@ -606,7 +602,7 @@ def pooled(
     # Nor do rows whose weights one or two of them dominate: the spread of the others then
     # says nothing of the pooled factor's error (Kish's effective number of rows). A sum's
     # elements need no such rule: their threshold holds their modelled rounding already (and
-    # one element most of the weight is left out of their fit: fit_elements).
+    # one element weighs no more than the others together: fit_elements).
     effective = distinct
     if kept is not None and sums.w2 > 0:
         effective = min(distinct, sums.w**2 / sums.w2)
