@@ -50,7 +50,10 @@ def coarsest(
     """The dtype of ``dtypes`` whose granularity ``sample``'s result for ``name`` (out or
     grad_x) has (see the module's docstring; ``truth`` is the sample's float64 truth); of two,
     the one whose grid is the coarser on those values (a bfloat16 number is a float16 one too,
-    and a float16 subnormal a bfloat16 one). None: it has none's."""
+    and a float16 subnormal a bfloat16 one), where they lie on it beyond the chance of a point
+    of the finer grid (:func:`on_grid`'s ``finer``). None: it has none's, or either's."""
+    import torch
+
     candidates = recovered(name, sample, truth)
     if not candidates:
         return None
@@ -58,22 +61,41 @@ def coarsest(
     # grid, the data put them there, not a kernel (rows about 1e4 have means near 10,000, a
     # float16 number, and a wrong kernel's wide error bars reach it).
     truths = recovered(name, sample, truth, actual=truth) or [None] * len(candidates)
-    best, coarseness = None, -math.inf
-    for dtype in dtypes:
+
+    def coarseness(dtype: torch.dtype, finer: torch.dtype | None) -> float | None:
+        """The coarsest grid of ``dtype`` some candidate lies on (None: none does)."""
+        found = None
         for (value, error), truth_candidate in zip(candidates, truths, strict=True):
-            relative = on_grid(value, error, dtype)
-            if relative is None or relative <= coarseness:
+            relative = on_grid(value, error, dtype, finer)
+            if relative is None or (found is not None and relative <= found):
                 continue
             if (
                 truth_candidate is not None
                 and on_grid(truth_candidate[0], error, dtype) is not None
             ):
                 continue
-            best, coarseness = dtype, relative
+            found = relative
+        return found
+
+    best, coarsest_seen = None, -math.inf
+    for dtype in dtypes:
+        relative = coarseness(dtype, None)
+        if relative is not None and relative > coarsest_seen:
+            best, coarsest_seen = dtype, relative
+    # Values on the coarser grid lie on the finer one too: the coarser is named only where
+    # they are on it beyond what a point of the finer grid is by chance; else either may be.
+    finer = [d for d in dtypes if best is not None and torch.finfo(d).eps < torch.finfo(best).eps]
+    if best is not None and finer and coarseness(best, finer[-1]) is None:
+        return None
     return best
 
 
-def on_grid(value: torch.Tensor, error: torch.Tensor, dtype: torch.dtype) -> float | None:
+def on_grid(
+    value: torch.Tensor,
+    error: torch.Tensor,
+    dtype: torch.dtype,
+    finer: torch.dtype | None = None,
+) -> float | None:
     """Whether the values (with their standard errors) lie on ``dtype``'s grid, as
     :func:`coarsest` asks: if they do, the grid's mean spacing relative to them (log2), else
     None.
@@ -100,9 +122,14 @@ def on_grid(value: torch.Tensor, error: torch.Tensor, dtype: torch.dtype) -> flo
         return None
     import torch
 
-    # Each distinct point by chance: 6 error / spacing of its best-resolved value.
+    # Each distinct point by chance: 6 error / spacing of its best-resolved value; or, where
+    # a ``finer`` dtype's grid holds it too, as often as a point of that grid is one of this
+    # (a float16 kernel's means of 3.0 are bfloat16 numbers too: one in eight is).
     points, which = value[near].to(dtype).unique(return_inverse=True)
-    odds = (6 * error[near] / spacing[near]).clamp(max=1.0)
+    odds = 6 * error[near] / spacing[near]
+    if finer is not None:
+        odds = torch.maximum(odds, grid_spacing(value[near], finer) / spacing[near])
+    odds = odds.clamp(max=1.0)
     best = torch.ones(len(points), dtype=torch.float64).scatter_reduce(0, which, odds, "amin")
     if float(best.log().sum()) > math.log(CHANCE):
         return None
