@@ -46,6 +46,7 @@ class BlockMeasurer:
         known: float,
         floors: Callable[[], torch.Tensor | None] | None = None,
         keep_error: bool | torch.Tensor = False,
+        bounds: Callable[..., torch.Tensor | None] | None = None,
     ) -> BlockFigures | None:
         """:meth:`Comparison.measure`, ``known`` being the greatest ratio merged so far."""
         import torch
@@ -89,6 +90,7 @@ class BlockMeasurer:
                 rows,
                 floors,
                 e_abs=e_abs,
+                bounds=bounds,
             )
             judged = on_demand.judged(i, known)
         else:

@@ -194,6 +194,7 @@ class Comparison(RunningFigures):
         lower: float = 0.0,
         floors: Callable[[], torch.Tensor | None] | None = None,
         keep_error: bool | torch.Tensor = False,
+        bounds: Callable[..., torch.Tensor | None] | None = None,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
@@ -214,12 +215,14 @@ class Comparison(RunningFigures):
         (with ``allowance_of``) makes each element's ``always`` on valid rows, for finer
         bounds than ``lower``'s. ``keep_error``: the figures hold ``actual - expected`` in
         float64 too (:attr:`BlockFigures.error`), made in ``keep_error`` itself when it is a
-        tensor (float64, contiguous, of ``actual``'s size).
+        tensor (float64, contiguous, of ``actual``'s size). ``bounds`` (with ``floors``) makes
+        a lower bound of each element's allowance on valid rows from ``|expected|``
+        (``bounds(finite_abs=...)``; None: none): finer bounds still.
         """
         per_element = PerElement(allowance, yardstick, budget_unit, always)
         return self._blocks.measure(
             actual, expected, invalid_rows, per_element, yardstick_error, allowance_of, lower,
-            self.max_ratio, floors, keep_error,
+            self.max_ratio, floors, keep_error, bounds,
         )  # fmt: skip
 
     def merge(

@@ -196,6 +196,10 @@ class AllowancesOnDemand:
     # The floors made by _rows_to_judge (None: not made), taken as ``always`` when every row
     # is judged after all: the same bits, not made twice.
     made_floors: torch.Tensor | None = None
+    # ``bounds(finite_abs=...)`` (or None) makes a lower bound of each element's allowance on
+    # valid rows, far finer than its floor where the allowance is far above it (grad_x's);
+    # None from it: no bound.
+    bounds: Callable[..., torch.Tensor | None] | None = None
 
     def judged(self, top: int, known: float) -> tuple | None:
         """:meth:`BlockJudge.judge` on the rows :meth:`_rows_to_judge` picks (``known``: the
@@ -300,8 +304,7 @@ class AllowancesOnDemand:
             # the floor or more, and rounding is monotonic): a few passes over the block that
             # spare most rows their allowances (a correct kernel's differences are mostly far
             # below the floor). Invalid rows keep theirs (allowed nothing).
-            length = judge.row_length
-            finer = torch.div(self.diff, floors.reshape(-1)).view(rows, length).amax(dim=1)
+            finer = self._finer_ceiling(floors.reshape(-1))
             ceiling = torch.where(invalid, ceiling, finer) if invalid is not None else finer
             picked = pick(known)
             count = int(picked.sum())
@@ -340,3 +343,21 @@ class AllowancesOnDemand:
             if count == 1:
                 picked[1 if top_row == 0 else 0] = True
         return picked.nonzero().squeeze(1)
+
+    def _finer_ceiling(self, floors: torch.Tensor) -> torch.Tensor:
+        """Each row's greatest ratio at most, on valid rows: its greatest difference over the
+        floor (the allowance is the floor or more, and rounding is monotonic), or, given
+        :attr:`bounds`, over the greater of the floor and the bound. A row with an element
+        beyond its floor (then its factor needed counts) gets inf: it is judged."""
+        import torch
+
+        rows, length = self.rows, self.judge.row_length
+        lower = None
+        if self.bounds is not None and self.e_abs is not None:
+            lower = self.bounds(finite_abs=self.e_abs)
+        if lower is None:
+            return torch.div(self.diff, floors).view(rows, length).amax(dim=1)
+        beyond = torch.gt(self.diff, floors).view(rows, length).view(torch.uint8).amax(dim=1)
+        ceiling = torch.maximum(lower, floors, out=lower)
+        ceiling = torch.div(self.diff, ceiling, out=ceiling).view(rows, length).amax(dim=1)
+        return ceiling.masked_fill_(beyond.bool(), math.inf)

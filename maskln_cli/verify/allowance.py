@@ -164,6 +164,35 @@ class Allowance:
         atol = budgets.scaled_atol(comparison.atol, size) if self.scaled else comparison.atol
         return budgets.floor(truth, dtype, comparison.rtol, atol, finite_abs)
 
+    def bounds(
+        self,
+        comparison: Comparison,
+        grad_out: torch.Tensor | None,
+        budget: RowBudget | None,
+        truth_rstd: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        finite_abs: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """At most each element's allowance on the valid rows of a block of grad_x (its other
+        rows anything), from the block's ``budget``, the upstream gradient ``grad_out``
+        (float64), the truth's rstd ``[R, 1]`` and ``|truth|`` (``finite_abs``, every value
+        finite): ``factor`` times :func:`~maskln_cli.verify.budget.grad_x_lower` (the budget
+        unit is the model or more). For rows that need no allowance, never a figure (see
+        :class:`~maskln_cli.compare.judging.AllowancesOnDemand`); None: no bound (not grad_x,
+        no budget, rows left out by ``keep`` (--valid), a fixed tolerance, RMSNorm, a model
+        that could overflow)."""
+        from maskln_cli.verify.budget import grad_x_lower
+
+        if comparison.name != "grad_x" or grad_out is None or budget is None:
+            return None
+        if truth_rstd is None or keep is not None:
+            return None
+        if self.mode != "budget" or not self.problem.norm.centered:
+            return None
+        precision = self.precisions[self.judges.get(comparison.name, self.judge)]
+        lower = grad_x_lower(budget.judged_in(precision), grad_out, finite_abs, truth_rstd)
+        return None if lower is None else lower.mul_(self.factor).view(-1)
+
     def from_model(
         self,
         comparison: Comparison,

@@ -193,12 +193,14 @@ class BlockWork:
                 streaming.allowance.floors, comparison, reference,
                 dy64 if name == "grad_x" else None, budget,
             )  # fmt: skip
+            bounds = functools.partial(  # grad_x's, finer than its floors (None: no bound)
+                streaming.allowance.bounds, comparison, dy64, budget, rstd, keep)  # fmt: skip
             fitting = name in self.fits and self.fitted(start)
             keep_error: bool | torch.Tensor = fitting
             if fitting and name == "grad_x" and planes is not None:
                 keep_error = planes[2]  # made where the term fit takes it
             measured = comparison.measure(
-                actual, reference, invalid, yardstick=guess, yardstick_error=error,
+                actual, reference, invalid, yardstick=guess, yardstick_error=error, bounds=bounds,
                 allowance_of=allowance_of, lower=lower, floors=floors, keep_error=keep_error,
             )  # fmt: skip
             if measured is None:

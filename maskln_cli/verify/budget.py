@@ -448,6 +448,49 @@ def grad_x_terms(rows: RowBudget, grad_out: torch.Tensor) -> dict[str, torch.Ten
     }  # fmt: skip
 
 
+LOWER_SAFETY = 0.999
+"""What :func:`grad_x_lower` keeps of its bound: room for the rounding of both sums."""
+
+
+def grad_x_lower(
+    rows: RowBudget, grad_out: torch.Tensor, truth_abs: torch.Tensor, truth_rstd: torch.Tensor
+) -> torch.Tensor | None:
+    """At most :meth:`RowBudget.grad_x` on every element of the valid rows ``[R, C]`` (its
+    other rows anything), in three passes where the model takes a dozen: for rows that need
+    no allowance (:class:`~maskln_cli.compare.judging.AllowancesOnDemand`), never a figure.
+    ``truth_abs``: the true grad_x's magnitude, ``truth_rstd`` ``[R, 1]`` the truth's rstd
+    (0 on invalid rows). None where the model could overflow (no bound is then sure).
+
+    The model's terms are all >= 0: ``rstd ed growth |wdy|``, its constant (at least ``rstd
+    (ed + e1 A) growth rms(wdy) / sqrt(C)``) and ``on_dx |dx|`` are kept, ``dx = wdy - xhat
+    c1 - c2`` taken as ``|truth| / rstd`` (the truth's grad_x, made from the same wdy and c2
+    with its own xhat and c1): the two differ by float64 rounding, amplified by the rows'
+    offset A, bounded generously (1000 u64 C (1 + A), per unit of ``|wdy| + (sqrt(C) + 2)
+    rms(wdy)``: |xhat| is at most sqrt(C), |c1| and |c2| at most rms(wdy)) and taken off.
+    Checked against the model in tests/verify/test_grad_x_bounds.py."""
+    p = rows.precision
+    channels = rows.channels
+    root = math.sqrt(channels)
+    rms = rows.wdy_rms(grad_out)  # makes scale * upstream once, for the model too
+    wdy, _ = rows._scaled_upstream(grad_out)
+    e1 = rows.e0 + p.store
+    rstd, growth, offset = rows.rstd, rows.growth, rows.offset
+    # The model's terms are products of these (and of |xhat| <= sqrt(C)): finite below this.
+    size = (offset + 1).square_().mul_(rstd).mul_(growth).mul_(rows.e2 + 1)
+    if not float(size.mul_(rms * channels + 1).max()) < 1e250:
+        return None
+    on_wdy = rstd * growth * rows._ed()
+    on_dx = (rstd * (rows.e2 + (e1 + p.store))).mul_(growth)
+    apart = (offset + 1).mul_(1e3 * unit_roundoff(torch.float64) * channels).mul_(on_dx)
+    on_truth = torch.where(truth_rstd > 0, on_dx / truth_rstd, 0.0).mul_(LOWER_SAFETY)
+    # The constant: (rstd e1 A' (n1 + n2) + rstd ed n2) growth, n1 >= 0, n2 >= rms / sqrt(C).
+    shift = rows.back_offset * (rstd * e1).mul_(growth)
+    constant = (on_wdy + shift).div_(root).sub_(apart * (root + 2))
+    constant.mul_(rms).mul_(LOWER_SAFETY)
+    lower = torch.abs(wdy).mul_((on_wdy - apart).mul_(LOWER_SAFETY))
+    return lower.addcmul_(truth_abs.view(lower.shape), on_truth).add_(constant)
+
+
 def _shifts(rows: RowBudget, precision: Precision) -> tuple[torch.Tensor, ...]:
     """Each row's A as the mean's shift takes it: out's and the rows' second order (times e0),
     grad_scale's and grad_x's (times e1 = e0 + u_store): A itself, but on LayerNorm's valid rows
