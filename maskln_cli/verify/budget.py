@@ -397,8 +397,14 @@ class RowBudget:
         sums.second_order_sum += float(energy.dot(self.e2.reshape(-1)))
         sums.energy += float(energy.sum())
         sums.bias_squares += torch.square(dy, out=term).sum(dim=0)
-        dy_abs = torch.abs(dy, out=term)  # the buffer again
-        moved = torch.add(self.xhat_abs(), self.sum_offset).mul_(dy_abs).mul_(self.growth)
+        # (|xhat| + A) |dy| growth, squared, in the buffer again: dy's sign changes no bit of
+        # the square (a product rounds alike whatever its sign), so dy is taken as it is.
+        made = self._xhat_abs
+        if made is not None:
+            moved = torch.add(made, self.sum_offset, out=term)
+        else:
+            moved = torch.abs(self.xhat, out=term).add_(self.sum_offset)
+        moved.mul_(dy).mul_(self.growth)
         sums.moved_squares += moved.square_().sum(dim=0)
 
 
