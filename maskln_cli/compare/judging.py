@@ -304,7 +304,7 @@ class AllowancesOnDemand:
             # the floor or more, and rounding is monotonic): a few passes over the block that
             # spare most rows their allowances (a correct kernel's differences are mostly far
             # below the floor). Invalid rows keep theirs (allowed nothing).
-            finer = self._finer_ceiling(floors.reshape(-1))
+            finer = self._finer_ceiling(floors.reshape(-1))  # may take the floors' buffer
             ceiling = torch.where(invalid, ceiling, finer) if invalid is not None else finer
             picked = pick(known)
             count = int(picked.sum())
@@ -348,7 +348,10 @@ class AllowancesOnDemand:
         """Each row's greatest ratio at most, on valid rows: its greatest difference over the
         floor (the allowance is the floor or more, and rounding is monotonic), or, given
         :attr:`bounds`, over the greater of the floor and the bound. A row with an element
-        beyond its floor (then its factor needed counts) gets inf: it is judged."""
+        beyond its floor (then its factor needed counts) gets inf: it is judged. Without a
+        bound the ratios are made in the floors' buffer (an in-place pass, where a new one
+        costs three times as much): :attr:`made_floors` is then None, and the floors are made
+        again with the allowances if every row is judged after all (rarely)."""
         import torch
 
         rows, length = self.rows, self.judge.row_length
@@ -356,7 +359,9 @@ class AllowancesOnDemand:
         if self.bounds is not None and self.e_abs is not None:
             lower = self.bounds(finite_abs=self.e_abs)
         if lower is None:
-            return torch.div(self.diff, floors).view(rows, length).amax(dim=1)
+            self.made_floors = None
+            ratios = torch.div(self.diff, floors, out=floors)
+            return ratios.view(rows, length).amax(dim=1)
         beyond = torch.gt(self.diff, floors).view(rows, length).view(torch.uint8).amax(dim=1)
         ceiling = torch.maximum(lower, floors, out=lower)
         ceiling = torch.div(self.diff, ceiling, out=ceiling).view(rows, length).amax(dim=1)
