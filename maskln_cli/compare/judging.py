@@ -58,6 +58,9 @@ class BlockJudge:
         self.finer_in_vain = 0
         # Likewise the likeliest rows first where only some rows are to be judged.
         self.some_first_in_vain = 0
+        # Blocks since the floors alone last failed to spare a block most rows where a finer
+        # bound was at hand (grad_x's at C = 1024; at C = 128 they suffice, and cost less).
+        self.floors_in_vain = 0
 
     def judge(
         self,
@@ -304,10 +307,21 @@ class AllowancesOnDemand:
             # the floor or more, and rounding is monotonic): a few passes over the block that
             # spare most rows their allowances (a correct kernel's differences are mostly far
             # below the floor). Invalid rows keep theirs (allowed nothing).
-            finer = self._finer_ceiling(floors.reshape(-1))  # may take the floors' buffer
-            ceiling = torch.where(invalid, ceiling, finer) if invalid is not None else finer
+            coarse = ceiling
+            alone = self.bounds is None or (known > 0 and judge.floors_in_vain % FIRST_RETRY == 0)
+            finer = self._finer_ceiling(floors.reshape(-1), alone)  # may take the floors' buffer
+            ceiling = torch.where(invalid, coarse, finer) if invalid is not None else finer
             picked = pick(known)
             count = int(picked.sum())
+            if self.bounds is not None and alone:  # then the bound, if the floors were not enough
+                judge.floors_in_vain = 1 if count * PICKED_SHARE > rows else 0
+                if judge.floors_in_vain:
+                    finer = self._finer_ceiling(floors.reshape(-1), False)
+                    ceiling = torch.where(invalid, coarse, finer) if invalid is not None else finer
+                    picked = pick(known)
+                    count = int(picked.sum())
+            elif self.bounds is not None and known > 0:
+                judge.floors_in_vain += 1
             if known > 0:  # in vain only once a ratio is known (before, every row may hold it)
                 judge.finer_in_vain = 1 if count * PICKED_SHARE > rows else 0
         elif floors is not None:
@@ -344,17 +358,21 @@ class AllowancesOnDemand:
                 picked[1 if top_row == 0 else 0] = True
         return picked.nonzero().squeeze(1)
 
-    def _finer_ceiling(self, floors: torch.Tensor) -> torch.Tensor:
+    def _finer_ceiling(self, floors: torch.Tensor, alone: bool = False) -> torch.Tensor:
         """Each row's greatest ratio at most, on valid rows: its greatest difference over the
         floor (the allowance is the floor or more, and rounding is monotonic), or, given
         :attr:`bounds`, over the greater of the floor and the bound. A row with an element
         beyond its floor (then its factor needed counts) gets inf: it is judged. Without a
         bound the ratios are made in the floors' buffer (an in-place pass, where a new one
         costs three times as much): :attr:`made_floors` is then None, and the floors are made
-        again with the allowances if every row is judged after all (rarely)."""
+        again with the allowances if every row is judged after all (rarely). ``alone``: the
+        floors alone, in a buffer of its own where a bound is at hand (it may be needed
+        next)."""
         import torch
 
         rows, length = self.rows, self.judge.row_length
+        if alone and self.bounds is not None:
+            return torch.div(self.diff, floors).view(rows, length).amax(dim=1)
         lower = None
         if self.bounds is not None and self.e_abs is not None:
             lower = self.bounds(finite_abs=self.e_abs)

@@ -193,7 +193,7 @@ class BlockWork:
                 streaming.allowance.floors, comparison, reference,
                 dy64 if name == "grad_x" else None, budget,
             )  # fmt: skip
-            bounds = functools.partial(  # grad_x's, finer than its floors (None: no bound)
+            bounds = None if name != "grad_x" else functools.partial(  # finer than its floors
                 streaming.allowance.bounds, comparison, dy64, budget, rstd, keep)  # fmt: skip
             fitting = name in self.fits and self.fitted(start)
             keep_error: bool | torch.Tensor = fitting
