@@ -160,7 +160,7 @@ class Causes:
         evidence = self.evidence(checked)
         if evidence == "same" and self.out_diagnosis is None:
             return None  # out is wrong in no known way: nor are its gradients, known
-        if found is not None and checked.name in ROW_TENSORS and self._overflowed(checked):
+        if found is not None and checked.name in ROW_TENSORS and overflowed(self, checked):
             found = None  # a factor of rows no statistic holds says nothing of a formula
         if found is not None and found.model == "eps" and checked.name == "grad_bias":
             found = None  # no eps enters grad_bias, a sum of grad_out
@@ -173,7 +173,7 @@ class Causes:
                 return earlier.diagnosis  # one eps for RESULT, as the first tensor gave it
             if evidence == "any":
                 named = diagnose.eps_diagnosis(found, self.problem.eps, self.origin)
-                if self._confirmed(checked, named, found):
+                if confirmed(self, checked, named, found):
                     return named
             # out is right with the reference's eps: the backward's own, if its xhat (and so
             # grad_scale, when checked) is off too, and grad_bias right (no eps is in it)
@@ -182,7 +182,7 @@ class Causes:
                 return diagnose.backward_eps_diagnosis(found, self.problem.eps)
         if model in systematic.MISTAKE_FACTORS and evidence == "any":
             named = diagnose.mistake_diagnosis(model)  # type: ignore[arg-type]
-            if self._confirmed(checked, named, found):
+            if confirmed(self, checked, named, found):
                 return named
         nonfinite = bool(outcome.nan_where_finite or outcome.inf_where_finite)
         if checked.name in ROW_TENSORS:
@@ -260,73 +260,18 @@ class Causes:
         ):
             candidates = None
         first = self.first.mistake if self.first is not None else ""
-        confirmed = first.removeprefix("rounding_") if first.startswith("rounding_") else None
+        rounded = first.removeprefix("rounding_") if first.startswith("rounding_") else None
         found_here = diagnose.diagnose_rows(
             checked.name, sample, judge, truth, noise, candidates,
             (found is not None and found.rounding_excluded) or self.formula_said,
             catalogue=not self.no_formula and evidence != "same",
-            confirmed=confirmed, forward=evidence == "any",
+            confirmed=rounded, forward=evidence == "any",
         )  # fmt: skip
         if checked.name == "out":
             self.no_formula = found_here is None or found_here.mistake.startswith("rounding")
         if evidence == "same" and found_here is not None and same is not None:
             return same if found_here.mistake == same.mistake else None
         return found_here
-
-    def _confirmed(self, checked: Checked, named: Diagnosis, found: Finding) -> bool:
-        """Whether the formula of a cause the rows' factors named (another eps, a mistake of
-        the normalization) explains out or grad_x on a sample of the failing rows element by
-        element, most of the error (the result at most :data:`EXPLAINS` as far from it as
-        from the truth): a common factor per row is no proof (scale missing on rows of two
-        values, every |xhat| 1, scales each row alike, and was named "RESULT's eps is about
-        11"). The rounding of a half dtype or of nearly constant rows may keep the result
-        from matching the formula closely; the rows' factors have told it from rounding."""
-        from maskln_cli.op import mistakes as catalogue
-        from maskln_cli.verify import diagnose
-
-        comparison = checked.comparison
-        if checked.name not in ROW_TENSORS or comparison is None or not comparison.failing_rows:
-            return True  # a sum's elements: no formula of rows to try
-        formula = diagnose.candidate_of(named, found, self.norm)
-        if not formula:
-            return True
-        sample = diagnose.take_sample(
-            self.problem, self.result, checked.key, comparison.failing_rows,
-            self.mask,  # type: ignore[arg-type]
-        )  # fmt: skip
-        # Its valid rows only: what the padding holds is another question (a padding of
-        # ones beside another eps: the eps is the cause of the values)
-        import torch
-
-        padding = ~sample.valid.unsqueeze(-1)
-        zeros = torch.zeros((), dtype=sample.actual.dtype)
-        sample = dataclasses.replace(sample, actual=torch.where(padding, zeros, sample.actual))
-        (mistake,) = formula.values()
-        problem = self.problem
-        grad_out = sample.grad_out if checked.name == "grad_x" else None
-        to_formula, to_truth = catalogue.distances(
-            sample.actual, sample.x, sample.valid, problem.scale, problem.bias, problem.eps,
-            mistake, grad_out, self.norm,
-        )  # fmt: skip
-        return to_formula <= EXPLAINS * to_truth
-
-    def _overflowed(self, checked: Checked) -> bool:
-        """Whether a failing row of ``checked`` has a mean square beyond the judged dtype's
-        range: every statistic a kernel keeps in it overflows there, a correct formula's and
-        a wrong one's alike (a float32 two-pass kernel on rows of 1e25 gives their bias, as
-        sqrt missing does), and only the rows tell the overflow from the rest."""
-        import torch
-
-        from maskln_cli.op.backward_mistakes import overflowing_rows
-
-        comparison = checked.comparison
-        if comparison is None or not comparison.failing_rows:
-            return False
-        channels = self.problem.channels
-        index = torch.tensor(comparison.failing_rows, dtype=torch.long)
-        rows = self.problem.x.reshape(-1, channels)[index].double() / math.sqrt(channels)
-        judge = checked.judge or self.judge
-        return bool(overflowing_rows(rows, self.problem.valid.reshape(-1)[index], judge).any())
 
     def _padding_may_leak(self, checked: Checked) -> bool:
         """Whether NaN or inf in ``checked`` may come from the padding (verify cannot call the
@@ -393,6 +338,63 @@ class Causes:
         if found and (len(found) == 1 or found[1].distance > 3 * found[0].distance):
             return same if same is not None else found[0]
         return None
+
+
+def confirmed(causes: Causes, checked: Checked, named: Diagnosis, found: Finding) -> bool:
+    """Whether the formula of a cause the rows' factors named (another eps, a mistake of
+    the normalization) explains out or grad_x on a sample of the failing rows element by
+    element, most of the error (the result at most :data:`EXPLAINS` as far from it as
+    from the truth): a common factor per row is no proof (scale missing on rows of two
+    values, every |xhat| 1, scales each row alike, and was named "RESULT's eps is about
+    11"). The rounding of a half dtype or of nearly constant rows may keep the result
+    from matching the formula closely; the rows' factors have told it from rounding."""
+    from maskln_cli.op import mistakes as catalogue
+    from maskln_cli.verify import diagnose
+
+    comparison = checked.comparison
+    if checked.name not in ROW_TENSORS or comparison is None or not comparison.failing_rows:
+        return True  # a sum's elements: no formula of rows to try
+    formula = diagnose.candidate_of(named, found, causes.norm)
+    if not formula:
+        return True
+    sample = diagnose.take_sample(
+        causes.problem, causes.result, checked.key, comparison.failing_rows,
+        causes.mask,  # type: ignore[arg-type]
+    )  # fmt: skip
+    # Its valid rows only: what the padding holds is another question (a padding of
+    # ones beside another eps: the eps is the cause of the values)
+    import torch
+
+    padding = ~sample.valid.unsqueeze(-1)
+    zeros = torch.zeros((), dtype=sample.actual.dtype)
+    sample = dataclasses.replace(sample, actual=torch.where(padding, zeros, sample.actual))
+    (mistake,) = formula.values()
+    problem = causes.problem
+    grad_out = sample.grad_out if checked.name == "grad_x" else None
+    to_formula, to_truth = catalogue.distances(
+        sample.actual, sample.x, sample.valid, problem.scale, problem.bias, problem.eps,
+        mistake, grad_out, causes.norm,
+    )  # fmt: skip
+    return to_formula <= EXPLAINS * to_truth
+
+
+def overflowed(causes: Causes, checked: Checked) -> bool:
+    """Whether a failing row of ``checked`` has a mean square beyond the judged dtype's
+    range: every statistic a kernel keeps in it overflows there, a correct formula's and
+    a wrong one's alike (a float32 two-pass kernel on rows of 1e25 gives their bias, as
+    sqrt missing does), and only the rows tell the overflow from the rest."""
+    import torch
+
+    from maskln_cli.op.backward_mistakes import overflowing_rows
+
+    comparison = checked.comparison
+    if comparison is None or not comparison.failing_rows:
+        return False
+    channels = causes.problem.channels
+    index = torch.tensor(comparison.failing_rows, dtype=torch.long)
+    rows = causes.problem.x.reshape(-1, channels)[index].double() / math.sqrt(channels)
+    judge = checked.judge or causes.judge
+    return bool(overflowing_rows(rows, causes.problem.valid.reshape(-1)[index], judge).any())
 
 
 def where(
