@@ -292,6 +292,36 @@ def run(kernel: Kernel, inputs: Tensors, dtype: torch.dtype | None = None) -> Te
     return result
 
 
+def verified(
+    kernel: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    grad_out: torch.Tensor,
+):
+    """``maskln_cli.testing.verify``'s report of ``kernel(x, valid, scale, bias, eps)``: its out
+    and the three gradients of ``sum(out * grad_out)`` by autograd (zeros for an input it does
+    not use), its warnings silenced."""
+    import warnings
+
+    from maskln_cli.testing import verify
+
+    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = kernel(leaves[0], valid, leaves[1], leaves[2], eps)
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        grads = [
+            torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True)
+        ]
+        return verify(
+            out.detach(), x, valid, scale, bias, eps, grad_out=grad_out, grad_x=grads[0],
+            grad_scale=grads[1], grad_bias=grads[2],
+        )  # fmt: skip
+
+
 def zero_padding(result: Tensors, valid: torch.Tensor) -> Tensors:
     """``out`` and ``grad_x`` set to +0.0 at the invalid rows (the padding zeroed, as a
     framework's kernel is then used: nn.LayerNorm's output masked afterwards)."""

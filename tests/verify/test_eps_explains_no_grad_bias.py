@@ -7,12 +7,10 @@ draws (found by a hunt for wrong causes)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from maskln_cli.testing import verify
+from tests import kernels
 
 
 def scaled_out(x, valid, scale, bias, eps):
@@ -30,15 +28,7 @@ def test_a_scaled_backward_is_not_named_another_eps(seed):
     x, scale, bias, grad_out = rand(24, 64) * 1e-3, rand(64), rand(64), rand(24, 64)
     x, scale, bias, grad_out = (t.to(torch.bfloat16) for t in (x, scale, bias, grad_out))
     valid = torch.arange(24) < 20
-    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = scaled_out(leaves[0], valid, leaves[1], leaves[2], 1.0)
-        grads = torch.autograd.grad(out, leaves, grad_out)
-        report = verify(
-            out.detach(), x, valid, scale, bias, 1.0, grad_out=grad_out, grad_x=grads[0],
-            grad_scale=grads[1], grad_bias=grads[2],
-        )  # fmt: skip
+    report = kernels.verified(scaled_out, x, valid, scale, bias, 1.0, grad_out)
     assert not report.passed
     named = {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
     assert not any(cause.endswith("eps_mismatch") for cause in named)

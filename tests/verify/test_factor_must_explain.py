@@ -6,12 +6,11 @@ a factor of about 0.4 to 0.6 of the error's energy, and was named "RESULT's eps 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from maskln_cli.testing import verify
+from tests import kernels
 
 
 def scale_missing(x, valid, scale, bias, eps):
@@ -30,15 +29,7 @@ def test_scale_missing_on_rows_of_two_values_is_not_another_eps(seed):
     x = torch.where(torch.rand(24, 64, generator=g, dtype=torch.float64) < 0.5, 1.0, 2.0)
     x, scale, bias, grad_out = (t.float() for t in (x, scale, bias, grad_out))
     valid = torch.arange(24) < 2
-    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = scale_missing(leaves[0], valid, leaves[1], leaves[2], 1e-5)
-        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-        report = verify(
-            out.detach(), x, valid, scale, bias, 1e-5, grad_out=grad_out, grad_x=grads[0],
-            grad_scale=torch.zeros_like(scale), grad_bias=grads[2],
-        )  # fmt: skip
+    report = kernels.verified(scale_missing, x, valid, scale, bias, 1e-5, grad_out)
     assert not report.passed
     named = {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
     assert not any(cause.endswith("eps_mismatch") for cause in named)

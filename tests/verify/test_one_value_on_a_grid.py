@@ -9,12 +9,10 @@ grid (x's grid times an rstd of exactly 100)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from maskln_cli.testing import verify
+from tests import kernels
 
 
 def formula(eps_factor: float, out_factor: float):
@@ -45,15 +43,7 @@ def draw(family: str, seed: int, channels: int):
 
 def judged_causes(family, channels, kernel, seed):
     (x, scale, bias, grad_out), valid, eps = draw(family, seed, channels)
-    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = kernel(leaves[0], valid, leaves[1], leaves[2], eps)
-        grads = torch.autograd.grad(out, leaves, grad_out)
-        report = verify(
-            out.detach(), x, valid, scale, bias, eps, grad_out=grad_out, grad_x=grads[0],
-            grad_scale=grads[1], grad_bias=grads[2],
-        )  # fmt: skip
+    report = kernels.verified(kernel, x, valid, scale, bias, eps, grad_out)
     assert not report.passed
     return {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from maskln_cli.testing import verify
+from tests import kernels
 
 
 def two_pass(x, valid, scale, bias, eps):
@@ -59,15 +60,7 @@ def test_out_near_its_bias_is_no_float16_overflow_of_a_bfloat16_kernel(seed):
     x[:, 0] = x[:, 0] * 300 + 100
     x, scale, bias, grad_out = (t.to(torch.bfloat16) for t in (x, scale, bias, grad_out))
     valid = torch.arange(24) < 2
-    leaves = [t.clone().requires_grad_() for t in (x, scale, bias)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = sqrt_missing_in_float32(leaves[0], valid, leaves[1], leaves[2], 1e-5)
-        grads = torch.autograd.grad(out, leaves, grad_out)
-        report = verify(
-            out.detach(), x, valid, scale, bias, 1e-5, grad_out=grad_out, grad_x=grads[0],
-            grad_scale=grads[1], grad_bias=grads[2],
-        )  # fmt: skip
+    report = kernels.verified(sqrt_missing_in_float32, x, valid, scale, bias, 1e-5, grad_out)
     assert not report.passed
     assert causes(report) <= {"sqrt_missing"}
 
