@@ -23,9 +23,12 @@ def faults():
 def judged():
     testing.verify(out, data["x"], data["valid"], data["scale"], data["bias"], kernels.EPS)
 judged()
-before = faults()
-judged()
-print(json.dumps({"faults": faults() - before}))
+counts = []
+for _ in range(3):
+    before = faults()
+    judged()
+    counts.append(faults() - before)
+print(json.dumps({"faults": counts}))
 """
 
 
@@ -39,8 +42,10 @@ def _libc() -> str:
 @pytest.mark.slow  # 32 MiB tensors: smaller ones, once freed, set glibc's threshold themselves
 @pytest.mark.skipif(not _libc().startswith("glibc"), reason="glibc's malloc only")
 def test_a_second_verify_faults_in_almost_no_memory() -> None:
-    """One thread, 32 blocks of 2 MiB temporaries: 3,600 to 140,000 page faults before, a few
-    hundred at most now (the rows' own tensors were made before counting)."""
+    """One thread, 32 blocks of 2 MiB temporaries: 2,000 to 140,000 page faults a verify before,
+    a few hundred at most now (the rows' own tensors were made before counting). The median of
+    three verifies after the first: now and then one of them grows the heap by a step of 2 MiB
+    (one to three times 513 faults), as a free block left between others is too small."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
@@ -48,4 +53,4 @@ def test_a_second_verify_faults_in_almost_no_memory() -> None:
         capture_output=True, text=True, check=True, env=environment, timeout=300,
     )  # fmt: skip
     faults = json.loads(done.stdout.strip().splitlines()[-1])["faults"]
-    assert faults < 1000, faults
+    assert sorted(faults)[1] < 1000, faults
