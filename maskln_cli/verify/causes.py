@@ -150,7 +150,8 @@ class Causes:
 
     def diagnose(self, checked: Checked, found: Finding | None) -> Diagnosis | None:
         """The one diagnosis of a failing tensor (None: none found)."""
-        from maskln_cli.verify import diagnose, systematic, terms
+        from maskln_cli.verify import diagnose, terms
+        from maskln_cli.verify.factor_models import MISTAKE_FACTORS
 
         outcome, comparison = checked.outcome, checked.comparison
         assert outcome is not None and comparison is not None
@@ -180,7 +181,7 @@ class Causes:
             backward = self.wrong("grad_scale") is not False and self.wrong("grad_bias") is not True
             if evidence == "backward" and backward:
                 return diagnose.backward_eps_diagnosis(found, self.problem.eps)
-        if model in systematic.MISTAKE_FACTORS and evidence == "any":
+        if model in MISTAKE_FACTORS and evidence == "any":
             named = diagnose.mistake_diagnosis(model)  # type: ignore[arg-type]
             if confirmed(self, checked, named, found):
                 return named
