@@ -356,7 +356,8 @@ class StreamingPass:
                 self.fits[name] = fit_elements(
                     actual.double() - total, total, second, squares.sqrt(),
                     noise if name == "grad_scale" else None, distinct,
-                    grid_spacing(total, actual.dtype),
+                    grid_spacing(total, actual.dtype), budget.accumulation(name, total),
+                    budget.stagnation(),
                 )  # fmt: skip
             else:
                 pieces = {"allowance": total.abs().mul(comparison.rtol).add_(comparison.atol)}
