@@ -147,6 +147,8 @@ def diagnose_rows(
         if found:
             # (a tie at distance 0 is no margin: two formulas giving the same result)
             clear = len(found) == 1 or found[1].distance > AMBIGUOUS * found[0].distance
+            if clear and one_value_rival(found[0], sample, judge):
+                return None
             return found[0] if clear else None
     if systematic or not known.fitted:
         return None
@@ -156,6 +158,36 @@ def diagnose_rows(
 AMBIGUOUS = 3.0
 """A formula is named only when the result is this many times closer to it than to the next
 formula that matches: else the evidence does not tell them apart, and none is named."""
+
+ONE_VALUE_RIVALS = {
+    # NaN: a 0/0 without eps, or inf - inf from an accumulator of the kernel's dtype that
+    # overflows (64 values of 1e4 sum beyond float16's 65,504), where one would.
+    "eps_missing": "overflow",
+    # xhat = 1 (the row's sign): the mean left out, or a mean off by anything at all (a
+    # bfloat16 accumulator's rounding of a row of 1e4).
+    "rms_norm": "always",
+}
+"""Formulas that rows of one value (in x as given: their normalized part 0) do not tell from
+another cause, and when: such rows alone name none of them."""
+
+
+def one_value_rival(found: Diagnosis, sample: Sample, judge: torch.dtype) -> bool:
+    """Whether the sample's valid rows are all of one value and :data:`ONE_VALUE_RIVALS`
+    has a cause explaining them as well as ``found`` does."""
+    from maskln_cli.op.backward_mistakes import overflowing_rows
+
+    rival = ONE_VALUE_RIVALS.get(found.mistake)
+    if rival is None:
+        return False
+    channels = sample.x.shape[-1]
+    valid = sample.valid.reshape(-1)
+    rows = sample.x.reshape(-1, channels)[valid]
+    if not len(rows):
+        return False
+    low, high = rows.aminmax(dim=1)
+    if not bool((low == high).all()):
+        return False
+    return rival == "always" or bool(overflowing_rows(sample.x, sample.valid, judge)[valid].all())
 
 
 def formula_matches(
