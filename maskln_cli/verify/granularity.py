@@ -84,8 +84,13 @@ def coarsest(
             best, coarsest_seen = dtype, relative
     # Values on the coarser grid lie on the finer one too: the coarser is named only where
     # they are on it beyond what a point of the finer grid is by chance; else either may be.
-    finer = [d for d in dtypes if best is not None and torch.finfo(d).eps < torch.finfo(best).eps]
-    if best is not None and finer and coarseness(best, finer[-1]) is None:
+    # The result's own dtype is a finer grid too (a float16 kernel's means of 1000.0, stored
+    # in its own dtype, are bfloat16 numbers as one float16 number in eight there is).
+    if best is None:
+        return None
+    own = sample.actual.dtype
+    finer = [d for d in {*dtypes, own} if torch.finfo(d).eps < torch.finfo(best).eps]
+    if finer and coarseness(best, max(finer, key=lambda d: torch.finfo(d).eps)) is None:
         return None
     return best
 

@@ -64,3 +64,29 @@ def test_a_float32_formula_mistake_is_no_coarser_rounding(seed):
 def test_eps_ten_times_on_nearly_constant_rows_is_no_coarser_rounding(seed):
     named = judged_causes("nearly constant rows", 3, formula(10.0, 1.0), seed)
     assert not any(cause.startswith("rounding_") for cause in named)
+
+
+def statistics_stored_in_float16(x, valid, scale, bias, eps):
+    """WRONG: float32 statistics stored in float16 (a float16 kernel's own dtype) before use."""
+    rows = torch.where(valid[:, None], x, 0.0).float()
+    mean = rows.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((rows - mean).square().mean(-1, keepdim=True) + eps)
+    out = (rows - mean.half().float()) * rstd.half().float() * scale.float() + bias.float()
+    return torch.where(valid[:, None], out, 0.0).to(x.dtype)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("channels", [8, 64])
+def test_means_of_1000_in_a_float16_result_are_no_bfloat16_rounding(channels, seed):
+    """A float16 kernel's means of rows about 1e3 stored in float16 are 1000.0 (64,000 summed)
+    on most rows, a bfloat16 number too, as one in eight float16 numbers there is: such a
+    kernel was named "bfloat16 rounding" (16 of 54 hunt cases). The finer grid weighed against
+    it is the result's own dtype's too, not only the coarser candidates'."""
+    g = torch.Generator().manual_seed(seed)
+    x = (1e3 + torch.randn(24, channels, generator=g, dtype=torch.float64)).half()
+    scale, bias = torch.randn(channels, generator=g).half(), torch.randn(channels, generator=g).half()
+    grad_out, valid = torch.randn(24, channels, generator=g).half(), torch.rand(24, generator=g) >= 0.2
+    report = kernels.verified(statistics_stored_in_float16, x, valid, scale, bias, 1e-5, grad_out)
+    assert not report.passed
+    named = {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
+    assert "rounding_bfloat16" not in named, named
