@@ -147,6 +147,15 @@ class FitSums:
     kept_rows: int = 0
     terms: TermSums | None = None  # grad_x's: the backward's terms regressed (.terms)
 
+    def finite(self) -> bool:
+        """Whether every sum is finite: a row's energy squared (grad_x**4) overflows float64
+        from |grad_x| of about 1e77 (float64 upstream gradients of 1e80 and more)."""
+        return all(
+            math.isfinite(getattr(self, item.name))
+            for item in fields(self)
+            if isinstance(getattr(self, item.name), float)
+        )
+
     def distinct_rows(self) -> int:
         """The rows kept that are not copies of another, told by their variance (copies round
         their statistics alike); without kept rows (a sum's elements), ``rows``."""
@@ -566,8 +575,8 @@ def pooled(
     values, ``scale_size + bias_size`` (give 1 and 0 for a gradient). ``channels`` is C (the
     models and the few-rows gate need it); rows regressed with :func:`fit_elements` hold no
     kept rows."""
-    if sums.rows < 1 or sums.w <= 0:
-        return None
+    if sums.rows < 1 or sums.w <= 0 or not sums.finite():
+        return None  # nothing to pool, or sums beyond float64 (left untested)
     elements = not sums.kept and sums.v <= 0
     kept = torch.cat(sums.kept) if sums.kept else None  # each row's (f_r, var + eps, weight)
     if elements and sums.rows < MIN_ROWS:
