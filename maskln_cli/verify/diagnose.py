@@ -160,8 +160,9 @@ AMBIGUOUS = 3.0
 formula that matches: else the evidence does not tell them apart, and none is named."""
 
 ONE_VALUE_RIVALS = {
-    # NaN: a 0/0 without eps, or inf - inf from an accumulator of the kernel's dtype that
-    # overflows (64 values of 1e4 sum beyond float16's 65,504), where one would.
+    # NaN: a 0/0 without eps, or inf - inf from an accumulator that overflows (64 values of
+    # 1e4 sum beyond float16's 65,504), where one would: the kernel's dtype's, or a half
+    # kernel's float16 one (a float32 or float64 kernel keeps its own).
     "eps_missing": "overflow",
     # xhat = 1 (the row's sign): the mean left out, or a mean off by anything at all (a
     # bfloat16 accumulator's rounding of a row of 1e4).
@@ -174,6 +175,8 @@ another cause, and when: such rows alone name none of them."""
 def one_value_rival(found: Diagnosis, sample: Sample, judge: torch.dtype) -> bool:
     """Whether the sample's valid rows are all of one value and :data:`ONE_VALUE_RIVALS`
     has a cause explaining them as well as ``found`` does."""
+    import torch
+
     from maskln_cli.op.backward_mistakes import overflowing_rows
 
     rival = ONE_VALUE_RIVALS.get(found.mistake)
@@ -187,7 +190,12 @@ def one_value_rival(found: Diagnosis, sample: Sample, judge: torch.dtype) -> boo
     low, high = rows.aminmax(dim=1)
     if not bool((low == high).all()):
         return False
-    return rival == "always" or bool(overflowing_rows(sample.x, sample.valid, judge)[valid].all())
+    if rival == "always":
+        return True
+    accumulators = {judge, torch.float16} if judge.itemsize < 4 else {judge}
+    return any(
+        bool(overflowing_rows(sample.x, sample.valid, dtype)[valid].all()) for dtype in accumulators
+    )
 
 
 def formula_matches(

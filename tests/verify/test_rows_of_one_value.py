@@ -16,6 +16,8 @@ import torch
 from maskln_cli.testing import verify
 from tests import kernels
 
+HALF = ("float16", "bfloat16")
+
 
 def _named(kernel, inputs, names=("out",)) -> set[str]:
     result = kernels.run(kernel, inputs)
@@ -34,8 +36,12 @@ def _named(kernel, inputs, names=("out",)) -> set[str]:
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("channels", [8, 64])
-def test_nan_from_a_float16_accumulator_on_rows_of_one_value_is_not_eps_missing(channels, seed):
-    inputs = kernels.offset_batch(1e4, seed, (2, 12, channels), "float16")
+@pytest.mark.parametrize("dtype", HALF)
+def test_nan_from_a_float16_accumulator_on_rows_of_one_value_is_not_eps_missing(
+    dtype, channels, seed
+):
+    """In a float16 kernel, or a bfloat16 one (whose own float32 range holds the sums)."""
+    inputs = kernels.offset_batch(1e4, seed, (2, 12, channels), dtype)
     named = _named(kernels.accumulate_in(torch.float16), inputs, ("out", "grad_x"))
     assert "eps_missing" not in named, named
 
@@ -48,7 +54,9 @@ def test_a_bfloat16_accumulators_mean_on_rows_of_one_value_is_not_rms_norm(chann
     assert "rms_norm" not in named, named
 
 
-@pytest.mark.parametrize("dtype, offset", [("float32", 3.0), ("float32", 1e4), ("float16", 1.0)])
+@pytest.mark.parametrize(
+    "dtype, offset", [("float32", 3.0), ("float32", 1e4), ("float16", 1.0), ("bfloat16", 1.0)]
+)
 def test_eps_missing_is_still_named_on_rows_of_one_value(dtype, offset):
     """NaN on rows of one value no accumulator of the kernel's dtype overflows on: eps."""
     inputs = kernels.offset_batch(offset, 0, (2, 12, 8), dtype, std=0.0)
