@@ -84,8 +84,9 @@ def test_means_of_1000_in_a_float16_result_are_no_bfloat16_rounding(channels, se
     it is the result's own dtype's too, not only the coarser candidates'."""
     g = torch.Generator().manual_seed(seed)
     x = (1e3 + torch.randn(24, channels, generator=g, dtype=torch.float64)).half()
-    scale, bias = torch.randn(channels, generator=g).half(), torch.randn(channels, generator=g).half()
-    grad_out, valid = torch.randn(24, channels, generator=g).half(), torch.rand(24, generator=g) >= 0.2
+    scale, bias = (torch.randn(channels, generator=g).half() for _ in range(2))
+    grad_out = torch.randn(24, channels, generator=g).half()
+    valid = torch.rand(24, generator=g) >= 0.2
     report = kernels.verified(statistics_stored_in_float16, x, valid, scale, bias, 1e-5, grad_out)
     assert not report.passed
     named = {d["mistake"] for t in report.tensors if not t.passed for d in t.diagnosis}
