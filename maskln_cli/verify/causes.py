@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from maskln_cli.op.mistakes import Diagnosis, Mistake
     from maskln_cli.verify.plan import Checked, Plan
     from maskln_cli.verify.sample import Sample
-    from maskln_cli.verify.systematic import Finding
+    from maskln_cli.verify.systematic import Finding, FitSums
 
 CONSISTENT = 3.0
 """A sum's systematic factor agrees with an earlier tensor's when of the same sign and within
@@ -90,6 +90,7 @@ class Causes:
         mask: object | None,
         origin: str,
         wrong: Callable[[str], bool | None],
+        fits: dict[str, FitSums] | None = None,
     ):
         from maskln_cli.verify.diagnose import catalogue_of
 
@@ -105,6 +106,7 @@ class Causes:
         # Whether a tensor of RESULT is wrong (beyond its budget, or systematic; None: not
         # checked), whichever order it is explained in.
         self.wrong = wrong
+        self.fits = fits or {}  # each tensor's systematic-error regressions (out's: its eps)
         self.sampled: tuple[Sample, float] | None = None  # out's diagnosed rows, and noise
         # The current tensor's diagnosed rows and their truth (for where its error is).
         self.current: tuple[Sample, torch.Tensor] | None = None
@@ -179,7 +181,7 @@ class Causes:
             # out is right with the reference's eps: the backward's own, if its xhat (and so
             # grad_scale, when checked) is off too, and grad_bias right (no eps is in it)
             backward = self.wrong("grad_scale") is not False and self.wrong("grad_bias") is not True
-            if evidence == "backward" and backward:
+            if evidence == "backward" and backward and forward_eps_shown(self, found):
                 return diagnose.backward_eps_diagnosis(found, self.problem.eps)
         if model in MISTAKE_FACTORS and evidence == "any":
             named = diagnose.mistake_diagnosis(model)  # type: ignore[arg-type]
@@ -454,3 +456,33 @@ def _channels(sample: Sample, truth: torch.Tensor) -> str | None:
         return None
     shown = ", ".join(str(int(c)) for c in order[:count].sort().values)
     return f"{'channel' if count == 1 else 'channels'} {shown} (of {channels})"
+
+
+def forward_eps_shown(causes: Causes, found: Finding) -> bool:
+    """Whether out's rows show that the forward used the reference's eps, not ``found``'s (a
+    gradient's): out's pooled factor is :data:`~maskln_cli.verify.diagnose.AMBIGUOUS` times
+    nearer 0 than to the factor ``found``'s eps gives those rows, and that factor is
+    :data:`~maskln_cli.verify.systematic.SYSTEMATIC_Z` standard errors from it. Out passing is
+    not enough: on rows at an offset of 1e3 a forward eps of 0 moves out by 5e-6 of itself,
+    far inside its budget, and a kernel whose one eps is wrong in both passes was told its
+    backward took another eps than its forward."""
+    import torch
+
+    from maskln_cli.verify.diagnose import AMBIGUOUS
+    from maskln_cli.verify.systematic import SYSTEMATIC_Z
+
+    fit = causes.fits.get("out")
+    other = found.eps if found.eps is not None else found.eps_at_most
+    if fit is None or not fit.kept or other is None:
+        return False
+    f, spread, w = torch.cat(fit.kept).double()[:, :3].unbind(dim=1)
+    total = float(w.sum())
+    if not total > 0:
+        return False
+    eps = causes.problem.eps
+    predicted = (spread / (spread - eps + other).clamp_min(1e-300)).sqrt() - 1
+    observed = float((w * f).sum()) / total
+    expected = float((w * predicted).sum()) / total
+    error = math.sqrt(float((w.square() * (f - observed).square()).sum())) / total
+    apart = abs(observed - expected)
+    return apart > SYSTEMATIC_Z * error and abs(observed) * AMBIGUOUS < apart

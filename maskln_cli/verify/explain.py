@@ -68,7 +68,7 @@ class Explainer:
         self.valid_rows = plan.valid_rows
         self.fits = fits or {}  # each tensor's systematic-error regressions
         self.mask = mask
-        self.causes = Causes(plan, poisoned, mask, self._eps_origin(), self._wrong)
+        self.causes = Causes(plan, poisoned, mask, self._eps_origin(), self._wrong, self.fits)
         self.not_checked: list[str] = []  # what the systematic test could not see, in words
         self.torch = torch
 
