@@ -356,7 +356,7 @@ class StreamingPass:
                 self.fits[name] = fit_elements(
                     actual.double() - total, total, second, squares.sqrt(),
                     noise if name == "grad_scale" else None, distinct,
-                    grid_spacing(total, actual.dtype), budget.accumulation(name, total),
+                    grid_spacing(total, actual.dtype), guess - total,
                     budget.stagnation(),
                 )  # fmt: skip
             else:

@@ -137,9 +137,11 @@ class FitSums:
     rw2f: float = 0.0
     rw2ff: float = 0.0
     sources: int = 0  # the valid rows a sum over rows sums (fit_elements); 0 for rows
-    # A sum's elements' modelled accumulation rounding, relative to each, squared and weighted
-    # as the factors' standard error is (w2aa); how far such a sum may shrink (drift).
-    w2aa: float = 0.0
+    # A sum's elements: PyTorch's own errors on them (the yardstick's), relative to each,
+    # weighted as the factors' standard error (w2pp) and their pooled factor (wp) are; and
+    # how far a long sequential sum may shrink as a whole (drift).
+    w2pp: float = 0.0
+    wp: float = 0.0
     drift: float = 0.0
     # Each row's (f_r, var + eps, weight, ...: KEPT_ROWS), for the first KEPT_ROWS usable rows:
     # the models are told apart on them, and each row is judged alone.
@@ -316,7 +318,7 @@ def fit_elements(
     noise: torch.Tensor | None = None,
     sources: int = 0,
     spacing: torch.Tensor | None = None,
-    accumulation: torch.Tensor | None = None,
+    peer: torch.Tensor | None = None,
     drift: float = 0.0,
 ) -> FitSums:
     """The sums of a sum over rows (grad_scale, grad_bias: ``[C]``, float64), each element a
@@ -332,10 +334,11 @@ def fit_elements(
     rounds to 0) are left out too; and an element holding most of the weight weighs as much as
     the others together (an outlier channel's grad_scale, 97 % of it, a cancelling sum that
     PyTorch's float16 backward rounds by 2 u, would be the factor, its rounding no common one).
-    ``accumulation`` is each element's modelled rounding of the sum itself (the budget's
-    :meth:`~maskln_cli.verify.budget.SumBudget.accumulation`), ``drift`` how far the sum may
-    shrink as a whole (:meth:`~maskln_cli.verify.budget.SumBudget.stagnation`): a
-    bfloat16 sum over 10,000 rows errs by 16 % an element, and 8 elements agreed on -8.7 %.
+    ``peer`` is PyTorch's own error on each element (the yardstick's, a correct kernel's on
+    these very rows), ``drift`` how far a long sequential sum may shrink as a whole
+    (:meth:`~maskln_cli.verify.budget.SumBudget.stagnation`): PyTorch's bfloat16 grad_scale
+    over 10,000 rows erred by 16 % an element, its 8 elements agreeing on -8.7 %, and its
+    grad_bias of an upstream gradient of ones stops at 256 (0.13 of the truth at 2,000 rows).
 
     Example:
         >>> import torch
@@ -367,13 +370,22 @@ def fit_elements(
     sums.we2 = second_order * sums.w
     if noise is not None:
         sums.wn = float((w * noise[usable] / t.abs()).sum())
-    if accumulation is not None:
-        sums.w2aa = float((w * accumulation[usable] / t.abs()).square().sum())
+    if peer is not None:
+        relative = (w * peer[usable] / t).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        sums.w2pp, sums.wp = float(relative.square().sum()), float(relative.sum())
     sums.drift = drift
     sums.sources = sources
     return sums
 
 
+PEER_Z = 4.0
+"""A sum's factor must exceed this many standard errors of PyTorch's own elements' rounding
+on the same rows (another order of the same sequential sum errs as much, not the same)."""
+PEER_OWN = 3.0
+"""... where PyTorch's standard error is at most this many times RESULT's own."""
+PEER_SHARE = 2.0
+"""A sum shrunk (a negative factor) must have shrunk more than this many times PyTorch's own
+sum has on the same rows (bfloat16 ones added one by one stop at 256)."""
 CANCELLED = 0.1
 """A sum's element is regressed on only when its truth is at least this share of the norm of
 the terms it sums (a random-sign sum's is about 1)."""
@@ -639,9 +651,17 @@ def pooled(
     elif elements:
         # The rows' first-order rounding, each row's own, averages over the rows summed.
         noise = sums.wn / sums.w / math.sqrt(max(sums.sources, 1))
-        # The sum's own rounding, each element's, modelled at several of its standard
-        # deviations (8 elements agree by chance), and its shrinking as a whole.
-        noise = max(noise, math.sqrt(sums.w2aa) / sums.w + (sums.drift if factor < 0 else 0.0))
+        # What PyTorch's own sums err by on these rows, where RESULT's elements spread as
+        # much: PEER_Z standard errors of PyTorch's elements' rounding, at most PEER_OWN of
+        # RESULT's own (8 elements of PyTorch's agreed on -8.7 % by chance; a kernel summing
+        # in float32 and scaled by 1.05 spreads by 1e-8, and PyTorch's rounding is no
+        # excuse for it). A sum shrinks by stagnating: PEER_SHARE times PyTorch's own
+        # shrinking, and a long sum's (PyTorch's yardstick sums a chunk of rows at a time).
+        peer_factor = sums.wp / sums.w
+        peer = PEER_Z * min(math.sqrt(sums.w2pp) / sums.w, PEER_OWN * factor_error)
+        if factor < 0:
+            peer = max(peer, PEER_SHARE * -min(peer_factor, 0.0)) + sums.drift
+        noise = max(noise, peer)
         threshold = max(SYSTEMATIC_Z * factor_error, one_row, factor_spread / SUM_AGREEMENT, noise)
         systematic_factor = abs(factor) > threshold
     else:
