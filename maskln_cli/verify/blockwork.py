@@ -353,9 +353,10 @@ class BlockWork:
         rounding = None
         if precision.store > precision.reduce:
             rounding = reference.to(precision.dtype).double().sub_(reference)
+        # out's z is made here, its error the comparison's own: both written in the fit.
         sums = fit_rows(
             error, z, rstd, problem.eps, second_order, rows, offset, moved, stored, first_row,
-            shifted, z_squares, rounding, row_sums,
+            shifted, z_squares, rounding, row_sums, writable=checked.name == "out",
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
