@@ -229,7 +229,8 @@ class BlockWork:
             if fitting:
                 assert rstd is not None
                 if offset is None:  # each row's A (as RowBudget's), for out's fit and grad_x's
-                    offset = _offset(x64, rstd.reshape(-1), budget)
+                    # Without gradients out's fit is the last to read x64: |x| made in it if ours.
+                    offset = _offset(x64, rstd.reshape(-1), budget, own_x and dy64 is None)
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
@@ -482,13 +483,18 @@ def _row_rounding(
     return moved, second_order, stored
 
 
-def _offset(x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None) -> torch.Tensor:
+def _offset(
+    x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None, writable: bool = False
+) -> torch.Tensor:
     """Each row's ``mean |x| * rstd`` ``[R]``, its mean |x| taken from the block's ``budget``
     when it has it (the same bits on valid rows, where the fits read it: the budget zeroes
-    only invalid rows, and non-finite values, which stop a block before its fits)."""
+    only invalid rows, and non-finite values, which stop a block before its fits);
+    ``writable``: else made in ``x64`` itself (the caller's, not read again: a pass in place
+    where a new buffer costs about three times as much)."""
     if budget is not None and budget.mean_abs is not None:
         return budget.mean_abs.reshape(-1).mul(rstd)
-    return x64.abs().mean(dim=1).mul_(rstd)
+    magnitude = x64.abs_() if writable else x64.abs()
+    return magnitude.mean(dim=1).mul_(rstd)
 
 
 def _not_one_value(x64: torch.Tensor) -> torch.Tensor:
