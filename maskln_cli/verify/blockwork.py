@@ -43,7 +43,7 @@ spread over the input, the same whatever the thread count)."""
 
 ALIKE_RETRY = 8
 """Blocks whose rows are not tested for being the yardstick's bit for bit after a block's were
-not (:meth:`BlockWork.alike`)."""
+not (:func:`yardstick_alike`)."""
 
 
 class StreamingSettings(Protocol):
@@ -192,8 +192,8 @@ class BlockWork:
                 keep_error = planes[2]  # made where the term fit takes it
             # |yardstick - truth|: for the budget and the comparison alike, computed once; the
             # comparison's differences too where RESULT is the yardstick bit for bit (PyTorch's
-            # own kernel: then not made again, see alike), the signed ones kept if asked.
-            alike = self.alike(name, actual, guess)
+            # own kernel: then not made again, see yardstick_alike), the signed ones kept if asked.
+            alike = yardstick_alike(self.alike_missed, name, actual, guess)
             if alike and keep_error is not False:
                 into = None if isinstance(keep_error, bool) else keep_error
                 keep_error = float64_minus(guess, reference, into)
@@ -255,31 +255,6 @@ class BlockWork:
                     sums.budgets[dtype] = rows.share_of_sums(dy64)
         return Measured(figures, fits, sums)
 
-    def alike(self, name: str, actual: torch.Tensor, guess: torch.Tensor) -> bool:
-        """Whether RESULT's rows ``actual`` of ``name`` are the yardstick's ``guess`` bit for
-        bit (PyTorch's own kernel, or one doing as it does): one pass over both, where it spares
-        the comparison its differences (two passes) and the yardstick's squares and greatest
-        (three). Once a block's were not, tried again only every :data:`ALIKE_RETRY` blocks
-        (blocks on several threads share the count: which work a block does depends on it,
-        never a figure)."""
-        import torch
-
-        missed = self.alike_missed.get(name, 0)
-        if missed % ALIKE_RETRY:
-            self.alike_missed[name] = missed + 1
-            return False
-        same = actual.dtype == guess.dtype and actual.shape == guess.shape
-        if same and actual.numel():
-            # Their bits xor'ed, read as bytes whose greatest is taken: half the time of
-            # torch.equal (of the values or of their bits alike).
-            sizes = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-            bits = sizes.get(actual.element_size())
-            same = bits is not None and not any_true(
-                torch.bitwise_xor(actual.reshape(-1).view(bits), guess.reshape(-1).view(bits))
-            )
-        self.alike_missed[name] = 0 if same else missed + 1
-        return same
-
     def fitted(self, start: int) -> bool:
         """Whether the block starting at row ``start`` is regressed (see :data:`FIT_ROWS`)."""
         return (start // self.block_rows) % self.fit_stride == 0
@@ -332,9 +307,9 @@ class BlockWork:
         if gradient:
             assert dy64 is not None
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
-            terms, wdy_squares, row_sums = self._terms(
-                error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations,
-                planes, wdy_made,
+            terms, wdy_squares, row_sums = _terms(
+                problem, error, reference, rows, rstd, x64, dy64, precision, offset, rms,
+                deviations, planes, wdy_made,
             )  # fmt: skip
             z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
@@ -364,61 +339,88 @@ class BlockWork:
         sums.terms = terms
         return sums
 
-    def _terms(
-        self,
-        error: torch.Tensor,
-        truth: torch.Tensor,
-        rows: torch.Tensor,
-        rstd: torch.Tensor,
-        x64: torch.Tensor,
-        dy64: torch.Tensor,
-        precision: Precision,
-        offset: torch.Tensor,
-        rms: torch.Tensor,
-        deviations: torch.Tensor | None = None,
-        planes: torch.Tensor | None = None,
-        wdy_made: torch.Tensor | None = None,
-    ) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
-        with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
-        and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
-        ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
-        its x minus its mean (all three read on ``rows`` only);
-        also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
-        truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
-        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`. ``planes``
-        (or None): the buffer [4, R, C] they are taken from, truth and error already in it when
-        made there; ``wdy_made``: ``scale * dy64`` as the budget made it (in ``planes[3]``, if
-        there: not made again)."""
-        import math
 
-        import torch
+def yardstick_alike(
+    missed: dict[str, int], name: str, actual: torch.Tensor, guess: torch.Tensor
+) -> bool:
+    """Whether RESULT's rows ``actual`` of ``name`` are the yardstick's ``guess`` bit for bit
+    (PyTorch's own kernel, or one doing as it does): one pass over both, where it spares the
+    comparison its differences (two passes) and the yardstick's squares and greatest (three).
+    Once a block's were not, tried again only every :data:`ALIKE_RETRY` blocks (``missed``:
+    blocks since each tensor's last were, shared by the blocks on several threads: which work
+    a block does depends on it, never a figure)."""
+    import torch
 
-        channels = self.problem.channels
-        # Every figure below is a row's own (its reductions run along the row), read on
-        # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
-        if deviations is None:
-            deviations = x64 - x64.mean(dim=1, keepdim=True)
-        made = (truth, error, wdy_made)
-        xhat, wdy, products, plain = _term_products(
-            planes, made, deviations, rstd, dy64, self.problem.scale
+    count = missed.get(name, 0)
+    if count % ALIKE_RETRY:
+        missed[name] = count + 1
+        return False
+    same = actual.dtype == guess.dtype and actual.shape == guess.shape
+    if same and actual.numel():
+        # Their bits xor'ed, read as bytes whose greatest is taken: half the time of
+        # torch.equal (of the values or of their bits alike).
+        sizes = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        bits = sizes.get(actual.element_size())
+        same = bits is not None and not any_true(
+            torch.bitwise_xor(actual.reshape(-1).view(bits), guess.reshape(-1).view(bits))
         )
-        p = precision
-        e1 = math.sqrt(channels) * p.reduce + p.x + p.store
-        ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
-        info = torch.finfo(p.dtype)
-        wdy_squares = products[:, 3, 3]  # [R]
-        terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
-        rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
-        # Below the smallest normal the backward's operations round at u_sub, absolutely (the
-        # budget's "subnormal" term, rstd u_sub (6 + 2 |xhat|): 8 rstd u_sub in rms at most),
-        # c2's alike on every element of a row (its sum's and wdy's: 2 rstd u_sub).
-        floor = info.tiny * info.eps / 2  # half an ulp of the stored dtype's subnormals
-        rounding += floor
-        rounding.add_(rstd.mul(4).mul_(p.subnormal))  # u_sub: half the spacing
-        alike = rstd.mul(p.subnormal).add_(floor)
-        sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), alike)
-        return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
+    missed[name] = 0 if same else count + 1
+    return same
+
+
+def _terms(
+    problem: Problem,
+    error: torch.Tensor,
+    truth: torch.Tensor,
+    rows: torch.Tensor,
+    rstd: torch.Tensor,
+    x64: torch.Tensor,
+    dy64: torch.Tensor,
+    precision: Precision,
+    offset: torch.Tensor,
+    rms: torch.Tensor,
+    deviations: torch.Tensor | None = None,
+    planes: torch.Tensor | None = None,
+    wdy_made: torch.Tensor | None = None,
+) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
+    with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
+    and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
+    ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
+    its x minus its mean (all three read on ``rows`` only);
+    also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
+    truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
+    only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`. ``planes``
+    (or None): the buffer [4, R, C] they are taken from, truth and error already in it when
+    made there; ``wdy_made``: ``scale * dy64`` as the budget made it (in ``planes[3]``, if
+    there: not made again)."""
+    import math
+
+    import torch
+
+    channels = problem.channels
+    # Every figure below is a row's own (its reductions run along the row), read on
+    # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
+    if deviations is None:
+        deviations = x64 - x64.mean(dim=1, keepdim=True)
+    made = (truth, error, wdy_made)
+    xhat, wdy, products, plain = _term_products(planes, made, deviations, rstd, dy64, problem.scale)
+    p = precision
+    e1 = math.sqrt(channels) * p.reduce + p.x + p.store
+    ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
+    info = torch.finfo(p.dtype)
+    wdy_squares = products[:, 3, 3]  # [R]
+    terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
+    rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
+    # Below the smallest normal the backward's operations round at u_sub, absolutely (the
+    # budget's "subnormal" term, rstd u_sub (6 + 2 |xhat|): 8 rstd u_sub in rms at most),
+    # c2's alike on every element of a row (its sum's and wdy's: 2 rstd u_sub).
+    floor = info.tiny * info.eps / 2  # half an ulp of the stored dtype's subnormals
+    rounding += floor
+    rounding.add_(rstd.mul(4).mul_(p.subnormal))  # u_sub: half the spacing
+    alike = rstd.mul(p.subnormal).add_(floor)
+    sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), alike)
+    return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
 
 
 def _term_products(
