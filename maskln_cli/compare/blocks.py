@@ -47,6 +47,7 @@ class BlockMeasurer:
         floors: Callable[[], torch.Tensor | None] | None = None,
         keep_error: bool | torch.Tensor = False,
         bounds: Callable[..., torch.Tensor | None] | None = None,
+        alike: bool = False,
     ) -> BlockFigures | None:
         """:meth:`Comparison.measure`, ``known`` being the greatest ratio merged so far."""
         import torch
@@ -63,9 +64,16 @@ class BlockMeasurer:
             a = a.double()
         into = keep_error.view(-1) if not isinstance(keep_error, bool) else None
         keep_error = keep_error is not False
-        error = float64_minus(a, e64, into)
-        # The signed error kept when asked (keep_error), else its buffer is the differences.
-        diff = torch.abs(error) if keep_error else error.abs_()
+        if alike:
+            # The actual values are the yardstick's bit for bit: its error is the differences
+            # (the caller's to give: squared in place below), and the signed ones, when kept,
+            # are in keep_error already.
+            assert yardstick_error is not None and (into is not None or not keep_error)
+            error, diff = into, yardstick_error.reshape(-1)
+        else:
+            error = float64_minus(a, e64, into)
+            # The signed error kept when asked (keep_error), else its buffer is the differences.
+            diff = torch.abs(error) if keep_error else error.abs_()
         # The greatest difference and its first index, row by row: a third of the time of
         # diff.max(dim=0), which finds the same (torch returns the first of equal maxima).
         row_max = diff.view(rows, length).amax(dim=1)
@@ -124,7 +132,9 @@ class BlockMeasurer:
             rows, counts, max_abs, max_rel, max_ratio, factor, row_squares, row_norms, worst,
             allowed_later=allowed_later, error=error if keep_error else None,
         )  # fmt: skip
-        if yardstick is not None:
+        if yardstick is not None and alike:  # its differences are diff: the same figures
+            block.yardstick_max, block.yardstick_rows = max_abs[0], row_squares
+        elif yardstick is not None:
             if yardstick_error is None:
                 y_diff = torch.sub(yardstick.detach().reshape(-1).double(), e64).abs_()
             else:

@@ -195,6 +195,7 @@ class Comparison(RunningFigures):
         floors: Callable[[], torch.Tensor | None] | None = None,
         keep_error: bool | torch.Tensor = False,
         bounds: Callable[..., torch.Tensor | None] | None = None,
+        alike: bool = False,
     ) -> BlockFigures | None:
         """The figures of one block of whole rows, as :meth:`update` takes it, for
         :meth:`merge`; None when a value is NaN or inf (the general path then compares the
@@ -217,12 +218,15 @@ class Comparison(RunningFigures):
         float64 too (:attr:`BlockFigures.error`), made in ``keep_error`` itself when it is a
         tensor (float64, contiguous, of ``actual``'s size). ``bounds`` (with ``floors``) makes
         a lower bound of each element's allowance on valid rows from ``|expected|``
-        (``bounds(finite_abs=...)``; None: none): finer bounds still.
+        (``bounds(finite_abs=...)``; None: none): finer bounds still. ``alike``: ``actual`` is
+        ``yardstick`` bit for bit, and ``yardstick_error`` (then the caller's to give: squared
+        in place) is so the differences, not made again; ``keep_error``, if kept, is a tensor
+        holding them signed already.
         """
         per_element = PerElement(allowance, yardstick, budget_unit, always)
         return self._blocks.measure(
             actual, expected, invalid_rows, per_element, yardstick_error, allowance_of, lower,
-            self.max_ratio, floors, keep_error, bounds,
+            self.max_ratio, floors, keep_error, bounds, alike,
         )  # fmt: skip
 
     def merge(

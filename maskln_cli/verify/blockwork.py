@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from maskln_cli.compare.blocks import float64_minus
+from maskln_cli.compare.judging import any_true
 from maskln_cli.compare.rows import leave_out
 from maskln_cli.verify.options import ROW_TENSORS
 from maskln_cli.verify.systematic import FitSums, fit_rows
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 FIT_ROWS = 1 << 17
 """At most about this many rows are regressed for a systematic error (a sample of blocks,
 spread over the input, the same whatever the thread count)."""
+
+
+ALIKE_RETRY = 8
+"""Blocks whose rows are not tested for being the yardstick's bit for bit after a block's were
+not (:func:`yardstick_alike`)."""
 
 
 class StreamingSettings(Protocol):
@@ -104,6 +110,8 @@ class BlockWork:
 
         self.block_rows = max(2, BLOCK_ELEMENTS // problem.channels)
         self.fit_stride = max(1, -(-problem.rows // FIT_ROWS))
+        # Blocks since RESULT's rows of each tensor were last the yardstick's bit for bit.
+        self.alike_missed: dict[str, int] = {}
 
     def yardsticks(
         self, x: torch.Tensor, valid: torch.Tensor, grad_out: torch.Tensor | None
@@ -122,6 +130,8 @@ class BlockWork:
 
     def measure(self, start: int, stop: int) -> Measured | None:
         """The figures of rows ``start:stop`` (None when a value is NaN or inf)."""
+
+        import torch
 
         from maskln_cli.verify.budget import RowBudget
 
@@ -176,8 +186,20 @@ class BlockWork:
             if keep is not None:  # --valid: rows left out agree (0 on every side)
                 actual, reference = leave_out(actual, reference, keep)
                 guess, _ = leave_out(guess, reference, keep)
-            # |yardstick - truth|: for the budget and the comparison alike, computed once.
-            error = float64_minus(guess, reference).abs_()  # float64: the truth's dtype
+            fitting = name in self.fits and self.fitted(start)
+            keep_error: bool | torch.Tensor = fitting
+            if fitting and name == "grad_x" and planes is not None:
+                keep_error = planes[2]  # made where the term fit takes it
+            # |yardstick - truth|: for the budget and the comparison alike, computed once; the
+            # comparison's differences too where RESULT is the yardstick bit for bit (PyTorch's
+            # own kernel: then not made again, see yardstick_alike), the signed ones kept if asked.
+            alike = yardstick_alike(self.alike_missed, name, actual, guess)
+            if alike and keep_error is not False:
+                into = None if isinstance(keep_error, bool) else keep_error
+                keep_error = float64_minus(guess, reference, into)
+                error = torch.abs(keep_error)
+            else:
+                error = float64_minus(guess, reference).abs_()  # float64: the truth's dtype
             inputs = (x64, valid, reference, guess, error)
             if name == "grad_x":
                 inputs += (dy64,)  # type: ignore[assignment]
@@ -195,13 +217,10 @@ class BlockWork:
             )  # fmt: skip
             bounds = None if name != "grad_x" else functools.partial(  # finer than its floors
                 streaming.allowance.bounds, comparison, dy64, budget, rstd, keep)  # fmt: skip
-            fitting = name in self.fits and self.fitted(start)
-            keep_error: bool | torch.Tensor = fitting
-            if fitting and name == "grad_x" and planes is not None:
-                keep_error = planes[2]  # made where the term fit takes it
             measured = comparison.measure(
                 actual, reference, invalid, yardstick=guess, yardstick_error=error, bounds=bounds,
                 allowance_of=allowance_of, lower=lower, floors=floors, keep_error=keep_error,
+                alike=alike,
             )  # fmt: skip
             if measured is None:
                 return None
@@ -210,7 +229,8 @@ class BlockWork:
             if fitting:
                 assert rstd is not None
                 if offset is None:  # each row's A (as RowBudget's), for out's fit and grad_x's
-                    offset = _offset(x64, rstd.reshape(-1), budget)
+                    # Without gradients out's fit is the last to read x64: |x| made in it if ours.
+                    offset = _offset(x64, rstd.reshape(-1), budget, own_x and dy64 is None)
                 fits[name] = self.fit(
                     actual, reference, valid, keep, rstd.reshape(-1), x64, checked, dy64, start,
                     offset, budget.deviations if budget is not None else None,
@@ -287,9 +307,9 @@ class BlockWork:
         if gradient:
             assert dy64 is not None
             precision = self.streaming.precisions[checked.judge or self.streaming.judge]
-            terms, wdy_squares, row_sums = self._terms(
-                error, reference, rows, rstd, x64, dy64, precision, offset, rms, deviations,
-                planes, wdy_made,
+            terms, wdy_squares, row_sums = _terms(
+                problem, error, reference, rows, rstd, x64, dy64, precision, offset, rms,
+                deviations, planes, wdy_made,
             )  # fmt: skip
             z_squares = row_norms
             rows = rows & _grad_x_resolved(z_squares, wdy_squares, rstd)
@@ -309,70 +329,98 @@ class BlockWork:
         rounding = None
         if precision.store > precision.reduce:
             rounding = reference.to(precision.dtype).double().sub_(reference)
+        # out's z is made here, its error the comparison's own: both written in the fit.
         sums = fit_rows(
             error, z, rstd, problem.eps, second_order, rows, offset, moved, stored, first_row,
-            shifted, z_squares, rounding, row_sums,
+            shifted, z_squares, rounding, row_sums, writable=checked.name == "out",
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
         sums.terms = terms
         return sums
 
-    def _terms(
-        self,
-        error: torch.Tensor,
-        truth: torch.Tensor,
-        rows: torch.Tensor,
-        rstd: torch.Tensor,
-        x64: torch.Tensor,
-        dy64: torch.Tensor,
-        precision: Precision,
-        offset: torch.Tensor,
-        rms: torch.Tensor,
-        deviations: torch.Tensor | None = None,
-        planes: torch.Tensor | None = None,
-        wdy_made: torch.Tensor | None = None,
-    ) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
-        with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
-        and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
-        ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
-        its x minus its mean (all three read on ``rows`` only);
-        also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
-        truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
-        only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`. ``planes``
-        (or None): the buffer [4, R, C] they are taken from, truth and error already in it when
-        made there; ``wdy_made``: ``scale * dy64`` as the budget made it (in ``planes[3]``, if
-        there: not made again)."""
-        import math
 
-        import torch
+def yardstick_alike(
+    missed: dict[str, int], name: str, actual: torch.Tensor, guess: torch.Tensor
+) -> bool:
+    """Whether RESULT's rows ``actual`` of ``name`` are the yardstick's ``guess`` bit for bit
+    (PyTorch's own kernel, or one doing as it does): one pass over both, where it spares the
+    comparison its differences (two passes) and the yardstick's squares and greatest (three).
+    Once a block's were not, tried again only every :data:`ALIKE_RETRY` blocks (``missed``:
+    blocks since each tensor's last were, shared by the blocks on several threads: which work
+    a block does depends on it, never a figure)."""
+    import torch
 
-        channels = self.problem.channels
-        # Every figure below is a row's own (its reductions run along the row), read on
-        # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
-        if deviations is None:
-            deviations = x64 - x64.mean(dim=1, keepdim=True)
-        made = (truth, error, wdy_made)
-        xhat, wdy, products, plain = _term_products(
-            planes, made, deviations, rstd, dy64, self.problem.scale
+    count = missed.get(name, 0)
+    if count % ALIKE_RETRY:
+        missed[name] = count + 1
+        return False
+    same = actual.dtype == guess.dtype and actual.shape == guess.shape
+    if same and actual.numel():
+        # Their bits xor'ed, read as bytes whose greatest is taken: half the time of
+        # torch.equal (of the values or of their bits alike).
+        sizes = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        bits = sizes.get(actual.element_size())
+        same = bits is not None and not any_true(
+            torch.bitwise_xor(actual.reshape(-1).view(bits), guess.reshape(-1).view(bits))
         )
-        p = precision
-        e1 = math.sqrt(channels) * p.reduce + p.x + p.store
-        ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
-        info = torch.finfo(p.dtype)
-        wdy_squares = products[:, 3, 3]  # [R]
-        terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
-        rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
-        # Below the smallest normal the backward's operations round at u_sub, absolutely (the
-        # budget's "subnormal" term, rstd u_sub (6 + 2 |xhat|): 8 rstd u_sub in rms at most),
-        # c2's alike on every element of a row (its sum's and wdy's: 2 rstd u_sub).
-        floor = info.tiny * info.eps / 2  # half an ulp of the stored dtype's subnormals
-        rounding += floor
-        rounding.add_(rstd.mul(4).mul_(p.subnormal))  # u_sub: half the spacing
-        alike = rstd.mul(p.subnormal).add_(floor)
-        sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), alike)
-        return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
+    missed[name] = 0 if same else count + 1
+    return same
+
+
+def _terms(
+    problem: Problem,
+    error: torch.Tensor,
+    truth: torch.Tensor,
+    rows: torch.Tensor,
+    rstd: torch.Tensor,
+    x64: torch.Tensor,
+    dy64: torch.Tensor,
+    precision: Precision,
+    offset: torch.Tensor,
+    rms: torch.Tensor,
+    deviations: torch.Tensor | None = None,
+    planes: torch.Tensor | None = None,
+    wdy_made: torch.Tensor | None = None,
+) -> tuple[TermSums, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """grad_x's error regressed on its backward's terms (:mod:`.terms`), on ``rows``,
+    with each row's rounding as the budget's model has it, in rms: grad_x's own (stored,
+    and its rstd's), the upstream terms' (the backward's sums, the statistics' shift).
+    ``offset`` and ``rms`` are each row's A and rms of the truth, ``deviations`` (or None)
+    its x minus its mean (all three read on ``rows`` only);
+    also returned, each row's sum of the squares of ``scale * dy64``, and its sums of the
+    truth, of ``error`` and of their product, for :func:`fit_rows` (read on ``rows``
+    only): all from the rows' :func:`~maskln_cli.verify.terms.row_products`. ``planes``
+    (or None): the buffer [4, R, C] they are taken from, truth and error already in it when
+    made there; ``wdy_made``: ``scale * dy64`` as the budget made it (in ``planes[3]``, if
+    there: not made again)."""
+    import math
+
+    import torch
+
+    channels = problem.channels
+    # Every figure below is a row's own (its reductions run along the row), read on
+    # ``rows`` only: other rows (the padding, NaN and inf included) need not be zeroed.
+    if deviations is None:
+        deviations = x64 - x64.mean(dim=1, keepdim=True)
+    made = (truth, error, wdy_made)
+    xhat, wdy, products, plain = _term_products(planes, made, deviations, rstd, dy64, problem.scale)
+    p = precision
+    e1 = math.sqrt(channels) * p.reduce + p.x + p.store
+    ed = math.sqrt(channels) * p.reduce + p.grad_out + p.params + p.store
+    info = torch.finfo(p.dtype)
+    wdy_squares = products[:, 3, 3]  # [R]
+    terms = wdy_squares.div(channels).sqrt_().mul_(rstd)
+    rounding = rms.mul(e1 + p.store).add_(terms.mul_((offset + 1).mul_(e1).add_(ed)))
+    # Below the smallest normal the backward's operations round at u_sub, absolutely (the
+    # budget's "subnormal" term, rstd u_sub (6 + 2 |xhat|): 8 rstd u_sub in rms at most),
+    # c2's alike on every element of a row (its sum's and wdy's: 2 rstd u_sub).
+    floor = info.tiny * info.eps / 2  # half an ulp of the stored dtype's subnormals
+    rounding += floor
+    rounding.add_(rstd.mul(4).mul_(p.subnormal))  # u_sub: half the spacing
+    alike = rstd.mul(p.subnormal).add_(floor)
+    sums = fit_terms(error, truth, xhat, wdy, rstd, rows, rounding, (products, plain), alike)
+    return sums, wdy_squares, (plain[:, 0], plain[:, 2], products[:, 0, 2])
 
 
 def _term_products(
@@ -437,13 +485,18 @@ def _row_rounding(
     return moved, second_order, stored
 
 
-def _offset(x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None) -> torch.Tensor:
+def _offset(
+    x64: torch.Tensor, rstd: torch.Tensor, budget: RowBudget | None, writable: bool = False
+) -> torch.Tensor:
     """Each row's ``mean |x| * rstd`` ``[R]``, its mean |x| taken from the block's ``budget``
     when it has it (the same bits on valid rows, where the fits read it: the budget zeroes
-    only invalid rows, and non-finite values, which stop a block before its fits)."""
+    only invalid rows, and non-finite values, which stop a block before its fits);
+    ``writable``: else made in ``x64`` itself (the caller's, not read again: a pass in place
+    where a new buffer costs about three times as much)."""
     if budget is not None and budget.mean_abs is not None:
         return budget.mean_abs.reshape(-1).mul(rstd)
-    return x64.abs().mean(dim=1).mul_(rstd)
+    magnitude = x64.abs_() if writable else x64.abs()
+    return magnitude.mean(dim=1).mul_(rstd)
 
 
 def _not_one_value(x64: torch.Tensor) -> torch.Tensor:

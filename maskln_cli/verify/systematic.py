@@ -195,6 +195,7 @@ def fit_rows(
     z_squares: torch.Tensor | None = None,
     rounding: torch.Tensor | None = None,
     row_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    writable: bool = False,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -213,7 +214,9 @@ def fit_rows(
     without it). ``z_squares`` ``[R]``: each row's sum of ``z**2``, when the caller has it.
     ``rounding`` ``[R, C]``: the truth rounded to the stored dtype, minus the truth, whose
     factors are pooled alike (:func:`rounding_is_noise`). ``row_sums``: each row's sums of
-    ``z``, ``error`` and ``z * error`` ``[R]``, when the caller has them.
+    ``z``, ``error`` and ``z * error`` ``[R]``, when the caller has them. ``writable``: ``z``
+    and ``error`` are the caller's to give (made in place: the same bits, a pass in place
+    where a new buffer costs about three times as much).
 
     Example:
         >>> import torch
@@ -227,11 +230,19 @@ def fit_rows(
     channels = z.shape[-1]
     if channels < 2 or not len(z):
         return sums
-    szz = z.square().sum(dim=1) if z_squares is None else z_squares
-    if row_sums is None:
-        sz, se, sze = z.sum(dim=1), error.sum(dim=1), (z * error).sum(dim=1)
+    zs = None  # each row's sum of z * shifted, made before z is written
+    if writable and z_squares is None and row_sums is None and rounding is None:
+        sz, se = z.sum(dim=1), error.sum(dim=1)
+        sze = error.mul_(z).sum(dim=1)  # z * error: the same bits either way round
+        if offset is not None and shifted is not None:
+            zs = (z * shifted).sum(dim=1)
+        szz = z.square_().sum(dim=1)
     else:
-        sz, se, sze = row_sums
+        szz = z.square().sum(dim=1) if z_squares is None else z_squares
+        if row_sums is None:
+            sz, se, sze = z.sum(dim=1), error.sum(dim=1), (z * error).sum(dim=1)
+        else:
+            sz, se, sze = row_sums
     det = szz * channels - sz.square()
     # The rows' figures stacked: tested for NaN and inf at once, and the usable rows gathered
     # at once (by index: a boolean mask's gather is several calls a tensor). Every value is
@@ -240,7 +251,7 @@ def fit_rows(
     if offset is not None:
         figures.append(offset)
         if shifted is not None:  # each row's sum of z * shifted
-            figures.append((z * shifted).sum(dim=1))
+            figures.append((z * shifted).sum(dim=1) if zs is None else zs)
     if stored is not None:
         figures.append(stored)
     table = torch.stack(figures)
