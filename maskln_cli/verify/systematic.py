@@ -393,7 +393,8 @@ PEER_Z = 4.0
 """A sum's factor must exceed this many standard errors of PyTorch's own elements' rounding
 on the same rows (another order of the same sequential sum errs as much, not the same)."""
 PEER_OWN = 3.0
-"""... where PyTorch's standard error is at most this many times RESULT's own."""
+"""PyTorch's standard error counts up to this many times RESULT's own: a result whose elements
+agree far more closely than PyTorch's rounding lets them did not round like it."""
 PEER_SHARE = 2.0
 """A sum shrunk (a negative factor) must have shrunk more than this many times PyTorch's own
 sum has on the same rows (bfloat16 ones added one by one stop at 256)."""
