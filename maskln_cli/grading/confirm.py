@@ -253,9 +253,27 @@ def fresh(
     else:
         x = draws.rows(g, leading, channels)
     valid = draws.mask(g, leading)
+    if family == families.CONSTANT:
+        valid = _a_constant_row_valid(x, valid)
     label = describe_inputs(x, dtype, eps)
     return make_case(label, x, valid, draws.params(g, channels), eps, dtype, g, grad=True,
                      family=family)  # fmt: skip
+
+
+def _a_constant_row_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``valid`` with a constant row of ``x`` among its valid rows: where the mask left every
+    constant row out, the first one trades places with a valid row (as many rows stay valid).
+    A probe of the constant-rows family whose data hold no valid constant row confirms
+    nothing (a few draws in a thousand did so)."""
+    flat = valid.reshape(-1)
+    rows = x.reshape(flat.numel(), -1)
+    constant = (rows == rows[:, :1]).all(-1)
+    if bool((constant & flat).any()) or not bool(constant.any()) or not bool(flat.any()):
+        return valid
+    swapped = flat.clone()
+    swapped[int(constant.nonzero()[0])] = True
+    swapped[int(flat.nonzero()[0])] = False
+    return swapped.reshape(valid.shape)
 
 
 def _contiguous_upstream(case: Case) -> Case:

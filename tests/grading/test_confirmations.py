@@ -68,3 +68,27 @@ def test_a_probe_is_built_the_same_twice_and_a_correct_function_confirms_none(mi
     outcome = confirm.judge_probe(first, run)
     assert not outcome.confirmed  # the counterexample, right again, was no counterexample
     assert outcome.alternative.mistake == "result_from_earlier_call"
+
+
+def _holds_a_valid_constant_row(case) -> bool:
+    t = case.inputs()
+    rows = t["x"].reshape(-1, t["x"].shape[-1])
+    valid = t["valid"].reshape(-1)
+    return bool(((rows == rows[:, :1]).all(-1) & valid).any())
+
+
+def test_a_constant_rows_probe_always_holds_a_valid_constant_row():
+    """The probe's own data must hold the condition it confirms: a kernel that loses the
+    gradient of constant rows was left unconfirmed ("no known cause confirmed") whenever the
+    mask happened to leave every constant row of its fresh data invalid (8 of 3,000 salts on
+    the gradients clause's [2, 5, 8] counterexample; once in CI)."""
+    cases = CLAUSES["gradients"].build(0)
+    spec = confirm.Spec.of("gradients", None, "grad_x at [0]")
+    for index, case in enumerate(cases):
+        if case.family != "constant rows":
+            continue
+        for salt in range(1500):
+            probe = confirm.build_probe("gradient_lost_at_zero_variance", case, spec, 0,
+                                        f"gradients {index} {salt}")  # fmt: skip
+            kept = [step.case for step in probe.steps if step.role == "kept"]
+            assert kept and all(map(_holds_a_valid_constant_row, kept)), (case.label, salt)
