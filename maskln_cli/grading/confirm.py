@@ -262,17 +262,18 @@ def fresh(
 
 def _a_constant_row_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``valid`` with a constant row of ``x`` among its valid rows: where the mask left every
-    constant row out, the first one trades places with a valid row (as many rows stay valid).
-    A probe of the constant-rows family whose data hold no valid constant row confirms
-    nothing (a few draws in a thousand did so)."""
+    constant row out, the first one trades places with a valid row (as many rows stay valid),
+    or is made valid where no row was (a single row). A probe of the constant-rows family
+    whose data hold no valid constant row confirms nothing (a few draws in a thousand did so)."""
     flat = valid.reshape(-1)
     rows = x.reshape(flat.numel(), -1)
     constant = (rows == rows[:, :1]).all(-1)
-    if bool((constant & flat).any()) or not bool(constant.any()) or not bool(flat.any()):
+    if bool((constant & flat).any()) or not bool(constant.any()):
         return valid
     swapped = flat.clone()
+    if bool(flat.any()):
+        swapped[int(flat.nonzero()[0])] = False
     swapped[int(constant.nonzero()[0])] = True
-    swapped[int(flat.nonzero()[0])] = False
     return swapped.reshape(valid.shape)
 
 

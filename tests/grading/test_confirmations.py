@@ -92,3 +92,14 @@ def test_a_constant_rows_probe_always_holds_a_valid_constant_row():
                                         f"gradients {index} {salt}")  # fmt: skip
             kept = [step.case for step in probe.steps if step.role == "kept"]
             assert kept and all(map(_holds_a_valid_constant_row, kept)), (case.label, salt)
+
+
+def test_a_single_row_of_a_constant_rows_probe_is_valid():
+    """One row, which the mask draws invalid three times in ten: then the probe had no valid row
+    at all, and nothing to confirm."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.full((1, 8), 0.375, dtype=torch.float64)
+    for _ in range(20):
+        valid = torch.rand(1, generator=g) < 0.7
+        kept = confirm._a_constant_row_valid(x, valid)
+        assert kept.shape == valid.shape and bool(kept.all())
