@@ -252,29 +252,10 @@ def fresh(
         x = families.eps_rows(g, leading, channels, eps)
     else:
         x = draws.rows(g, leading, channels)
-    valid = draws.mask(g, leading)
-    if family == families.CONSTANT:
-        valid = _a_constant_row_valid(x, valid)
+    valid = families.mask_for(family, x, g, leading)
     label = describe_inputs(x, dtype, eps)
     return make_case(label, x, valid, draws.params(g, channels), eps, dtype, g, grad=True,
                      family=family)  # fmt: skip
-
-
-def _a_constant_row_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``valid`` with a constant row of ``x`` among its valid rows: where the mask left every
-    constant row out, the first one trades places with a valid row (as many rows stay valid),
-    or is made valid where no row was (a single row). A probe of the constant-rows family
-    whose data hold no valid constant row confirms nothing (a few draws in a thousand did so)."""
-    flat = valid.reshape(-1)
-    rows = x.reshape(flat.numel(), -1)
-    constant = (rows == rows[:, :1]).all(-1)
-    if bool((constant & flat).any()) or not bool(constant.any()):
-        return valid
-    swapped = flat.clone()
-    if bool(flat.any()):
-        swapped[int(flat.nonzero()[0])] = False
-    swapped[int(constant.nonzero()[0])] = True
-    return swapped.reshape(valid.shape)
 
 
 def _contiguous_upstream(case: Case) -> Case:

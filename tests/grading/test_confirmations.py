@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from maskln_cli.grading import confirm
-from maskln_cli.grading.clauses import CLAUSES
+from maskln_cli.grading.clauses import CLAUSES, families
 from maskln_cli.grading.clauses.catalogue import EVERY_FORMULA
 from maskln_cli.grading.clauses.causes import EXCEPTION_CAUSES, FAMILY_CAUSES
 from maskln_cli.op.mistakes import NEGATIVE_ZERO, ONE_PASS, PRECISION_MISTAKES
@@ -101,5 +101,5 @@ def test_a_single_row_of_a_constant_rows_probe_is_valid():
     x = torch.full((1, 8), 0.375, dtype=torch.float64)
     for _ in range(20):
         valid = torch.rand(1, generator=g) < 0.7
-        kept = confirm._a_constant_row_valid(x, valid)
+        kept = families.with_a_valid_constant_row(x, valid)
         assert kept.shape == valid.shape and bool(kept.all())

@@ -109,3 +109,18 @@ def test_a_correct_float32_kernel_whose_mean_rounds_passes_rows_of_zero_variance
 
     report = grade(matmul_means, only=["values", "large_shapes", "gradients", "leading_axes"])
     assert report.passed, report.text()
+
+
+@pytest.mark.parametrize("clause", list(CLAUSES))
+def test_every_constant_rows_case_holds_a_valid_constant_row(clause):
+    """A constant-rows case whose mask leaves out every constant row checks nothing of that
+    family: with --seed 4, the second_order clause's did (one of 11,040 cases over seeds 0 to
+    39, before families.mask_for)."""
+    for seed in range(8):
+        for case in CLAUSES[clause].build(seed):
+            if case.family != CONSTANT or not case.valid.any():
+                continue
+            t = case.inputs()
+            rows = t["x"].reshape(-1, t["x"].shape[-1])
+            valid = t["valid"].reshape(-1)
+            assert ((rows == rows[:, :1]).all(-1) & valid).any(), (seed, case.label)

@@ -125,6 +125,33 @@ def constant_rows(g: torch.Generator, leading: Sequence[int], channels: int) -> 
     return x.reshape(*leading, channels)
 
 
+def mask_for(
+    family: str, x: torch.Tensor, g: torch.Generator, leading: Sequence[int]
+) -> torch.Tensor:
+    """A random mask for rows ``x`` of ``family`` (:func:`draws.mask`): for constant rows, with
+    a constant row among the valid ones (:func:`with_a_valid_constant_row`)."""
+    valid = draws.mask(g, leading)
+    return with_a_valid_constant_row(x, valid) if family == CONSTANT else valid
+
+
+def with_a_valid_constant_row(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``valid`` with a constant row of ``x`` among its valid rows: where the mask left every
+    constant row out, the first one trades places with a valid row (as many rows stay valid),
+    or is made valid where no row was (a single row). Data of the constant-rows family with no
+    valid constant row test nothing of it: a probe confirming a cause there confirmed nothing
+    (8 of 3,000 salts), and a clause's case, drawn with another seed, would check nothing."""
+    flat = valid.reshape(-1)
+    rows = x.reshape(flat.numel(), -1)
+    constant = (rows == rows[:, :1]).all(-1)
+    if bool((constant & flat).any()) or not bool(constant.any()):
+        return valid
+    swapped = flat.clone()
+    if bool(flat.any()):
+        swapped[int(flat.nonzero()[0])] = False
+    swapped[int(constant.nonzero()[0])] = True
+    return swapped.reshape(valid.shape)
+
+
 def zero_holding_rows(g: torch.Generator, leading: Sequence[int], channels: int) -> torch.Tensor:
     """Rows as after a ReLU (about half their entries exactly 0), and one row all zeros."""
     x = draws.rows(g, leading, channels).clamp_min(0.0).reshape(-1, channels)
@@ -229,7 +256,7 @@ def family_cases(
             else:
                 x = draws.rows(g, leading, channels)
             label = describe_inputs(x, dtype, eps)
-            valid = draws.mask(g, leading)
+            valid = mask_for(family, x, g, leading)
             params = draws.params(g, channels)
             if family == IDENTITY:
                 params = (torch.ones(channels, dtype=torch.float64),

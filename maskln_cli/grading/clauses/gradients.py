@@ -175,7 +175,7 @@ def _second_order_cases(seed: int) -> list[Case]:
         case = make_case(
             label,
             x,
-            draws.mask(g, (2, 3)),
+            families.mask_for(family, x, g, (2, 3)),
             draws.params(g, channels),
             0.1,
             torch.float64,

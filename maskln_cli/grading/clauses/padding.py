@@ -249,7 +249,7 @@ def _poisoned_cases(seed: int, clause: str, grad: bool) -> list[Case]:
         else:
             x = draws.rows(g, leading, channels)
         if kind == "random":
-            valid = draws.mask(g, leading)
+            valid = families.mask_for(family, x, g, leading)
         else:
             valid = torch.full(leading, kind == "all", dtype=torch.bool)
         eps = families.eps_for(family, dtype)

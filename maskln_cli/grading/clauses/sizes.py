@@ -40,7 +40,7 @@ def _large_cases(seed: int) -> list[Case]:
             x = draws.rows(g, leading, channels, spreads=VALUE_SPREADS, offset=2.0)
             eps, words = families.eps_for(family, dtype), "row variances 1e-8 to 4"
         label = describe_inputs(x, dtype, eps, words)
-        valid = draws.mask(g, leading)
+        valid = families.mask_for(family, x, g, leading)
         cases.append(
             make_case(
                 label, x, valid, draws.params(g, channels), eps, dtype, g, grad=True, family=family
