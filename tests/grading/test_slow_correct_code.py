@@ -86,8 +86,8 @@ def test_a_correct_row_loop_passes_on_a_loaded_machine(per_core):
 def test_a_hang_on_many_rows_still_fails_within_a_minute_on_a_loaded_machine():
     """A function that hangs only where the row loop's limit is largest (4,100 rows) fails its
     clause within a minute, under the heavier load: the limit that stopped it is a minute at
-    most (the clause's wall time also holds the grader's own timings before the call, 4 s
-    under two such loads at once)."""
+    most (the clause's wall time also holds the grader's own timings before the call: 4 s
+    when two such loads still ran at once)."""
     with loaded_machine(8):
         started = time.monotonic()
         result = grade_command(
