@@ -20,6 +20,7 @@ gets wrong (tests/grading/test_class_round_three.py runs it on the whole class: 
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -334,7 +335,11 @@ def check_second_order(fn: Fn, data: Data) -> None:
                 lambda a, s, b, v=tv: fn(a, v.clone(), s, b, 0.1), inputs, raise_exception=False
             )
         except Exception as error:  # gradgradcheck itself raised: no second derivatives
-            raise Wrong(f"second derivatives, {kind} C {c}: {type(error).__name__}") from None
+            where = traceback.extract_tb(error.__traceback__)[-1]  # to tell a flake from a fault
+            raise Wrong(
+                f"second derivatives, {kind} C {c}: {type(error).__name__}: {error} "
+                f"(at {where.filename}:{where.lineno})"
+            ) from None
         if not ok:
             raise Wrong(f"second derivatives, {kind} C {c}: gradgradcheck fails")
 
