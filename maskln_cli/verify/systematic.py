@@ -100,6 +100,13 @@ ROW_RISE = 6
 """With more rows the limit grows as their greatest rounding does, ``sqrt(ln N / ln 6)`` times
 (as the greatest of N normal deviates: 1.3 of the bound seen over 4,096 rows, where the limit
 is 3.2)."""
+ROW_ULPS = 4.0
+"""The floor of a row's gate when the row is judged alone, in units of the reductions'
+rounding (the pooled gate's is :data:`SYSTEMATIC_ULPS`): one row's rstd rounds by an ulp or
+two, and its sums' rounding is in its bound already (``sqrt(C)`` units, and its modelled
+noise). At the pooled floor a row scaled by 5e-6 (eps outside the square root on a row of
+unit variance) passed among 1,024 rows of C = 64; correct kernels' rows reach 0.35 of their
+limit at most either way (benchmarks/verify_calibration.py --rows)."""
 ROWS_ALONE = 4
 """Rows judged alone are said systematic when this many at most are beyond their limit, and
 not every one: a mistake on a tail row, a grid's last block."""
@@ -710,11 +717,11 @@ def pooled(
 
 def row_bound(kept: torch.Tensor, precision: Precision, channels: int) -> torch.Tensor:
     """What one row of a correct kernel may be scaled by, each kept row's own: twice its gate
-    (:func:`systematic_gate`, from its stored rounding and second-order rounding), ``sqrt(C)``
-    units of the reductions' rounding (:data:`FEW_ROWS_ULPS`), and its modelled noise: the
-    threshold of a factor of few rows, row by row."""
+    (as :func:`systematic_gate`'s, from its stored rounding and second-order rounding, but
+    with a row's floor, :data:`ROW_ULPS`), ``sqrt(C)`` units of the reductions' rounding
+    (:data:`FEW_ROWS_ULPS`), and its modelled noise: the threshold of a row's factor."""
     noise, stored, second_order = kept[:, 3], kept[:, 4], kept[:, 5]
-    floor_of_gate = max(SYSTEMATIC_ULPS * precision.reduce, precision.params)
+    floor_of_gate = max(ROW_ULPS * precision.reduce, precision.params)
     gate = (2 * stored).clamp(min=floor_of_gate) + second_order  # as systematic_gate's
     floor = FEW_ROWS_ULPS * math.sqrt(channels) * precision.reduce
     return torch.maximum(torch.maximum(2 * gate, noise), torch.full_like(gate, floor))

@@ -51,6 +51,22 @@ def test_a_mistake_on_the_last_row_alone_fails(name, channels, valid_rows):
     assert f"row [{valid_rows - 1}] scaled by 1" in out["problems"][-1]
 
 
+@pytest.mark.parametrize("valid_rows", [1024, 4096])
+@pytest.mark.parametrize("channels", [16, 64])
+def test_a_row_with_eps_outside_the_root_fails_among_many_at_few_channels(channels, valid_rows):
+    """eps outside the square root scales a row of unit variance by about 1 - 5e-6 (80 ulps of
+    float32): the last row alone. Before: passed among 1,024 rows and more, where a row's limit
+    was at least 16 ulps of the reductions doubled (a pooled gate's floor, for the biases that
+    every row of a correct kernel shares), times 3 or more with that many rows."""
+    inputs = rows_of(channels, valid_rows)
+    report, tensors = judge(kernels.last_row_wrong(kernels.eps_outside), inputs)
+    out = tensors["out"]
+    assert not report.passed and not out["passed"], out
+    found = out["systematic"]
+    assert found["rows_beyond"] == 1 and found["row"] == [valid_rows - 1]
+    assert -8e-6 < found["row_factor"] < -2e-6
+
+
 @pytest.mark.parametrize("valid_rows", [3, 6, 7, 64])
 @pytest.mark.parametrize("channels", [16, 768, 4096])
 def test_correct_kernels_pass_with_few_rows(channels, valid_rows):
