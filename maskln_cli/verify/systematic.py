@@ -109,7 +109,9 @@ unit variance) passed among 1,024 rows of C = 64; correct kernels' rows reach 0.
 limit at most either way (benchmarks/verify_calibration.py --rows)."""
 ROWS_ALONE = 4
 """Rows judged alone are said systematic when this many at most are beyond their limit, and
-not every one: a mistake on a tail row, a grid's last block."""
+not every one: a mistake on a tail row, a grid's last block; more only when their factors
+agree (:data:`AGREEMENT`), as a tail row in every block does and a coarser dtype's rounding
+of many rows does not."""
 ROW_CHANNELS = 16
 """Rows of fewer channels are not judged alone (a half dtype's rounding of a row of 8 is as
 large as the factors it would be judged by: 8 times its bound seen)."""
@@ -727,6 +729,14 @@ def row_bound(kept: torch.Tensor, precision: Precision, channels: int) -> torch.
     return torch.maximum(torch.maximum(2 * gate, noise), torch.full_like(gate, floor))
 
 
+def _agree(factors: torch.Tensor) -> bool:
+    """Whether rows' factors share a sign and agree within :data:`AGREEMENT` of their mean."""
+    mean = float(factors.mean())
+    if not bool((factors * mean > 0).all()):
+        return False
+    return float(factors.std(correction=0)) <= AGREEMENT * abs(mean)
+
+
 def _judge_rows(
     finding: Finding, kept: torch.Tensor, precision: Precision, channels: int, limit: float
 ) -> None:
@@ -739,8 +749,9 @@ def _judge_rows(
     beyond = ratio > 1
     count = int(beyond.sum())
     # Evidence of one row, or a few: where every row (or many) is beyond, what is wrong is
-    # not a row's, and the budget and the pooled test say it.
-    if 0 < count <= ROWS_ALONE and count < len(kept):
+    # not a row's, and the budget and the pooled test say it; or of many rows that agree (a
+    # block's tail row in every block), which no rounding does (a coarser dtype's scatters).
+    if 0 < count < len(kept) and (count <= ROWS_ALONE or _agree(kept[beyond, 0])):
         finding.rows_beyond = count
         finding.row = int(kept[worst, 6])
         finding.row_factor, finding.row_limit = float(kept[worst, 0]), float(bound[worst])

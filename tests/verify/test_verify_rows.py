@@ -6,6 +6,7 @@ kernels pass with any number of rows."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from maskln_cli.jobs.generate import generate_inputs
 from maskln_cli.testing import verify
@@ -65,6 +66,27 @@ def test_a_row_with_eps_outside_the_root_fails_among_many_at_few_channels(channe
     found = out["systematic"]
     assert found["rows_beyond"] == 1 and found["row"] == [valid_rows - 1]
     assert -8e-6 < found["row_factor"] < -2e-6
+
+
+def every_32nd_row_scaled(x, valid, scale, bias):
+    """WRONG on every 32nd valid row (a block's tail in blocks of 32 rows): out x (1 + 4e-6)."""
+    right = kernels.torch_layer_norm(x, valid, scale, bias)
+    rows = valid.reshape(-1).nonzero().squeeze(1)[31::32]
+    wrong = torch.zeros_like(valid.reshape(-1)).index_fill_(0, rows, True).reshape(valid.shape)
+    return torch.where(wrong[..., None], right * (1 + 4e-6), right)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_many_rows_that_agree_beyond_their_limit_fail(seed):
+    """32 of 1,024 rows of C = 16 scaled alike (by 4e-6, 67 ulps of float32): before, more than
+    four rows beyond their limit were left to the pooled test (which 32 rows in 1,024 do not
+    move) and passed 1 draw in 12 (fresh kernels); rows that agree are no rounding."""
+    inputs = rows_of(16, 1024, seed)
+    report, tensors = judge(every_32nd_row_scaled, inputs)
+    out = tensors["out"]
+    assert not report.passed and not out["passed"], out
+    assert out["systematic"]["rows_beyond"] == 32
+    assert out["systematic"]["row_factor"] == pytest.approx(4e-6, rel=0.2)
 
 
 @pytest.mark.parametrize("valid_rows", [3, 6, 7, 64])
