@@ -62,7 +62,7 @@ from maskln_cli.grading.processes import (
     protected_grader,
 )
 from maskln_cli.grading.report import GradeReport
-from maskln_cli.grading.sandbox import CLAUSE_LIMIT
+from maskln_cli.grading.sandbox import CLAUSE_LIMIT, remove_folders_of
 from maskln_cli.grading.selection import CLAUSE_LEVELS
 from maskln_cli.grading.selection import select as select_clauses
 from maskln_cli.grading.worker import PARENT_ENV, SEALED_ENV
@@ -328,6 +328,7 @@ class _Classroom:
         self.workers.remove(worker)
         # Its children died with it (PR_SET_PDEATHSIG); what they detached came back here.
         kill_descendants(spare={*self.spare, *(w.process.pid for w in self.workers)})
+        remove_folders_of(worker.process.pid)  # what it had no time to remove
         if job is None:
             return
         job.attempts += 1
@@ -424,6 +425,8 @@ class _Classroom:
         for worker in self.workers:
             worker.stop()
         kill_descendants(spare=self.spare)
+        for worker in self.workers:  # one killed after its grace period left its folder
+            remove_folders_of(worker.process.pid)
 
 
 def _changed_since(path: str, moment: int) -> bool:

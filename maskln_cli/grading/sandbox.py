@@ -506,7 +506,7 @@ class PrivateFolder:
         from maskln_cli.grading.targets import private_copy
 
         self.began = guard.sealed_at() or time.time_ns()
-        self.path = tempfile.mkdtemp(prefix="maskln-grade-")
+        self.path = tempfile.mkdtemp(prefix=folder_prefix(os.getpid()))
         copies = os.path.join(self.path, "submission")
         self.scratch = os.path.join(self.path, "scratch")
         os.mkdir(copies)
@@ -516,6 +516,23 @@ class PrivateFolder:
 
     def remove(self) -> None:
         remove_folder(self.path)
+
+
+def folder_prefix(pid: int) -> str:
+    """The name's start of the private folders process ``pid`` makes: a class grade finds
+    those of a worker it lost by it (killed, the worker could not remove them)."""
+    return f"maskln-grade-{pid}-"
+
+
+def remove_folders_of(pid: int) -> None:
+    """Remove the private folders that process ``pid``, ended, left in the temporary folder
+    (folders only: a link of that name is not followed)."""
+    import glob
+
+    pattern = os.path.join(glob.escape(tempfile.gettempdir()), glob.escape(folder_prefix(pid)))
+    for path in glob.glob(pattern + "*"):
+        if os.path.isdir(path) and not os.path.islink(path):
+            remove_folder(path)
 
 
 def remove_folder(path: str) -> None:

@@ -182,10 +182,12 @@ def row(output: str, name: str) -> str:
 def test_a_worker_lost_mid_class_never_turns_into_a_verdict(tmp_path):
     """A worker killed while it grades (by whatever means): the target is graded again on a
     fresh worker, and its verdict is that grade's; a target whose workers are killed every time
-    is a grader error, FAIL, never PASS; the others are graded as usual."""
-    folder, notes = tmp_path / "class", tmp_path / "notes"
+    is a grader error, FAIL, never PASS; the others are graded as usual; and the private
+    folders of the workers killed are removed all the same."""
+    folder, notes, temporary = tmp_path / "class", tmp_path / "notes", tmp_path / "tmp"
     folder.mkdir()
     notes.mkdir()
+    temporary.mkdir()
     for name in ("a_killed_once", "b_killed_always"):
         source = attacker(REPORTS_ITS_WORKER, NOTES=str(notes), NAME=name)
         (folder / f"{name}.py").write_text(source)
@@ -193,9 +195,11 @@ def test_a_worker_lost_mid_class_never_turns_into_a_verdict(tmp_path):
     command = [sys.executable, "-m", "maskln_cli", "grade", str(folder), *ONLY, "--jobs", "2"]
     grade = grade_killing_workers(
         command, notes, lambda name, times: name == "b_killed_always" or times == 1,
-        cwd=ROOT, env={**os.environ, "COLUMNS": "300", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "300", "PYTHONPATH": str(ROOT), "TMPDIR": str(temporary)},
     )  # fmt: skip
     output = grade.output  # type: ignore[attr-defined]
+    assert list(temporary.glob("maskln-grade-*")) == []  # before: one per worker killed
     assert "PASS" in row(output, "a_killed_once.py"), output
     always = row(output, "b_killed_always.py")
     assert "FAIL" in always and "grader error" in always, output
