@@ -372,15 +372,19 @@ class TermFinding:
             if systematic
         ]
         if self.systematic_constant:
+            beyond = self.constant_beyond
             parts.append(
                 f"{'' if parts else 'its '}mean error on each row beyond that row's rounding of"
                 f" it: {self.constant_score:.2g} of its bound in rms over {self.constant_rows:,}"
-                f" rows (a correct kernel's within {CONSTANT_LIMIT:g}), {self.constant_beyond:,}"
-                f" rows beyond it (the worst {self.constant_worst:.2g} times)"
+                f" rows (a correct kernel's within {CONSTANT_LIMIT:g}), {beyond:,}"
+                f" row{'' if beyond == 1 else 's'} beyond it (the worst"
+                f" {self.constant_worst:.2g} times)"
             )
         verdict = "systematic, not rounding" if self.systematic_term else (
             "not a correct kernel's rounding"
         )  # fmt: skip
+        if not self.systematic_term:  # rows judged one by one: not every one is said wrong
+            rows = rows.removeprefix("all ")
         return f"{rows}: grad_x's {' and '.join(parts).removeprefix('its ')}: {verdict}"
 
 

@@ -167,3 +167,22 @@ def test_a_sum_over_few_rows_is_not_said_to_have_its_elements_as_rows():
     assert "with 6 valid rows" in lines["out"]
     for name in ("grad_scale", "grad_bias"):
         assert "summed over fewer than 8 distinct valid rows" in lines[name], lines[name]
+
+
+def test_a_mean_error_on_one_row_is_not_said_of_every_row():
+    """grad_x's mean error beyond one row's rounding (a backward wrong on its middle row only):
+    before, "all 57 valid rows: ... 1 rows beyond it", as if every row were wrong."""
+    from maskln_cli.verify.terms import TermFinding
+
+    terms = TermFinding(
+        rows=57, xhat_term=0.0, xhat_term_error=1e-3, mean_term=0.0, mean_term_error=1e-3,
+        systematic_xhat_term=False, systematic_mean_term=False, gate=1e-3, constant_score=2.1,
+        constant_worst=15.0, constant_beyond=1, constant_rows=57, systematic_constant=True,
+    )  # fmt: skip
+    finding = _finding(57, 1e-9, terms=terms)
+    finding.systematic_factor = False
+    sentence = finding.sentence()
+    assert not sentence.startswith("all"), sentence
+    assert sentence.startswith("57 valid rows:"), sentence
+    assert "1 row beyond it" in sentence and "1 rows" not in sentence, sentence
+    assert "mean error on each row beyond that row's rounding" in sentence
