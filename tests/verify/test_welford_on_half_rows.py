@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from maskln_cli.jobs.generate import generate_inputs
-from maskln_cli.testing import verify
 from tests import kernels
+from tests.verify.test_verify_rows import judge
 
 
 def welford_in_float32(x, valid, scale, bias):
@@ -27,13 +27,8 @@ def test_welford_in_float32_on_bfloat16_rows_at_an_offset_passes():
     inputs["valid"][-1] = False
     inputs["x"] = (inputs["x"].double() + 1e3).float()
     inputs = {k: v.bfloat16() if v.is_floating_point() else v for k, v in inputs.items()}
-    result = kernels.run(welford_in_float32, inputs)
-    report = verify(
-        result["out"], inputs["x"], inputs["valid"], inputs["scale"], inputs["bias"], 1e-5,
-        grad_out=inputs["grad_out"], grad_x=result["grad_x"], grad_scale=result["grad_scale"],
-        grad_bias=result["grad_bias"],
-    )  # fmt: skip
-    assert report.passed, [t.problems for t in report.tensors]
+    report, tensors = judge(welford_in_float32, inputs)
+    assert report.passed, [t["problems"] for t in tensors.values()]
 
 
 def test_the_same_kernel_errs_as_said():
