@@ -5,29 +5,22 @@ beside the grade (a load of 4 or 8, on top of whatever else runs). Slow: a minut
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import multiprocessing
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from maskln_cli.grading.sandbox import CLAUSE_LIMIT
 from tests.clitools import ROOT, grade_command
+from tests.machine_load import loading
 
 pytestmark = pytest.mark.slow
 
 ROUND_FOUR = ROOT / "tests" / "solutions" / "round_four.py"
-ONE_LOAD_AT_A_TIME = Path(tempfile.gettempdir()) / f"maskln-loaded-machine-{os.getuid()}.lock"
-"""Held while a test loads the machine: two tests' loads on two pytest workers stacked to 16 or
-more per core, where the grader's start-up took minutes and these tests failed (4 of 7, when
-the whole file ran on two workers). A lock, as pytest-xdist's ``xdist_group`` marks are lost
-under pytest 9 (they rename the tests' node ids, which pytest 9 no longer lets them do)."""
 
 
 def _burn(seconds: float) -> None:
@@ -43,11 +36,9 @@ def loaded_machine(per_core: int, seconds: float = 300.0) -> Iterator[None]:
     session of its own, as the load of other users and other graders is: Linux's autogroup
     scheduling shares the CPU between sessions first (the grader's child has a session of its
     own), so that burners in the test's session would slow it hardly at all. One such block
-    runs at a time (:data:`ONE_LOAD_AT_A_TIME`): time it from inside the block."""
-    with open(ONE_LOAD_AT_A_TIME, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        with _burners(per_core, seconds):
-            yield
+    runs at a time (:func:`tests.machine_load.loading`): time it from inside the block."""
+    with loading(), _burners(per_core, seconds):
+        yield
 
 
 @contextlib.contextmanager

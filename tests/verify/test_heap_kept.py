@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.machine_load import unloaded
+
 SCRIPT = """
 import json, resource, torch
 from maskln_cli import testing
@@ -24,7 +26,7 @@ def judged():
     testing.verify(out, data["x"], data["valid"], data["scale"], data["bias"], kernels.EPS)
 judged()
 counts = []
-for _ in range(3):
+for _ in range(5):
     before = faults()
     judged()
     counts.append(faults() - before)
@@ -44,13 +46,18 @@ def _libc() -> str:
 def test_a_second_verify_faults_in_almost_no_memory() -> None:
     """One thread, 32 blocks of 2 MiB temporaries: 2,000 to 140,000 page faults a verify before,
     a few hundred at most now (the rows' own tensors were made before counting). The median of
-    three verifies after the first: now and then one of them grows the heap by a step of 2 MiB
-    (one to three times 513 faults), as a free block left between others is too small."""
+    five verifies after the first: now and then one of them grows the heap by a step of 2 MiB
+    (one to three times 513 faults), as a free block left between others is too small. The
+    median of three failed twice at 1,039 (CI at 83bd2d5, and a rehearsal of CI's slow tests:
+    faults [1039, 5, 2265]); 8 runs on a quiet machine gave medians of 4 to 516, and 6 beside
+    three CPU burners 4 to 526. Not beside the slow tests' own burners either, as a precaution
+    (that a load makes the steps more frequent is not shown)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + SCRIPT],
-        capture_output=True, text=True, check=True, env=environment, timeout=300,
-    )  # fmt: skip
+    with unloaded():
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + SCRIPT],
+            capture_output=True, text=True, check=True, env=environment, timeout=300,
+        )  # fmt: skip
     faults = json.loads(done.stdout.strip().splitlines()[-1])["faults"]
-    assert sorted(faults)[1] < 1000, faults
+    assert sorted(faults)[2] < 1000, faults
