@@ -330,9 +330,16 @@ class BlockWork:
         if precision.store > precision.reduce:
             rounding = reference.to(precision.dtype).double().sub_(reference)
         # out's z is made here, its error the comparison's own: both written in the fit.
+        drift = None
+        if checked.name == "out" and problem.norm.centered:
+            from maskln_cli.verify.drift import running_mean_drift
+
+            magnitude = offset / rstd  # mean |x|
+            drift = running_mean_drift(offset, magnitude, precision, problem.channels, x64, rows)
         sums = fit_rows(
             error, z, rstd, problem.eps, second_order, rows, offset, moved, stored, first_row,
             shifted, z_squares, rounding, row_sums, writable=checked.name == "out",
+            drift=drift,
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0

@@ -10,7 +10,9 @@ straightforward correct implementation in its own dtype. The budget of each elem
   mean: rows with a large common offset lose digits there), C, and the magnitudes of scale,
   bias and the upstream gradient. Reductions are modelled by the probabilistic bound of
   recursive summation, ``sqrt(n) * u`` per unit summed (Higham & Mary, 2019), which covers a
-  plain sequential sum as well as torch's pairwise ones. half dtypes are modelled as torch
+  plain sequential sum as well as torch's pairwise ones; on rows whose values repeat (a half
+  dtype at an offset) a running mean's roundings add up alike, and its drift is modelled too
+  (:func:`~maskln_cli.verify.drift.running_mean_drift`). half dtypes are modelled as torch
   computes them on CPU: row reductions in float32, everything stored (the output, the row
   statistics saved for backward, the sums over rows) in the half dtype.
 - The **yardstick** (:mod:`maskln_cli.verify.yardstick`) is PyTorch's own ``F.layer_norm``
@@ -33,6 +35,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from maskln_cli.verify.drift import running_mean_drift
 
 __all__ = [
     "DEFAULT_FACTOR",
@@ -211,6 +215,13 @@ class RowBudget:
         self.e0 = math.sqrt(self.channels) * precision.reduce + precision.x
         self.shift_offset, self.sum_offset, self.back_offset = _shifts(self, precision)
         perturbation = self.e0 * self.shift_offset
+        # out's shift per unit of |scale|: the mean's rounding, and a running mean's drift
+        self.out_shift = perturbation
+        if self.centered:
+            drift = running_mean_drift(
+                self.offset, self.mean_abs, precision, self.channels, self.xhat, self.valid
+            )
+            self.out_shift = perturbation + drift
         # Once the perturbation is not small (x rounded to bfloat16 at an offset of 1e3 moves
         # each value by a good part of the row's spread), the variance itself moves: second
         # order, and a growth of the first-order terms.
@@ -232,8 +243,8 @@ class RowBudget:
         some = copy.copy(self)
         for name in ("valid", "rstd", "xhat", "offset"):
             setattr(some, name, getattr(self, name).index_select(0, index))
-        some._judged_in(self.precision)  # the rows' e2, growth and shifts: the same bits
         some.mean_abs = None if self.mean_abs is None else self.mean_abs.index_select(0, index)
+        some._judged_in(self.precision)  # the rows' e2, growth and shifts: the same bits
         some._upstream = some._wdy_rms = some._wdy = some.deviations = some._invalid = None
         some.wdy_into = some._xhat_abs = None
         some.own_grad_out = False  # the rows' gradients are gathered by whoever gives them
@@ -312,7 +323,7 @@ class RowBudget:
         p = self.precision
         abs_scale = self.scale.abs()
         model = self.xhat.abs().mul_(abs_scale).mul_(self.e2 + (self.e0 + p.reduce + p.params))
-        model.addcmul_(self.shift_offset * self.e0, abs_scale)
+        model.addcmul_(self.out_shift, abs_scale)
         model.add_(self.bias.abs() * (p.reduce + p.params))
         if truth is None:
             truth = torch.mul(self.xhat, self.scale).add_(self.bias)

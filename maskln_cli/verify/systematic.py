@@ -136,6 +136,7 @@ class FitSums:
     v2gg: float = 0.0
     we2: float = 0.0  # the rows' second-order rounding, weighted as the factors
     va: float = 0.0  # the rows' offsets A (mean |x| * rstd), weighted as the shifts
+    vd: float = 0.0  # the rows' running-mean drifts (out's), weighted as the shifts
     wn: float = 0.0  # the rows' modelled rounding noise of their factors, weighted as them
     zz: float = 0.0  # the rows' sum of z**2, uncentered (0: elements, whose w is that)
     ws: float = 0.0  # the rows' stored rounding relative to their normalized part, likewise
@@ -205,6 +206,7 @@ def fit_rows(
     rounding: torch.Tensor | None = None,
     row_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     writable: bool = False,
+    drift: torch.Tensor | None = None,
 ) -> FitSums:
     """The sums of rows ``[R, C]`` (float64): ``error`` is RESULT - truth, ``z`` the truth's
     shape (out: ``xhat * scale``; grad_x: the true grad_x), ``rstd`` ``[R]`` the truth's 1 /
@@ -225,7 +227,10 @@ def fit_rows(
     factors are pooled alike (:func:`rounding_is_noise`). ``row_sums``: each row's sums of
     ``z``, ``error`` and ``z * error`` ``[R]``, when the caller has them. ``writable``: ``z``
     and ``error`` are the caller's to give (made in place: the same bits, a pass in place
-    where a new buffer costs about three times as much).
+    where a new buffer costs about three times as much). ``drift`` ``[R]`` (with ``offset``):
+    each row's shift of xhat by a running mean's rounding beyond ``A * e0``
+    (:func:`~maskln_cli.verify.drift.running_mean_drift`), alike on rows of one offset, so
+    that it is allowed to pooled shifts as well as added to the factors' noise.
 
     Example:
         >>> import torch
@@ -259,6 +264,8 @@ def fit_rows(
     figures = [sz, szz, se, sze, det, second_order]
     if offset is not None:
         figures.append(offset)
+        if drift is not None:
+            figures.append(drift)
         if shifted is not None:  # each row's sum of z * shifted
             figures.append((z * shifted).sum(dim=1) if zs is None else zs)
     if stored is not None:
@@ -291,11 +298,16 @@ def fit_rows(
     if offset is not None:
         offset_kept = more.pop(0)
         columns.append(v * offset_kept)
+        moved = offset_kept * e0  # xhat's shift: the mean's rounding, and a running mean's
+        if drift is not None:
+            drift_kept = more.pop(0)
+            columns.append(v * drift_kept)
+            moved = moved + drift_kept
         xhat_energy = (1 - eps * rstd_kept.square()).clamp_min(0) * channels
-        noise = offset_kept * e0 / xhat_energy.sqrt()
+        noise = moved / xhat_energy.sqrt()
         if shifted is not None:
             zs, ss = more.pop(0), shifted.sum()
-            noise += offset_kept * e0 * ((zs * channels - sz * ss) / det).abs()
+            noise += moved * ((zs * channels - sz * ss) / det).abs()
         if stored is not None:
             noise += more[0] / w.sqrt()
         columns.append(w * noise)
@@ -318,7 +330,9 @@ def fit_rows(
     found = found[13:]
     if rounding is not None:
         (sums.rwf, sums.rw2f, sums.rw2ff), found = found[:3], found[3:]
-    if offset is not None:
+    if offset is not None and drift is not None:
+        (sums.va, sums.vd, sums.wn), found = found[:3], found[3:]
+    elif offset is not None:
         (sums.va, sums.wn), found = found[:2], found[2:]
     if stored is not None:
         sums.ws = found[0]
@@ -694,6 +708,8 @@ def pooled(
         if few:  # a row's mean, rounded, shifts the row by A * e0 of its spread (the budget's
             e0 = math.sqrt(max(channels, 1)) * precision.reduce + precision.x  # first term):
             shift_gate += e0 * sums.va / sums.v * scale_size  # many rows' shifts spread
+        # A running mean's drift is alike on rows of one offset: no number of rows averages it.
+        shift_gate += sums.vd / sums.v * scale_size
         z = 0.0 if few else SYSTEMATIC_Z * shift_error
         systematic_shift = abs(shift) > max(z, shift_gate, shift_spread / AGREEMENT)
     finding = Finding(
