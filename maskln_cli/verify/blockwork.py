@@ -320,8 +320,14 @@ class BlockWork:
         # Row sums over the whole block, then the rows kept: cheaper than gathering them.
         z = reference - problem.bias if checked.name == "out" else reference
         precision = self.streaming.precisions[checked.judge or self.streaming.judge]
+        drift = None  # a running mean's, beside the mean's rounding (x64 may hold |x| now:
+        if problem.norm.centered:  # the rows it asks are of one sign)
+            from maskln_cli.verify.drift import running_mean_drift
+
+            magnitude = offset / rstd  # mean |x|
+            drift = running_mean_drift(offset, magnitude, precision, problem.channels, x64, rows)
         moved, second_order, stored = _row_rounding(
-            checked.name, precision, problem.channels, offset, rms
+            checked.name, precision, problem.channels, offset, rms, drift
         )
         shifted = problem.scale.double() if checked.name == "out" else None
         # A half dtype's stored rounding could hide a factor (systematic_gate): how systematic
@@ -330,16 +336,10 @@ class BlockWork:
         if precision.store > precision.reduce:
             rounding = reference.to(precision.dtype).double().sub_(reference)
         # out's z is made here, its error the comparison's own: both written in the fit.
-        drift = None
-        if checked.name == "out" and problem.norm.centered:
-            from maskln_cli.verify.drift import running_mean_drift
-
-            magnitude = offset / rstd  # mean |x|
-            drift = running_mean_drift(offset, magnitude, precision, problem.channels, x64, rows)
         sums = fit_rows(
             error, z, rstd, problem.eps, second_order, rows, offset, moved, stored, first_row,
             shifted, z_squares, rounding, row_sums, writable=checked.name == "out",
-            drift=drift,
+            drift=drift if checked.name == "out" else None,
         )  # fmt: skip
         if checked.name == "grad_x":  # a shift of grad_x has no scale to be judged against
             sums.v = sums.vg = sums.vgg = sums.v2 = sums.v2g = sums.v2gg = 0.0
@@ -471,12 +471,18 @@ rounding noise either side: regressed, a factor of -1)."""
 
 
 def _row_rounding(
-    name: str, precision: Precision, channels: int, offset: torch.Tensor, rms: torch.Tensor
+    name: str,
+    precision: Precision,
+    channels: int,
+    offset: torch.Tensor,
+    rms: torch.Tensor,
+    drift: torch.Tensor | None = None,
 ) -> tuple[float, torch.Tensor, torch.Tensor]:
     """What a correct kernel's rounding gives each row's factor, for the fit of ``name``: the
     relative shift of xhat per unit of A (a row's mean rounded: e0; grad_x's backward, torch's
     b x + c form, rounds that shift in the stored dtype too, e0 + u_store, as the budget's
-    backward has it), the second-order rounding (A e0)**2, and the stored rounding of each row
+    backward has it), the second-order rounding (A e0 + drift)**2 (``drift``: a running mean's,
+    :func:`~maskln_cli.verify.drift.running_mean_drift`), and the stored rounding of each row
     of rms ``rms``: relative, and absolute below the dtype's smallest normal (a float16 grad_x
     of 1e-6 rounds by 3e-8, a twentieth of it)."""
     import math
@@ -484,7 +490,10 @@ def _row_rounding(
     import torch
 
     e0 = math.sqrt(channels) * precision.reduce + precision.x
-    second_order = (offset * e0).square_()
+    second_order = offset * e0
+    if drift is not None:
+        second_order += drift
+    second_order.square_()
     info = torch.finfo(precision.dtype)
     stored = rms.mul(precision.store)
     stored += info.tiny * info.eps / 2

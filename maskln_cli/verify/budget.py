@@ -83,6 +83,8 @@ class Precision:
     kernel, torch's included, accumulates in float32), ``store`` that of anything stored in
     ``dtype``. ``x``, ``params`` and ``grad_out`` are the rounding of inputs stored in a finer
     dtype than ``dtype`` (0 when they are stored no finer, and so reach the kernel exactly).
+    ``held`` is the unit roundoff of the dtype x is held in, the coarser of x's and ``dtype``
+    (0: ``store``): a float32 kernel given bfloat16 x works on bfloat16's values.
     """
 
     dtype: torch.dtype
@@ -91,6 +93,7 @@ class Precision:
     x: float = 0.0
     params: float = 0.0
     grad_out: float = 0.0
+    held: float = 0.0
 
     @classmethod
     def of(
@@ -114,10 +117,13 @@ class Precision:
             finer = source is not None and source.is_floating_point
             return store if finer and unit_roundoff(source) < store else 0.0
 
+        held = store
+        if x_dtype is not None and x_dtype.is_floating_point:
+            held = max(store, unit_roundoff(x_dtype))
         # x rounded to dtype moves x_i and the row mean: twice the rounding of one value.
         return cls(
             dtype, reduce, store, 2 * rounding(x_dtype), rounding(param_dtype),
-            rounding(grad_out_dtype),
+            rounding(grad_out_dtype), held,
         )  # fmt: skip
 
     @property
@@ -222,11 +228,11 @@ class RowBudget:
                 self.offset, self.mean_abs, precision, self.channels, self.xhat, self.valid
             )
             self.out_shift = perturbation + drift
-        # Once the perturbation is not small (x rounded to bfloat16 at an offset of 1e3 moves
+        # Once the shift is not small (x rounded to bfloat16 at an offset of 1e3 moves
         # each value by a good part of the row's spread), the variance itself moves: second
         # order, and a growth of the first-order terms.
-        self.e2 = perturbation.square()
-        self.growth = (1 + perturbation).square()
+        self.e2 = self.out_shift.square()
+        self.growth = (1 + self.out_shift).square()
 
     def judged_in(self, precision: Precision) -> RowBudget:
         """The same rows judged in another dtype: their statistics are not computed again."""

@@ -15,7 +15,7 @@ import torch
 
 from maskln_cli.jobs.generate import generate_inputs
 from maskln_cli.verify.budget import Precision, RowBudget
-from maskln_cli.verify.drift import running_mean_drift
+from maskln_cli.verify.drift import RUNNING_MEAN, running_mean_drift
 from tests import kernels
 from tests.verify.test_verify_rows import judge
 
@@ -80,16 +80,17 @@ def rows_budget(x: torch.Tensor, dtype: torch.dtype) -> RowBudget:
 
 
 def test_the_drift_is_for_rows_whose_values_repeat():
-    """bfloat16 rows at 1e3 of spread 1 (spacing 4): the drift is the bound of errors all
-    alike's quarter, C u A / 4; float32 rows there (spacing 6e-5): under a millionth of the
-    model's sqrt(C) u A; rows of one value: none."""
+    """bfloat16 rows at 1e3 of spread 1 (spacing 4, lattice 4 or more): the drift is
+    RUNNING_MEAN times the bound of errors all alike, C u A; float32 rows there (spacing 6e-5):
+    under a millionth of the model's sqrt(C) u A; rows of one value: none."""
     generator = torch.Generator().manual_seed(0)
     x = 1e3 + torch.randn(4, 4096, generator=generator, dtype=torch.float64)
     x[-1] = 1e3
     half = rows_budget(x, torch.bfloat16)
     u = 2**-24
     alike = 4096 * u * half.offset.squeeze(1)
-    assert torch.allclose(half.out_shift[:3, 0] - half.e0 * half.offset[:3, 0], alike[:3] / 4)
+    drift = half.out_shift[:3, 0] - half.e0 * half.offset[:3, 0]
+    assert torch.allclose(drift, alike[:3] * RUNNING_MEAN)
     assert float(half.out_shift[3, 0]) == float(half.e0 * half.shift_offset[3, 0])  # one value
     single = rows_budget(x[:3], torch.float32)
     drift = single.out_shift - single.e0 * single.offset
@@ -106,3 +107,31 @@ def test_the_drift_is_the_same_from_x_or_xhat():
     in_budget = (rows.out_shift - rows.e0 * rows.shift_offset).reshape(-1)
     assert torch.allclose(from_x, in_budget, rtol=1e-9, atol=0.0)
     assert float(from_x[0]) == 0.0 and float(from_x[1]) > 0.0
+
+
+def welford_in_float32_on_half_x(x, valid, scale, bias):
+    """Correct: a float32 kernel (Welford's statistics) given bfloat16 x, float32 out."""
+    return kernels.welford(x.float(), valid, scale, bias)
+
+
+@pytest.mark.parametrize("channels", [1024, 4096])
+def test_a_float32_kernel_on_bfloat16_x_drifts_as_much(channels):
+    """Judged in float32 (out's dtype), x held in bfloat16: the lattice is bfloat16's. Before:
+    out at 9 to 13 times the model, its variance off by the mean's drift squared (second
+    order: a factor of every row, 0.0013 relative at C = 4,096)."""
+    inputs = generate_inputs((9, channels), "float32", 1, invalid=0.0, grad=True)
+    inputs["valid"][-1] = False
+    inputs["x"] = (inputs["x"].double() + 1e3).bfloat16()
+    report, tensors = judge(welford_in_float32_on_half_x, inputs)
+    assert report.passed, [t["problems"] for t in tensors.values()]
+
+
+def test_rows_of_zeros_have_no_drift():
+    """A row of zeros (mean |x| 0, whose binade is none) gets no drift, not NaN."""
+    x = torch.zeros(3, 64, dtype=torch.float64)
+    x[1] = torch.linspace(-1.0, 1.0, 64, dtype=torch.float64)
+    one, zero = torch.ones(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+    valid = torch.tensor([True, True, False])
+    rows = RowBudget(x, valid, one, zero, 1e-5, Precision.of(torch.bfloat16))
+    assert torch.equal(rows.out_shift[[0, 2]], torch.zeros(2, 1, dtype=torch.float64))
+    assert bool(rows.growth.isfinite().all()) and bool(rows.e2.isfinite().all())
