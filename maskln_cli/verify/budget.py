@@ -227,7 +227,8 @@ class RowBudget:
             drift = running_mean_drift(
                 self.offset, self.mean_abs, precision, self.channels, self.xhat, self.valid
             )
-            self.out_shift = perturbation + drift
+            if drift is not None:
+                self.out_shift = perturbation + drift
         # Once the shift is not small (x rounded to bfloat16 at an offset of 1e3 moves
         # each value by a good part of the row's spread), the variance itself moves: second
         # order, and a growth of the first-order terms.

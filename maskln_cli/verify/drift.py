@@ -42,7 +42,7 @@ def running_mean_drift(
     channels: int,
     values: torch.Tensor,
     seen: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """Each row's shift of xhat, per unit of |scale|, by a running mean's rounding on rows whose
     values repeat: ``RUNNING_MEAN * min(1, lattice / 2) * C * u_reduce * A``, from each row's A
     (``offset``, any shape with a row per element) and mean |x| (``magnitude``, the same
@@ -50,6 +50,7 @@ def running_mean_drift(
     binade's) over the row's spread. Rows of one value are exact (every update is 0):
     ``values`` ``[R, C]`` (x or xhat) tells them, asked only of the rows whose drift is not
     left out (:data:`DRIFT_SEEN`) and that are ``seen`` (``offset``'s shape; None: all).
+    None: no row drifts (most inputs: a reduction and a comparison).
 
     Welford's update ``m += (x - m) / n`` rounds at ``u |m|``. On rows of distinct values the
     roundings are independent (``sqrt(C) u A``, the model's); on rows that hold a few values
@@ -60,12 +61,17 @@ def running_mean_drift(
     rows at offsets 100 to 1e4, lattices 0.03 to 5, C 1,024 to 16,384; docs/verify-budget.md):
     the mean errs by up to 20 times ``sqrt(C) u A`` where the lattice is 1 or more, 2.3 times
     where it is a quarter, and alike on rows about one offset (a pooled shift)."""
+    held = max(precision.held, precision.store)
+    modelled = math.sqrt(channels) * precision.reduce + precision.x
+    # A row drifts (beyond DRIFT_SEEN) once min(1, lattice / 2) passes this; lattice / 2 is at
+    # most u A (below): float32 rows but at offsets of 1e4 and more are done with at once.
+    least = modelled * DRIFT_SEEN / (RUNNING_MEAN * channels * precision.reduce)
+    if not held * float(offset.max()) > least:
+        return None
     # lattice / 2 = 2 u 2**floor(log2 |x|) rstd / 2 = u A / (2 mantissa), mantissa in [0.5, 1)
     mantissa = torch.frexp(magnitude).mantissa.clamp_(min=0.5)  # 0 for rows of zeros
-    held = max(precision.held, precision.store)
     lattice = offset.mul(held / 2).div_(mantissa).clamp_(max=1.0)
     drift = lattice.mul_(RUNNING_MEAN * channels * precision.reduce).mul_(offset)
-    modelled = math.sqrt(channels) * precision.reduce + precision.x
     asked = drift > offset * (modelled * DRIFT_SEEN)
     if seen is not None:
         asked.logical_and_(seen)
